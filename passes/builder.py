@@ -1,0 +1,37 @@
+"""The graph builder that the rewrite pass and its lowering rules emit into."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+from tess_compile.mesh import Mesh
+
+__all__ = ["Builder"]
+
+
+class Builder:
+    """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.graph = Graph()
+
+    def call(self, target, *args, **kwargs) -> Node:
+        return self.graph.call_function(target, args, kwargs)
+
+    def collective(self, op, x: Node, axis: str, *args) -> Node:
+        """`op(x, axis, *args)`, or `x` itself when `axis` has size 1."""
+        if self.mesh.size(axis) == 1:
+            return x
+        return self.call(op, x, axis, *args)
+
+    def split_op(self, op, x: Node, axis: str, dim: int, groups: int) -> Node:
+        """A collective that splits or joins `dim` in the parts of `axis`."""
+        parts = self.mesh.size(axis)
+        if parts == 1:
+            return x
+        return self.call(op, x, axis, parts, dim, groups)
+
+
+aten = torch.ops.aten

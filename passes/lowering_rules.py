@@ -1,0 +1,170 @@
+"""Lowering rules: how each op runs on one rank's local tensors.
+
+A rule is `lower(b, node, args, kwargs) -> Node | tuple`: `node` is the
+placed node (global shapes in `meta["val"]`, layouts in `meta`), `args`
+and `kwargs` its arguments with every tensor already converted to the
+layout the op asked for. Ops without a rule run as they are on local
+tensors. Shape arguments are global in the captured graph; rules that take
+shapes make them local.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import Node
+
+from passes.builder import Builder, aten
+from passes.placement_rules import uses_summa
+from passes.summa import matmul_ab
+from tess_compile import collectives as c
+from tess_compile.layout import Layout, Shard
+
+__all__ = ["LOWERING_RULES", "lower_default"]
+
+
+def lower_default(b: Builder, node: Node, args, kwargs):
+    return b.call(node.target, *args, **kwargs)
+
+
+def _local_shape(b: Builder, node: Node) -> list[int]:
+    return node.meta["layout"].local_shape(node.meta["val"].shape, b.mesh)
+
+
+def _split_axes(b: Builder, layout: Layout, dims) -> list[str]:
+    """Axes of size > 1 that split one of `dims`."""
+    return [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim in dims]
+
+
+def lower_reshape(b: Builder, node: Node, args, kwargs):
+    return b.call(aten.reshape.default, args[0], _local_shape(b, node))
+
+
+def lower_expand(b: Builder, node: Node, args, kwargs):
+    return b.call(aten.expand.default, args[0], _local_shape(b, node))
+
+
+def lower_split(b: Builder, node: Node, args, kwargs):
+    x = node.args[0]
+    ndim = x.meta["val"].dim()
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    dim = dim + ndim if dim < 0 else dim
+    global_size = x.meta["val"].shape[dim]
+    local_size = node.meta["arg_layouts"][x].local_shape(x.meta["val"].shape, b.mesh)[dim]
+    sizes = args[1]
+    if isinstance(sizes, int):
+        local = sizes * local_size // global_size
+    else:
+        local = [s * local_size // global_size for s in sizes]
+    return b.call(node.target, args[0], local, dim)
+
+
+def lower_linear(b: Builder, node: Node, args, kwargs):
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    y = matmul_ab(b, x, w, product=aten.linear.default)
+    return y if bias is None else b.call(aten.add.Tensor, y, bias)
+
+
+def lower_matmul(b: Builder, node: Node, args, kwargs):
+    if uses_summa(node):
+        return matmul_ab(b, args[0], args[1])
+    return lower_default(b, node, args, kwargs)
+
+
+def lower_addmm(b: Builder, node: Node, args, kwargs):
+    if not uses_summa(node):
+        return lower_default(b, node, args, kwargs)
+    return b.call(aten.add.Tensor, matmul_ab(b, args[1], args[2]), args[0])
+
+
+def lower_mean(b: Builder, node: Node, args, kwargs):
+    """Mean over a split dim: local sum over the global count gives partial sums."""
+    x = node.args[0]
+    ndim = x.meta["val"].dim()
+    dims = list(range(ndim)) if node.target is aten.mean.default or not args[1] else [d % ndim for d in args[1]]
+    if not _split_axes(b, node.meta["arg_layouts"][x], dims):
+        return lower_default(b, node, args, kwargs)
+    keepdim = node.target is aten.mean.dim and (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    count = math.prod(x.meta["val"].shape[d] for d in dims)
+    total = b.call(aten.sum.dim_IntList, args[0], dims, keepdim)
+    return b.call(aten.div.Tensor, total, count)
+
+
+def _sum_over(b: Builder, x: Node, dims, axes) -> Node:
+    total = b.call(aten.sum.dim_IntList, x, dims, True)
+    for axis in axes:
+        total = b.collective(c.all_reduce, total, axis)
+    return total
+
+
+def lower_layer_norm(b: Builder, node: Node, args, kwargs):
+    """LayerNorm over a split hidden dim: mean, then centred variance, each all-reduced."""
+    x, shape = args[0], args[1]
+    weight, bias = (list(args[2:4]) + [None, None])[:2]
+    eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
+    ndim = node.args[0].meta["val"].dim()
+    dims = list(range(ndim - len(shape), ndim))
+    axes = _split_axes(b, node.meta["arg_layouts"][node.args[0]], dims)
+    if not axes:
+        return lower_default(b, node, args, kwargs)
+    count = math.prod(shape)
+    mean = b.call(aten.div.Tensor, _sum_over(b, x, dims, axes), count)
+    centred = b.call(aten.sub.Tensor, x, mean)
+    squares = b.call(aten.mul.Tensor, centred, centred)
+    var = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), count)
+    rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, var, eps))
+    y = b.call(aten.mul.Tensor, centred, rstd)
+    if weight is not None:
+        y = b.call(aten.mul.Tensor, y, weight)
+    if bias is not None:
+        y = b.call(aten.add.Tensor, y, bias)
+    return y
+
+
+def lower_rms_norm(b: Builder, node: Node, args, kwargs):
+    """RMSNorm over a split hidden dim: the sum of squares is all-reduced."""
+    x, shape = args[0], args[1]
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    eps = args[3] if len(args) > 3 else kwargs.get("eps")
+    val = node.args[0].meta["val"]
+    dims = list(range(val.dim() - len(shape), val.dim()))
+    axes = _split_axes(b, node.meta["arg_layouts"][node.args[0]], dims)
+    if not axes:
+        return lower_default(b, node, args, kwargs)
+    eps = torch.finfo(val.dtype).eps if eps is None else eps
+    squares = b.call(aten.mul.Tensor, x, x)
+    mean_square = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), math.prod(shape))
+    rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, mean_square, eps))
+    y = b.call(aten.mul.Tensor, x, rstd)
+    return y if weight is None else b.call(aten.mul.Tensor, y, weight)
+
+
+def lower_dropout(b: Builder, node: Node, args, kwargs):
+    p = args[1] if len(args) > 1 else kwargs.get("p")
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    if p == 0 or not train:
+        return args[0]
+    return lower_default(b, node, args, kwargs)
+
+
+LOWERING_RULES = {
+    aten.view.default: lower_reshape,
+    aten.reshape.default: lower_reshape,
+    aten._unsafe_view.default: lower_reshape,
+    aten.unflatten.int: lower_reshape,
+    aten.expand.default: lower_expand,
+    aten.split.Tensor: lower_split,
+    aten.split_with_sizes.default: lower_split,
+    aten.linear.default: lower_linear,
+    aten.matmul.default: lower_matmul,
+    aten.mm.default: lower_matmul,
+    aten.bmm.default: lower_matmul,
+    aten.addmm.default: lower_addmm,
+    aten.mean.dim: lower_mean,
+    aten.mean.default: lower_mean,
+    aten.layer_norm.default: lower_layer_norm,
+    aten.rms_norm.default: lower_rms_norm,
+    aten.dropout.default: lower_dropout,
+}

@@ -1,0 +1,159 @@
+"""Stage 2, place: decide a layout for every value (an analysis; edits nothing else).
+
+Reads `node.meta["val"]` (global fake tensors from capture) and
+`node.meta["role"]`. Writes `node.meta["layout"]` (the value's layout, a
+tuple for ops that return several tensors) and `node.meta["arg_layouts"]`
+(`{input node: layout the op needs it in}`); the rewrite inserts the
+collectives that convert one into the other.
+
+User inputs start in their home layout (batch split over depth and row,
+last dim over col). Parameters, buffers and constants are free until their
+first consumer fixes their layout. Ops are looked up in `PLACEMENT_RULES`;
+an op with no rule runs replicated with a warning (`strict=True`: error).
+
+A rule may ask for a producer's output to be laid out with groups (a fused
+QKV projection feeding `split`); the pass then runs once more with that hint.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import warnings
+
+import torch
+from torch.fx import GraphModule, Node
+
+from passes.placement_rules import PLACEMENT_RULES, Decision, place_replicated
+from tess_compile.layout import Layout, Replicate, Shard
+from tess_compile.mesh import Mesh
+
+__all__ = ["PlacementContext", "home_layout", "place", "source_line"]
+
+log = logging.getLogger("tess_compile.passes")
+
+_MAX_ROUNDS = 4
+# Ops whose output layout may take groups on its last dim for free.
+_GROUPABLE = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default)
+
+
+class PlacementContext:
+    """What a placement rule may ask: layouts, shapes, the mesh, hints."""
+
+    def __init__(self, mesh: Mesh, hints: dict[Node, int]):
+        self.mesh = mesh
+        self.hints = hints
+        self.layouts: dict[Node, object] = {}
+        self.rerun = False
+
+    def layout(self, node: Node) -> Layout | None:
+        """The layout of `node`, or None while a parameter/buffer is still free."""
+        return self.layouts.get(node)
+
+    @staticmethod
+    def shape(node: Node) -> tuple[int, ...]:
+        return tuple(node.meta["val"].shape)
+
+    def want_groups(self, node: Node, groups: int) -> bool:
+        """Ask `node`'s producer for `groups` on its last dim; True if a rerun will give it."""
+        if node.target not in _GROUPABLE or self.hints.get(node) == groups:
+            return False
+        self.hints[node] = groups
+        self.rerun = True
+        return True
+
+
+def home_layout(node: Node, mesh: Mesh) -> Layout:
+    """A user input's layout: batch split over depth and row, features over col."""
+    val = node.meta["val"]
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return Layout.replicated()
+    batch, num_batch_parts = val.shape[0], mesh.d * mesh.q
+    if batch % num_batch_parts:
+        raise ValueError(
+            f"input {node.name!r} of shape {list(val.shape)} has batch {batch}, not divisible by "
+            f"d*q = {num_batch_parts} on mesh {mesh}: use a batch that is a multiple of "
+            f"{num_batch_parts}, or a mesh with a smaller d*q"
+        )
+    features_split = val.is_floating_point() and val.dim() >= 2 and val.shape[-1] % mesh.q == 0
+    col = Shard(val.dim() - 1) if features_split else Replicate()
+    return Layout(Shard(0), Shard(0), col)
+
+
+def source_line(node: Node) -> str:
+    """`file:line` of the model code that made `node`, or its name."""
+    trace = node.meta.get("stack_trace") or ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith("File ") and "/torch/" not in line:
+            path, _, rest = line[len("File ") :].partition(", line ")
+            return f"{path.strip(chr(34))}:{rest.split(',')[0]}"
+    return f"node {node.name}"
+
+
+def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False) -> GraphModule:
+    """Annotate every node of `gm` with its layout; see the module docstring."""
+    hints: dict[Node, int] = {}
+    for _ in range(_MAX_ROUNDS):
+        ctx = PlacementContext(mesh, hints)
+        decisions = {node: _decide(node, ctx, strict) for node in gm.graph.nodes}
+        if not ctx.rerun:
+            break
+    for node, decision in decisions.items():
+        node.meta["arg_layouts"] = decision.args
+        layout = ctx.layouts.get(node) or decision.out
+        if layout is None and node.op == "placeholder":
+            layout = Layout.replicated()  # an unused parameter or buffer
+        node.meta["layout"] = layout
+    return gm
+
+
+def _decide(node: Node, ctx: PlacementContext, strict: bool) -> Decision:
+    if node.op == "placeholder":
+        role = node.meta["role"][0]
+        if role == "input":
+            ctx.layouts[node] = home_layout(node, ctx.mesh)
+        return Decision({}, ctx.layouts.get(node))
+    if node.op == "output":
+        return _decide_outputs(node, ctx)
+    if node.op != "call_function":
+        return Decision({}, Layout.replicated())
+    if node.target is operator.getitem:
+        source, index = node.args
+        decision = Decision({}, ctx.layouts[source][index])
+    else:
+        rule = PLACEMENT_RULES.get(node.target)
+        if rule is None:
+            _warn_replicated(node, strict)
+            rule = place_replicated
+        decision = rule(node, ctx)
+    for arg, layout in decision.args.items():
+        if ctx.layouts.get(arg) is None:
+            ctx.layouts[arg] = layout  # a free tensor takes its first consumer's layout
+    ctx.layouts[node] = decision.out
+    return decision
+
+
+def _decide_outputs(node: Node, ctx: PlacementContext) -> Decision:
+    """Outputs leave as DTensor-expressible layouts: no partials, no groups."""
+    args = {}
+    for out in node.all_input_nodes:
+        layout = ctx.layouts.get(out) or Layout.replicated()
+        args[out] = Layout(*(_plain(p) for p in layout.placements))
+    return Decision(args, None)
+
+
+def _plain(placement):
+    """Partial sums become replicated; grouped splits become plain splits."""
+    return Shard(placement.dim) if isinstance(placement, Shard) else Replicate()
+
+
+def _warn_replicated(node: Node, strict: bool) -> None:
+    message = (
+        f"op {node.target} at {source_line(node)} has no sharding rule: it runs replicated "
+        "(inputs gathered on every rank, output re-split by its consumers)"
+    )
+    if strict:
+        raise ValueError(message + "; strict=True forbids this: add a rule or pass strict=False")
+    warnings.warn(message, stacklevel=2)
+    log.warning(message)

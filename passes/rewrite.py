@@ -1,0 +1,99 @@
+"""Stage 3, rewrite: the placed global graph becomes one SPMD per-rank graph.
+
+Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["role"]` and
+`meta["val"]`. Emits a new GraphModule whose placeholders are, in the
+captured order, the local shards of parameters, buffers and constants and
+the global user inputs; each op runs on local tensors (`LOWERING_RULES`),
+with the collectives of `redistribute` wherever a value's layout differs
+from the layout its consumer needs. Writes `meta["layout"]` and
+`meta["global_shape"]` on the node that holds each original value.
+
+Replicated parameters pass through `grad_sync` over their replica axes;
+outputs pass through `seed_once` over theirs (see docs/gradients.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+
+from passes.builder import Builder
+from passes.lowering_rules import LOWERING_RULES, lower_default
+from passes.redistribute import redistribute
+from tess_compile import collectives as c
+from tess_compile.layout import Layout, Replicate
+from tess_compile.mesh import Mesh
+
+__all__ = ["rewrite"]
+
+log = logging.getLogger("tess_compile.passes")
+
+
+def rewrite(gm: GraphModule, mesh: Mesh) -> GraphModule:
+    """The per-rank graph of the placed graph `gm`; see the module docstring."""
+    start = time.perf_counter()
+    b = Builder(mesh)
+    env: dict[Node, object] = {}
+    converted: dict[tuple[Node, Layout], Node] = {}
+
+    def local(node: Node, needed: Layout | None) -> Node:
+        if needed is None:
+            return env[node]
+        key = (node, needed)
+        if key not in converted:
+            converted[key] = redistribute(b, env[node], node.meta["layout"], needed)
+        return converted[key]
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = _placeholder(b, node)
+        elif node.op == "call_function":
+            needed = node.meta["arg_layouts"]
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n)))
+            out = LOWERING_RULES.get(node.target, lower_default)(b, node, args, kwargs)
+            _annotate(out, node)
+            env[node] = out
+        elif node.op == "output":
+            needed = node.meta["arg_layouts"]
+            b.graph.output(map_arg(node.args[0], lambda n: _seed(b, local(n, needed[n]), needed[n])))
+        else:
+            raise ValueError(f"node {node.name} ({node.op}) is not supported by the rewrite pass")
+    out = GraphModule(torch.nn.Module(), b.graph)
+    out.meta.update(gm.meta)
+    log.info("rewrite: %d -> %d nodes in %.2fs", len(gm.graph.nodes), len(out.graph.nodes), time.perf_counter() - start)
+    return out
+
+
+def _placeholder(b: Builder, node: Node) -> Node:
+    role, layout = node.meta["role"][0], node.meta["layout"]
+    x = b.graph.placeholder(node.name)
+    x.meta.update(
+        role=node.meta["role"],
+        layout=Layout.replicated() if role == "input" else layout,
+        global_shape=tuple(node.meta["val"].shape),
+        dtype=node.meta["val"].dtype,
+    )
+    if role == "input":
+        x = redistribute(b, x, Layout.replicated(), layout)
+    if role == "param":
+        for axis in layout.axes_where(Replicate, b.mesh):
+            x = b.call(c.grad_sync, x, axis)
+    _annotate(x, node)
+    return x
+
+
+def _seed(b: Builder, x: Node, layout: Layout) -> Node:
+    for axis in layout.axes_where(Replicate, b.mesh):
+        x = b.call(c.seed_once, x, axis)
+    return x
+
+
+def _annotate(out, node: Node) -> None:
+    """Mark the per-rank node that holds `node`'s value with its layout and global shape."""
+    if isinstance(out, Node) and isinstance(node.meta.get("layout"), Layout):
+        out.meta.setdefault("layout", node.meta["layout"])
+        out.meta.setdefault("global_shape", tuple(node.meta["val"].shape))

@@ -1,0 +1,40 @@
+"""tess-compile: a compiler-style Tesseract (2.5-D) tensor-parallel sharding pass for PyTorch.
+
+`shard` runs a model on an initialized world of `q*q*d` ranks; `simulate`
+runs every rank in this process. Both take the model's own inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tess_compile.compiler import compile_model
+from tess_compile.mesh import Mesh
+from tess_compile.simulator import SimulatedModule
+
+__all__ = ["Mesh", "shard", "simulate"]
+
+
+def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None) -> SimulatedModule:
+    """Compile `model` for the `[q, q, d]` mesh and run all `q*q*d` ranks in this process.
+
+    Called with the model's global inputs it returns the model's global outputs.
+    After `backward()`, `full_grads()` gives every parameter's full gradient.
+    """
+    program = compile_model(model, Mesh(q, d), example_inputs, strict=strict, verify=verify)
+    return SimulatedModule(program)
+
+
+def shard(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None):
+    """Compile `model` for the `[q, q, d]` mesh; call on every rank of a world of `q*q*d`.
+
+    Returns a module holding this rank's shards as its parameters; it takes
+    the model's global inputs and returns DTensors on the mesh (plain tensors
+    for scalars).
+    """
+    from tess_compile.distributed import ShardedModule, check_world
+
+    mesh = Mesh(q, d)
+    check_world(mesh)
+    program = compile_model(model, mesh, example_inputs, strict=strict, verify=verify)
+    return ShardedModule(program)

@@ -1,0 +1,209 @@
+"""Collectives of the per-rank graph: custom ops, their adjoints, the communicator.
+
+Every op names the mesh axis it spans. The per-rank graph calls these ops;
+a communicator (`Comm`) does the work: `DistComm` over torch.distributed,
+or the simulator over all ranks at once.
+
+Gradients are exact adjoints (see docs/gradients.md): each op's backward is
+the op in `ADJOINT`. Two ops are the identity in forward and exist for their
+backward: `grad_sync` (all-reduce of a replicated parameter's gradient over
+its replica axis) and `seed_once` (a replicated output seeds its gradient
+from the replica at coordinate 0 only, so a loss held by every rank counts
+once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "ADJOINT",
+    "COLLECTIVE_OPS",
+    "Comm",
+    "CommRecord",
+    "current_comm",
+    "current_phase",
+    "grad_sync",
+    "seed_once",
+    "use_comm",
+]
+
+# op name -> the op that is its adjoint, taking the same trailing arguments.
+ADJOINT = {
+    "broadcast": "reduce",
+    "reduce": "broadcast",
+    "all_reduce": "all_reduce",
+    "all_gather": "reduce_scatter",
+    "reduce_scatter": "all_gather",
+    "shard_slice": "shard_pad",
+    "shard_pad": "shard_slice",
+    "keep_first": "keep_first",
+    "grad_sync": "all_reduce",
+    "seed_once": "keep_first",
+}
+
+# Ops that send bytes between ranks (the others are rank-local).
+COMMUNICATING = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as one rank saw it."""
+
+    op: str
+    axis: str
+    num_bytes: int
+    phase: str
+
+
+@dataclass
+class Comm:
+    """Base of the communicators: the record of what was sent."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def record(self, op: str, axis: str, x: torch.Tensor) -> None:
+        if op in COMMUNICATING:
+            self.records.append(CommRecord(op, axis, x.numel() * x.element_size(), current_phase()))
+
+    def counts(self, phase: str | None = None) -> dict[tuple[str, str], int]:
+        """Number of collectives per (op, axis), in one phase or all."""
+        out: dict[tuple[str, str], int] = {}
+        for rec in self.records:
+            if phase is None or rec.phase == phase:
+                out[(rec.op, rec.axis)] = out.get((rec.op, rec.axis), 0) + 1
+        return out
+
+    def run(self, op: str, x: torch.Tensor, *args):
+        raise NotImplementedError
+
+
+_COMM: contextvars.ContextVar[Comm | None] = contextvars.ContextVar("tess_comm", default=None)
+_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("tess_phase", default="forward")
+
+
+@contextlib.contextmanager
+def use_comm(comm: Comm, phase: str = "forward"):
+    """Make `comm` carry the collectives called in this block."""
+    comm_token, phase_token = _COMM.set(comm), _PHASE.set(phase)
+    try:
+        yield comm
+    finally:
+        _COMM.reset(comm_token)
+        _PHASE.reset(phase_token)
+
+
+def current_comm() -> Comm:
+    comm = _COMM.get()
+    if comm is None:
+        raise RuntimeError(
+            "a tess collective ran outside a sharded module: call the module returned "
+            "by tess_compile.shard or tess_compile.simulate instead of its graph"
+        )
+    return comm
+
+
+def current_phase() -> str:
+    return _PHASE.get()
+
+
+def _run(op: str, x: torch.Tensor, *args) -> torch.Tensor:
+    return current_comm().run(op, x, *args)
+
+
+def _backward_through(op: str):
+    """The autograd formula of `op`: its adjoint, run by the forward's comm."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+        ctx.comm = _COMM.get()
+
+    def backward(ctx, grad):
+        with use_comm(ctx.comm or current_comm(), phase="backward"):
+            out = _run(ADJOINT[op], grad.contiguous(), *ctx.args)
+        return (out,) + (None,) * len(ctx.args)
+
+    return backward, setup_context
+
+
+def _define(name: str, schema: str, fake):
+    lib_name = f"tess::{name}"
+
+    def impl(x, *args):
+        return _run(name, x, *args)
+
+    op = torch.library.custom_op(lib_name, impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    backward, setup_context = _backward_through(name)
+    op.register_autograd(backward, setup_context=setup_context)
+    return getattr(torch.ops.tess, name).default
+
+
+def _same_shape(x, *args):
+    return torch.empty_like(x)
+
+
+def _gathered(x, axis, parts, dim, groups):
+    shape = list(x.shape)
+    shape[dim] *= parts
+    return x.new_empty(shape)
+
+
+def _scattered(x, axis, parts, dim, groups):
+    shape = list(x.shape)
+    shape[dim] //= parts
+    return x.new_empty(shape)
+
+
+broadcast = _define("broadcast", "(Tensor x, str axis, int src) -> Tensor", _same_shape)
+reduce = _define("reduce", "(Tensor x, str axis, int dst) -> Tensor", _same_shape)
+all_reduce = _define("all_reduce", "(Tensor x, str axis) -> Tensor", _same_shape)
+keep_first = _define("keep_first", "(Tensor x, str axis) -> Tensor", _same_shape)
+_SPLIT_SCHEMA = "(Tensor x, str axis, int parts, int dim, int groups) -> Tensor"
+all_gather = _define("all_gather", _SPLIT_SCHEMA, _gathered)
+reduce_scatter = _define("reduce_scatter", _SPLIT_SCHEMA, _scattered)
+shard_slice = _define("shard_slice", _SPLIT_SCHEMA, _scattered)
+shard_pad = _define("shard_pad", _SPLIT_SCHEMA, _gathered)
+
+
+class _IdentityWithAdjoint(torch.autograd.Function):
+    """Identity forward; backward runs the adjoint op named by `op`."""
+
+    @staticmethod
+    def forward(ctx, x, op, axis):
+        ctx.op, ctx.axis, ctx.comm = op, axis, _COMM.get()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with use_comm(ctx.comm or current_comm(), phase="backward"):
+            return _run(ADJOINT[ctx.op], grad.contiguous(), ctx.axis), None, None
+
+
+def grad_sync(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity; the gradient is all-reduced along `axis` (replicated parameters)."""
+    return _IdentityWithAdjoint.apply(x, "grad_sync", axis)
+
+
+def seed_once(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity; only coordinate 0 along `axis` keeps its gradient (replicated outputs)."""
+    return _IdentityWithAdjoint.apply(x, "seed_once", axis)
+
+
+# Graph targets that the runtimes treat as collectives, by op name.
+COLLECTIVE_OPS = {
+    broadcast: "broadcast",
+    reduce: "reduce",
+    all_reduce: "all_reduce",
+    keep_first: "keep_first",
+    all_gather: "all_gather",
+    reduce_scatter: "reduce_scatter",
+    shard_slice: "shard_slice",
+    shard_pad: "shard_pad",
+    grad_sync: "grad_sync",
+    seed_once: "seed_once",
+}

@@ -1,0 +1,146 @@
+"""The pipeline driver: runs the passes on a model and packs the result.
+
+`compile_model` captures the model, then runs `PIPELINE` (place, verify,
+rewrite, verify), naming the pass that fails. The result, a `Program`, is
+what both runtimes execute: the per-rank graph plus, for each of its
+placeholders, what feeds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from passes import capture, place, rewrite, verify_placed, verify_rewritten
+from tess_compile.layout import Layout, local_block
+from tess_compile.mesh import Mesh
+
+__all__ = ["Program", "Slot", "compile_model", "pipeline", "split_example_inputs"]
+
+log = logging.getLogger("tess_compile")
+
+
+def pipeline(strict: bool, verify: bool):
+    """The passes after capture, options bound: (name, fn(gm, mesh) -> gm)."""
+    stages = [("place", lambda gm, mesh: place(gm, mesh, strict=strict))]
+    if verify:
+        stages.append(("verify placed", verify_placed))
+    stages.append(("rewrite", rewrite))
+    if verify:
+        stages.append(("verify rewritten", verify_rewritten))
+    return stages
+
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One placeholder of the per-rank graph: a parameter, buffer, constant or input."""
+
+    role: str  # "param", "buffer", "constant" or "input"
+    name: str  # the model's qualified name, or the input's index as text
+    layout: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Program:
+    """A compiled model: the per-rank graph and how to feed and read it."""
+
+    mesh: Mesh
+    graph: GraphModule
+    slots: list[Slot]
+    output_layouts: list[Layout | None]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    tensors: dict[str, torch.Tensor]  # the model's parameters, buffers, constants
+
+    @property
+    def params(self) -> list[Slot]:
+        return [s for s in self.slots if s.role == "param"]
+
+    def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None) -> torch.Tensor:
+        """The block of a parameter/buffer/constant that `rank` holds (a copy)."""
+        full = self.tensors[slot.name] if full is None else full
+        return local_block(full.detach(), slot.layout, self.mesh, rank).clone()
+
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> list:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise ValueError(
+                f"inputs have structure {spec}, but the module was compiled for {self.in_spec}: "
+                "call it with the same arguments as example_inputs"
+            )
+        for slot, value in zip([s for s in self.slots if s.role == "input"], flat):
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != slot.shape:
+                raise ValueError(
+                    f"input {slot.name} has shape {list(value.shape)}, but the module was compiled for "
+                    f"{list(slot.shape)} on mesh {self.mesh}: compile again with example_inputs of this shape"
+                )
+        return flat
+
+
+def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
+    """`example_inputs` as (args, kwargs): a tensor, a tuple of args, or a dict of kwargs."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise ValueError(
+        f"example_inputs is a {type(example_inputs).__name__}: pass a tensor, a tuple of "
+        "positional inputs, or a dict of keyword inputs"
+    )
+
+
+def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs, *, strict: bool = False, verify: bool | None = None) -> Program:
+    """Capture `model` on `example_inputs` and compile it for `mesh`."""
+    if verify is None:
+        verify = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
+    args, kwargs = split_example_inputs(example_inputs)
+    start = time.perf_counter()
+    gm = capture(model, args, kwargs)
+    placed = gm
+    for name, stage in pipeline(strict, verify):
+        try:
+            gm = stage(gm, mesh)
+        except ValueError:
+            raise
+        except Exception as err:
+            raise RuntimeError(f"tess-compile pass {name!r} failed on mesh {mesh}: {err}") from err
+        if name == "place":
+            placed = gm
+    log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
+    return Program(
+        mesh=mesh,
+        graph=gm,
+        slots=_slots(placed),
+        output_layouts=_output_layouts(placed),
+        in_spec=gm.meta["in_spec"],
+        out_spec=gm.meta["out_spec"],
+        tensors=gm.meta["tensors"],
+    )
+
+
+def _slots(placed: GraphModule) -> list[Slot]:
+    slots = []
+    for node in placed.graph.nodes:
+        if node.op == "placeholder":
+            role, name = node.meta["role"]
+            val = node.meta["val"]
+            layout = node.meta["layout"] if role != "input" else Layout.replicated()
+            slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype))
+    return slots
+
+
+def _output_layouts(placed: GraphModule) -> list[Layout | None]:
+    output = next(n for n in placed.graph.nodes if n.op == "output")
+    needed = output.meta["arg_layouts"]
+    return [needed.get(n) if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]

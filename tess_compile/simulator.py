@@ -1,0 +1,178 @@
+"""The in-process simulator: all p ranks of a per-rank graph in one process.
+
+The graph runs in lockstep, node by node, on a list of p local values.
+Local ops run once per rank; collectives combine the list exactly. Each
+collective is one autograd node over all ranks whose backward is its
+adjoint from `collectives.ADJOINT`, the same table the distributed runtime
+uses, so a backward through the simulator checks those formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
+
+from tess_compile import state
+from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, Comm, use_comm
+from tess_compile.compiler import Program
+from tess_compile.layout import assemble, put_blocks, take_block
+from tess_compile.mesh import Mesh
+
+__all__ = ["SimComm", "SimulatedModule", "run_lockstep"]
+
+
+class SimComm(Comm):
+    """Collectives over the list of every rank's tensor."""
+
+    def __init__(self, mesh: Mesh):
+        super().__init__()
+        self.mesh = mesh
+        self._groups = {axis: mesh.groups(axis) for axis in ("depth", "row", "col")}
+
+    def run_all(self, op: str, xs: list[torch.Tensor], axis: str, *args) -> list[torch.Tensor]:
+        self.record(op, axis, xs[0])
+        out: list = [None] * len(xs)
+        for group in self._groups[axis]:
+            members = [xs[r] for r in group]
+            for index, value in enumerate(getattr(self, "_" + op)(members, *args)):
+                out[group[index]] = value
+        return out
+
+    # Each takes one group's tensors (by coordinate) and returns theirs.
+
+    @staticmethod
+    def _broadcast(xs, src):
+        return [xs[src].clone() for _ in xs]
+
+    @staticmethod
+    def _reduce(xs, dst):
+        total = functools.reduce(torch.add, xs)
+        return [total if t == dst else torch.zeros_like(x) for t, x in enumerate(xs)]
+
+    @staticmethod
+    def _all_reduce(xs):
+        total = functools.reduce(torch.add, xs)
+        return [total.clone() for _ in xs]
+
+    @staticmethod
+    def _keep_first(xs):
+        return [x.clone() if t == 0 else torch.zeros_like(x) for t, x in enumerate(xs)]
+
+    @staticmethod
+    def _all_gather(xs, parts, dim, groups):
+        full = put_blocks(xs, dim, groups)
+        return [full.clone() for _ in xs]
+
+    @staticmethod
+    def _reduce_scatter(xs, parts, dim, groups):
+        total = functools.reduce(torch.add, xs)
+        return [take_block(total, dim, groups, parts, t).contiguous() for t in range(parts)]
+
+    @staticmethod
+    def _shard_slice(xs, parts, dim, groups):
+        return [take_block(x, dim, groups, parts, t).contiguous() for t, x in enumerate(xs)]
+
+    @staticmethod
+    def _shard_pad(xs, parts, dim, groups):
+        return [put_blocks([x if s == t else torch.zeros_like(x) for s in range(parts)], dim, groups) for t, x in enumerate(xs)]
+
+    @staticmethod
+    def _grad_sync(xs):
+        return [x.view_as(x) for x in xs]
+
+    _seed_once = _grad_sync
+
+
+class _Collective(torch.autograd.Function):
+    """One collective over all ranks; its backward is the adjoint collective."""
+
+    @staticmethod
+    def forward(ctx, comm: SimComm, op: str, args: tuple, *xs):
+        ctx.comm, ctx.op, ctx.args = comm, op, args
+        return tuple(comm.run_all(op, list(xs), *args))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with use_comm(ctx.comm, phase="backward"):
+            out = ctx.comm.run_all(ADJOINT[ctx.op], [g.contiguous() for g in grads], *ctx.args)
+        return (None, None, None, *out)
+
+
+def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> list:
+    """Run the per-rank `graph` for every rank at once; return each rank's outputs."""
+    num_ranks = comm.mesh.num_ranks
+    env: dict = {}
+    placeholders = iter(range(len(rank_inputs[0])))
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            index = next(placeholders)
+            env[node] = [rank_inputs[r][index] for r in range(num_ranks)]
+        elif node.op == "call_function" and node.target in COLLECTIVE_OPS:
+            xs = env[node.args[0]]
+            env[node] = list(_Collective.apply(comm, COLLECTIVE_OPS[node.target], tuple(node.args[1:]), *xs))
+        elif node.op == "call_function":
+            env[node] = [
+                node.target(*map_arg(node.args, lambda n: env[n][r]), **map_arg(node.kwargs, lambda n: env[n][r]))
+                for r in range(num_ranks)
+            ]
+        elif node.op == "output":
+            return [map_arg(node.args[0], lambda n: env[n][r]) for r in range(num_ranks)]
+    raise AssertionError("graph has no output")
+
+
+class SimulatedModule(nn.Module):
+    """Every rank of a compiled model in this process; global inputs in, global outputs out.
+
+    `parameters()` yields every rank's shards, so an optimizer steps them all.
+    """
+
+    def __init__(self, program: Program):
+        super().__init__()
+        self.program = program
+        self.comm = SimComm(program.mesh)
+        self.ranks = nn.ModuleList([state.local_module(program, r) for r in range(program.mesh.num_ranks)])
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.program.mesh
+
+    def forward(self, *args, **kwargs):
+        flat = self.program.flatten_inputs(args, kwargs)
+        rank_inputs = [state.graph_inputs(self.program, module, flat) for module in self.ranks]
+        with use_comm(self.comm):
+            outs = run_lockstep(self.program.graph, self.comm, rank_inputs)
+        flat_out = [
+            assemble([outs[r][i] for r in range(len(outs))], layout, self.mesh) if layout is not None else outs[0][i]
+            for i, layout in enumerate(self.program.output_layouts)
+        ]
+        return pytree.tree_unflatten(flat_out, self.program.out_spec)
+
+    def _gather(self, slot, grad: bool = False) -> torch.Tensor | None:
+        tensors = [state.get_tensor(module, slot) for module in self.ranks]
+        if grad:
+            tensors = [t.grad for t in tensors]
+            if any(t is None for t in tensors):
+                return None
+        return assemble([t.detach() for t in tensors], slot.layout, self.mesh).clone()
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Each parameter's gradient as a full tensor, keyed like `model.named_parameters()`."""
+        return {s.name: self._gather(s, grad=True) for s in self.program.params}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict, as the unsharded model would give it."""
+        return state.full_tensors(self.program, self._gather)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a full state dict; every rank takes its blocks."""
+        state.load_shards(self.program, dict(enumerate(self.ranks)), state_dict)
+
+    def rank_tensor(self, name: str, rank: int) -> torch.Tensor:
+        """The local shard of parameter or buffer `name` on `rank`."""
+        slot = next(s for s in self.program.slots if s.name == name)
+        return state.get_tensor(self.ranks[rank], slot)

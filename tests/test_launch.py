@@ -1,0 +1,77 @@
+"""Tests for tess_compile.launch.run_local (real multi-process gloo runs)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tess_compile.launch import run_local
+
+
+# Worker functions must live at module level so spawned children can import them.
+
+def _all_reduce_rank(rank, world_size, scale):
+    """Sum every rank's id across the group; return (rank, sum * scale)."""
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, t.item() * scale
+
+
+def _raise_on_rank_1(rank, world_size):
+    """Rank 1 raises; rank 0 waits in a collective that never completes."""
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.all_reduce(torch.zeros(1))
+
+
+def _exit_on_rank_1(rank, world_size):
+    """Rank 1 dies without reporting; rank 0 waits in a collective."""
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.zeros(1))
+
+
+def _sleep(rank, world_size):
+    """Outlive any timeout the tests use."""
+    time.sleep(60)
+
+
+def test_results_in_rank_order_and_collective_works():
+    n = 3
+    results = run_local(_all_reduce_rank, n, args=(2,), timeout_s=60)
+    assert results == [(rank, 2.0 * sum(range(n))) for rank in range(n)]
+
+
+def test_raising_rank_gives_runtime_error():
+    with pytest.raises(RuntimeError) as info:
+        run_local(_raise_on_rank_1, 2, timeout_s=60, collective_timeout_s=30)
+    msg = str(info.value)
+    assert msg.startswith("rank(s) [1")
+    assert "--- rank 1 ---\nTraceback" in msg
+    assert "ValueError: boom from rank 1" in msg
+
+
+def test_dead_rank_ends_with_error_in_bounded_time():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:  # the launcher sees the death directly
+        run_local(_exit_on_rank_1, 2, timeout_s=60, collective_timeout_s=5)
+    assert time.monotonic() - start < 30
+    msg = str(info.value)
+    assert "--- rank 1 ---\nprocess exited with code 3" in msg
+
+
+def test_overall_timeout_gives_timeout_error():
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\].*timeout_s=5"):
+        run_local(_sleep, 1, timeout_s=5)
+
+
+@pytest.mark.parametrize("fn, world_size, match", [
+    (lambda rank, world_size: rank, 2, "module level"),
+    (_sleep, 0, "world_size"),
+    (_sleep, 2.0, "world_size"),
+])
+def test_bad_arguments_give_value_error(fn, world_size, match):
+    with pytest.raises(ValueError, match=match):
+        run_local(fn, world_size)
