@@ -6,6 +6,8 @@ runs every rank in this process. Both take the model's own inputs.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 
 from tess_compile.compiler import compile_model
@@ -25,16 +27,32 @@ def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: 
     return SimulatedModule(program)
 
 
-def shard(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None):
+def shard(
+    model: torch.nn.Module,
+    q: int,
+    d: int,
+    *,
+    example_inputs,
+    strict: bool = False,
+    verify: bool | None = None,
+    device=None,
+    timeout: float | timedelta | None = None,
+):
     """Compile `model` for the `[q, q, d]` mesh; call on every rank of a world of `q*q*d`.
 
     Returns a module holding this rank's shards as its parameters; it takes
     the model's global inputs and returns DTensors on the mesh (plain tensors
-    for scalars).
+    for scalars). `device` defaults to the current CUDA device under NCCL and
+    the CPU otherwise; a collective whose peers do not arrive within `timeout`
+    (seconds or a timedelta; default 10 minutes) fails with a message.
     """
-    from tess_compile.distributed import ShardedModule, check_world
+    from tess_compile.distributed import DEFAULT_TIMEOUT, ShardedModule, check_world
 
     mesh = Mesh(q, d)
     check_world(mesh)
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    elif not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=timeout)
     program = compile_model(model, mesh, example_inputs, strict=strict, verify=verify)
-    return ShardedModule(program)
+    return ShardedModule(program, device=device, timeout=timeout)

@@ -97,6 +97,19 @@ class Layout:
                 local[placement.dim] //= mesh.size(axis)
         return local
 
+    def to_dtensor(self) -> tuple:
+        """The DTensor placements of a layout without groups."""
+        from torch.distributed import tensor as dt
+
+        def convert(p):
+            if isinstance(p, Shard):
+                if p.groups != 1:
+                    raise ValueError(f"layout {self} has a grouped split, which DTensor cannot express")
+                return dt.Shard(p.dim)
+            return dt.Partial() if isinstance(p, Partial) else dt.Replicate()
+
+        return tuple(convert(p) for p in self.placements)
+
     def __str__(self) -> str:
         return "".join(str(p) for p in self.placements)
 

@@ -135,7 +135,7 @@ class SimulatedModule(nn.Module):
         super().__init__()
         self.program = program
         self.comm = SimComm(program.mesh)
-        self.ranks = nn.ModuleList([state.local_module(program, r) for r in range(program.mesh.num_ranks)])
+        self.ranks = nn.ModuleList([state.add_local_tensors(nn.Module(), program, r) for r in range(program.mesh.num_ranks)])
 
     @property
     def mesh(self) -> Mesh:

@@ -10,7 +10,7 @@ from torch import nn
 
 from tess_compile.compiler import Program, Slot
 
-__all__ = ["check_state_dict", "full_tensors", "get_tensor", "graph_inputs", "load_shards", "local_module", "state_slots"]
+__all__ = ["check_state_dict", "full_tensors", "get_tensor", "graph_inputs", "load_shards", "add_local_tensors", "state_slots"]
 
 
 def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> None:
@@ -27,13 +27,12 @@ def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> 
         module.register_buffer(leaf, tensor, persistent=role == "buffer")
 
 
-def local_module(program: Program, rank: int) -> nn.Module:
-    """A module holding `rank`'s shards under the model's own names."""
-    module = nn.Module()
+def add_local_tensors(root: nn.Module, program: Program, rank: int) -> nn.Module:
+    """Give `root` the shards that `rank` holds, under the model's own names."""
     for slot in program.slots:
         if slot.role != "input":
-            _set_tensor(module, slot.name, program.local_tensor(slot, rank), slot.role)
-    return module
+            _set_tensor(root, slot.name, program.local_tensor(slot, rank), slot.role)
+    return root
 
 
 def get_tensor(module: nn.Module, slot: Slot) -> torch.Tensor:

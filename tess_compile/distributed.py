@@ -1,0 +1,171 @@
+"""The distributed runtime: one rank of a compiled program on torch.distributed.
+
+Groups come from a DeviceMesh of shape `(d, q, q)` named
+`("depth", "row", "col")`. gloo on CPU, NCCL on CUDA. A collective that
+cannot complete (a peer stopped, or took another path) fails after the
+process group's timeout with a message that names the op, the axis, this
+rank and its peers.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from tess_compile import state
+from tess_compile.collectives import Comm, use_comm
+from tess_compile.compiler import Program, Slot
+from tess_compile.layout import assemble, put_blocks, take_block
+from tess_compile.mesh import AXES, Mesh
+
+__all__ = ["DEFAULT_TIMEOUT", "DistComm", "ShardedModule", "check_world"]
+
+# How long a collective waits for its peers before it fails.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def check_world(mesh: Mesh) -> None:
+    """ValueError unless an initialized world has exactly `q*q*d` ranks."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"tess_compile.shard needs an initialized process group of {mesh.num_ranks} ranks for mesh "
+            f"{mesh}: call torch.distributed.init_process_group first (e.g. under torchrun "
+            f"--nproc-per-node {mesh.num_ranks}), or use tess_compile.simulate in one process"
+        )
+    world = dist.get_world_size()
+    if world != mesh.num_ranks:
+        raise ValueError(
+            f"world size {world} is not q*q*d = {mesh.num_ranks} for mesh {mesh}: start "
+            f"{mesh.num_ranks} processes, or pick q and d with q*q*d = {world}"
+        )
+
+
+class DistComm(Comm):
+    """Collectives of this rank over the mesh's process groups."""
+
+    def __init__(self, mesh: Mesh, device_mesh, timeout: timedelta):
+        super().__init__()
+        self.mesh = mesh
+        self.timeout = timeout
+        self.rank = dist.get_rank()
+        self.groups = {axis: device_mesh.get_group(axis) for axis in AXES}
+
+    def run(self, op: str, x: torch.Tensor, axis: str, *args) -> torch.Tensor:
+        self.record(op, axis, x)
+        try:
+            return getattr(self, "_" + op)(x.contiguous(), axis, *args)
+        except RuntimeError as err:
+            peers = self.mesh.group(self.rank, axis)
+            raise RuntimeError(
+                f"tess collective {op} along {axis} failed on rank {self.rank} "
+                f"{self.mesh.coords(self.rank)} of mesh {self.mesh} (peers {peers}): a peer rank stopped, "
+                f"or did not reach the same collective within {self.timeout.total_seconds():g}s "
+                f"(tess_compile.shard(..., timeout=...)). Cause: {err}"
+            ) from err
+
+    def _coord(self, axis: str) -> int:
+        return self.mesh.coord(self.rank, axis)
+
+    def _broadcast(self, x, axis, src):
+        out = x.clone()
+        dist.broadcast(out, group=self.groups[axis], group_src=src)
+        return out
+
+    def _reduce(self, x, axis, dst):
+        out = x.clone()
+        dist.reduce(out, group=self.groups[axis], group_dst=dst)
+        return out if self._coord(axis) == dst else torch.zeros_like(x)
+
+    def _all_reduce(self, x, axis):
+        out = x.clone()
+        dist.all_reduce(out, group=self.groups[axis])
+        return out
+
+    def _keep_first(self, x, axis):
+        return x.clone() if self._coord(axis) == 0 else torch.zeros_like(x)
+
+    def _all_gather(self, x, axis, parts, dim, groups):
+        blocks = [torch.empty_like(x) for _ in range(parts)]
+        dist.all_gather(blocks, x, group=self.groups[axis])
+        return put_blocks(blocks, dim, groups)
+
+    def _reduce_scatter(self, x, axis, parts, dim, groups):
+        # gloo has no reduce-scatter; an all-reduce then this rank's block is exact.
+        return take_block(self._all_reduce(x, axis), dim, groups, parts, self._coord(axis)).contiguous()
+
+    def _shard_slice(self, x, axis, parts, dim, groups):
+        return take_block(x, dim, groups, parts, self._coord(axis)).clone()
+
+    def _shard_pad(self, x, axis, parts, dim, groups):
+        coord = self._coord(axis)
+        return put_blocks([x if t == coord else torch.zeros_like(x) for t in range(parts)], dim, groups)
+
+
+def _device_mesh(device_type: str, mesh: Mesh, timeout: timedelta):
+    """The (d, q, q) DeviceMesh, its groups timing out after `timeout`."""
+    backend = dist.get_backend()
+    options = Backend.Options(backend, timeout)
+    overrides = {axis: (backend, options) for axis in AXES}
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES, backend_override=overrides)
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ShardedModule(nn.Module):
+    """This rank's part of a compiled model: its shards are its parameters.
+
+    Takes the model's global inputs; returns DTensors on the mesh (plain
+    tensors for scalars such as a loss).
+    """
+
+    def __init__(self, program: Program, *, device: torch.device | str | None = None, timeout: timedelta = DEFAULT_TIMEOUT):
+        super().__init__()
+        mesh = program.mesh
+        self.program = program
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.device_mesh = _device_mesh(self.device.type, mesh, timeout)
+        self.comm = DistComm(mesh, self.device_mesh, timeout)
+        state.add_local_tensors(self, program, dist.get_rank())
+        self.to(self.device)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.program.mesh
+
+    def forward(self, *args, **kwargs):
+        flat = self.program.flatten_inputs(args, kwargs)
+        flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat]
+        with use_comm(self.comm):
+            outs = self.program.graph(*state.graph_inputs(self.program, self, flat))
+        wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
+        return pytree.tree_unflatten(wrapped, self.program.out_spec)
+
+    def _wrap(self, out, layout):
+        if layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
+            return out
+        return DTensor.from_local(out, self.device_mesh, layout.to_dtensor(), run_check=False)
+
+    def _gather(self, slot: Slot) -> torch.Tensor:
+        local = state.get_tensor(self, slot).detach().contiguous()
+        blocks = [torch.empty_like(local) for _ in range(self.mesh.num_ranks)]
+        dist.all_gather(blocks, local)
+        return assemble(blocks, slot.layout, self.mesh)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict, gathered on every rank."""
+        return state.full_tensors(self.program, self._gather)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a full state dict; this rank takes its blocks."""
+        state.load_shards(self.program, {dist.get_rank(): self}, state_dict)

@@ -1,0 +1,55 @@
+"""Shared fixtures and helpers of the simulation suite."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# `from models import ...` and `from conftest import ...` in the test files.
+sys.path.insert(0, os.path.dirname(__file__))
+
+from models import MESHES  # noqa: E402,F401  (re-exported for the tests)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    """TF32 off (an oracle at fp32 needs fp32 matmuls) and fixed seeds."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def assert_close_rel(actual, expected, rtol: float = 1e-5, name: str = "tensor") -> None:
+    """Elementwise |a - e| <= rtol * max(max|e|, 1e-12) + rtol * |e|.
+
+    The first term scales with the tensor's largest element, so elements
+    near zero (cancellations) do not fail spuriously.
+    """
+    assert actual is not None, f"{name}: got None"
+    assert isinstance(actual, torch.Tensor), f"{name}: got {type(actual).__name__}, not a tensor"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{name}: shape {list(actual.shape)} != expected {list(expected.shape)}"
+    )
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != expected {expected.dtype}"
+    a, e = actual.detach().double(), expected.detach().double()
+    finite = torch.isfinite(e)
+    if not finite.all():
+        assert torch.equal(a[~finite].nan_to_num(), e[~finite].nan_to_num()), f"{name}: non-finite values differ"
+        a, e = a[finite], e[finite]
+    scale = max(e.abs().max().item() if e.numel() else 0.0, 1e-12)
+    err = (a - e).abs()
+    bound = rtol * scale + rtol * e.abs()
+    bad = ~(err <= bound)  # NaN in `actual` counts as a mismatch
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {e.numel()} elements differ beyond rtol={rtol} "
+            f"(max abs err {err.max().item():.3e}, scale {scale:.3e}); first at {list(index)}: "
+            f"actual {a[index].item():.8g} vs expected {e[index].item():.8g}"
+        )
