@@ -5,7 +5,8 @@ scaled_dot_product_attention, embedding) and lifts parameters, buffers and
 tensor constants to placeholders.
 
 Writes `node.meta["role"]` on every placeholder: `("param", fqn)`,
-`("buffer", fqn)`, `("constant", name)` or `("input", index)`, and
+`("buffer", fqn)` (persistent buffers), `("constant", name)` (tensor
+constants and non-persistent buffers) or `("input", index)`, and
 `gm.meta["in_spec"]` / `gm.meta["out_spec"]` (pytree specs of the model's
 inputs and outputs) and `gm.meta["tensors"]` (the lifted tensors by name).
 """
@@ -47,6 +48,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         if spec.kind == InputKind.USER_INPUT:
             node.meta["role"] = ("input", num_inputs)
             num_inputs += 1
+        elif spec.kind == InputKind.BUFFER and spec.persistent is False:
+            node.meta["role"] = ("constant", spec.target)  # not in the state dict
         elif spec.kind in _ROLE:
             node.meta["role"] = (_ROLE[spec.kind], spec.target)
         else:

@@ -1,7 +1,7 @@
 """The pipeline driver: runs the passes on a model and packs the result.
 
-`compile_model` captures the model, then runs `PIPELINE` (place, verify,
-rewrite, verify), naming the pass that fails. The result, a `Program`, is
+`compile_model` captures the model, then runs `pipeline(...)` (place,
+verify, rewrite, verify), naming the pass that fails. The result, a `Program`, is
 what both runtimes execute: the per-rank graph plus, for each of its
 placeholders, what feeds it.
 """
