@@ -149,6 +149,17 @@ def place_pointwise(node: Node, ctx) -> Decision:
     return Decision(required, Layout(*out))
 
 
+def place_type_as(node: Node, ctx) -> Decision:
+    """type_as(x, other): other gives only a dtype; x keeps its layout."""
+    x = node.args[0]
+    return Decision({x: _layout(ctx, x)}, _layout(ctx, x))
+
+
+def place_nothing(node: Node, ctx) -> Decision:
+    """An op that makes no value (a metadata assertion): no layouts needed."""
+    return Decision({}, None)
+
+
 def place_dropout(node: Node, ctx) -> Decision:
     decision = place_pointwise(node, ctx)
     p, train = _arg(node, 1, "p"), _arg(node, 2, "train")
@@ -574,7 +585,7 @@ _POINTWISE = [
     aten.contiguous.default, aten.detach.default, aten.where.self, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default, aten.clamp.default,
     aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
-    aten.logical_not.default, aten.type_as.default, aten.square.default, aten.reciprocal.default,
+    aten.logical_not.default, aten.square.default, aten.reciprocal.default,
 ]
 _VIEWS = [
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
@@ -591,6 +602,8 @@ PLACEMENT_RULES = {
     **{op: place_view for op in _VIEWS},
     **{op: place_replicated for op in _FACTORIES},
     aten.dropout.default: place_dropout,
+    aten.type_as.default: place_type_as,
+    aten._assert_tensor_metadata.default: place_nothing,
     aten.sum.dim_IntList: place_reduction,
     aten.mean.dim: place_reduction,
     aten.sum.default: place_reduction,

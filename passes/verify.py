@@ -25,8 +25,10 @@ def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
         if node.op == "output":
             continue
         layout = node.meta.get("layout")
-        if layout is None:
+        if layout is None and node.meta.get("val") is not None:
             raise AssertionError(f"placement left {node.name} without a layout")
+        if layout is None:
+            continue
         layouts = layout if isinstance(layout, tuple) else (layout,)
         vals = node.meta["val"] if isinstance(layout, tuple) else (node.meta["val"],)
         for lay, val in zip(layouts, vals):
