@@ -8,7 +8,8 @@ Writes `node.meta["role"]` on every placeholder: `("param", fqn)`,
 `("buffer", fqn)` (persistent buffers), `("constant", name)` (tensor
 constants and non-persistent buffers) or `("input", index)`, and
 `gm.meta["in_spec"]` / `gm.meta["out_spec"]` (pytree specs of the model's
-inputs and outputs) and `gm.meta["tensors"]` (the lifted tensors by name).
+inputs and outputs), `gm.meta["tensors"]` (the lifted tensors by name) and
+`gm.meta["state_keys"]` (the model's state-dict keys, in order).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     gm.meta["in_spec"] = ep.call_spec.in_spec
     gm.meta["out_spec"] = ep.call_spec.out_spec
     gm.meta["tensors"] = tensors
+    gm.meta["state_keys"] = list(model.state_dict(keep_vars=True))
     log.info("capture: %d nodes in %.2fs", len(gm.graph.nodes), time.perf_counter() - start)
     return gm
 

@@ -523,7 +523,24 @@ def place_attention(node: Node, ctx) -> Decision:
     out_shape = _shape(node)
     n_out = len(out_shape)
     required, out = _align(ctx, node, tensors, out_shape, frozen=(n_out - 2, n_out - 1))
+    if _arg(node, 7, "enable_gqa", False):
+        _keep_gqa_pairing(ctx, node, required, out)
     return Decision(required, Layout(*out))
+
+
+def _keep_gqa_pairing(ctx, node: Node, required: dict, out: list) -> None:
+    """Grouped-query attention: query head n uses kv head n // (heads / kv_heads),
+    so kv heads are split like query heads, or nobody's heads are split."""
+    query, key, value = node.args[:3]
+    heads_dim = len(_shape(query)) - 3
+    kv_heads = _shape(key)[heads_dim]
+    for index, axis in enumerate(AXES):
+        if out[index] != Shard(heads_dim):
+            continue
+        split_kv = kv_heads % ctx.mesh.size(axis) == 0
+        for t in (query, key, value):
+            required[t] = required[t].with_axis(axis, Shard(heads_dim) if split_kv else R)
+        out[index] = Shard(heads_dim) if split_kv else R
 
 
 def place_embedding(node: Node, ctx) -> Decision:

@@ -60,6 +60,7 @@ class Program:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     tensors: dict[str, torch.Tensor]  # the model's parameters, buffers, constants
+    state_keys: list[str]  # the model's state-dict keys, in its order
 
     @property
     def params(self) -> list[Slot]:
@@ -126,6 +127,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs, *, strict:
         in_spec=gm.meta["in_spec"],
         out_spec=gm.meta["out_spec"],
         tensors=gm.meta["tensors"],
+        state_keys=gm.meta["state_keys"],
     )
 
 

@@ -43,7 +43,7 @@ def check_world(mesh: Mesh) -> None:
     if world != mesh.num_ranks:
         raise ValueError(
             f"world size {world} is not q*q*d = {mesh.num_ranks} for mesh {mesh}: start "
-            f"{mesh.num_ranks} processes, or pick q and d with q*q*d = {world}"
+            f"{mesh.num_ranks} process(es), or pick q and d with q*q*d = {world}"
         )
 
 

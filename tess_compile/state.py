@@ -47,8 +47,9 @@ def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> 
 
 
 def state_slots(program: Program) -> list[Slot]:
-    """Slots that a state dict holds: parameters and persistent buffers."""
-    return [s for s in program.slots if s.role in ("param", "buffer")]
+    """Slots that a state dict holds (parameters, persistent buffers), in the model's order."""
+    slots = {s.name: s for s in program.slots if s.role in ("param", "buffer")}
+    return [slots[key] for key in program.state_keys if key in slots]
 
 
 def check_state_dict(program: Program, state_dict: dict) -> None:

@@ -1,0 +1,172 @@
+"""Exact collective counts and sizes per phase (DESIGN.md section 3).
+
+Expectations are derived from the algorithms, not read off the library:
+
+- `Y = X @ W^T` by Tesseract's SUMMA: q steps, each a broadcast of the X
+  block along col and of the W block along row (forward). Their adjoints
+  are reduces: dX reduces along col, dW along row (backward, q each). W is
+  replicated over depth, so dW is then all-reduced along depth once.
+- A bias (R R S(0)) is replicated over row and depth: its gradient is
+  all-reduced along row and depth, once each.
+- LayerNorm over the col-split hidden dim: all-reduce along col of the sum
+  (mean), then of the centred squares (variance); the adjoint of an
+  all-reduce is an all-reduce, so backward repeats both; weight and bias
+  gradients are all-reduced along row and depth.
+- Axes of size 1 emit nothing.
+
+One record per collective call; num_bytes is one rank's local tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tess_compile
+from models import make_block, mesh_id
+
+F32 = 4  # bytes per element
+LINEAR_MESHES = [(2, 1), (2, 2), (3, 3), (4, 2)]
+SEQ = 3
+
+
+def run(model: nn.Module, q: int, d: int, hidden: int, *, input_grad: bool = True):
+    """Simulate `model` on a [d*q, SEQ, hidden] input, forward and backward; return the sim."""
+    x = torch.randn(d * q, SEQ, hidden)
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), strict=True, verify=True)
+    assert sim.comm.records == [], "compiling must not communicate"
+    out = sim(x.clone().requires_grad_(input_grad))
+    forward_records = len(sim.comm.records)
+    assert all(r.phase == "forward" for r in sim.comm.records)
+    (out * torch.randn_like(out)).sum().backward()
+    assert all(r.phase == "backward" for r in sim.comm.records[forward_records:])
+    return sim
+
+
+def bytes_by_key(sim, phase: str) -> dict[tuple[str, str], set[int]]:
+    out: dict[tuple[str, str], set[int]] = {}
+    for record in sim.comm.records:
+        if record.phase == phase:
+            out.setdefault((record.op, record.axis), set()).add(record.num_bytes)
+    return out
+
+
+def with_depth(counts: dict, d: int, num_depth_all_reduces: int) -> dict:
+    if d > 1:
+        counts[("all_reduce", "depth")] = num_depth_all_reduces
+    return counts
+
+
+@pytest.mark.parametrize("q, d", LINEAR_MESHES, ids=[mesh_id(q, d) for q, d in LINEAR_MESHES])
+def test_linear_no_bias_counts(q, d):
+    hidden = 4 * q
+    sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden)
+    assert sim.comm.counts("forward") == {("broadcast", "col"): q, ("broadcast", "row"): q}
+    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q}, d, 1)
+
+    local_batch = 1  # the input's batch is d*q
+    activation = local_batch * SEQ * (hidden // q) * F32  # [b/(d*q), s, h/q]
+    weight = (hidden // q) * (hidden // q) * F32  # [h/q, h/q]
+    assert bytes_by_key(sim, "forward") == {("broadcast", "col"): {activation}, ("broadcast", "row"): {weight}}
+    assert bytes_by_key(sim, "backward") == with_depth(
+        {("reduce", "col"): {activation}, ("reduce", "row"): {weight}}, d, {weight}
+    )
+
+
+@pytest.mark.parametrize("q, d", LINEAR_MESHES, ids=[mesh_id(q, d) for q, d in LINEAR_MESHES])
+def test_linear_with_bias_counts(q, d):
+    hidden = 4 * q
+    sim = run(nn.Linear(hidden, hidden, bias=True), q, d, hidden)
+    assert sim.comm.counts("forward") == {("broadcast", "col"): q, ("broadcast", "row"): q}
+    assert sim.comm.counts("backward") == with_depth(
+        {("reduce", "col"): q, ("reduce", "row"): q, ("all_reduce", "row"): 1}, d, 2
+    )
+    weight = (hidden // q) ** 2 * F32
+    bias = (hidden // q) * F32
+    backward = bytes_by_key(sim, "backward")
+    assert backward[("all_reduce", "row")] == {bias}
+    if d > 1:
+        assert backward[("all_reduce", "depth")] == {weight, bias}
+
+
+@pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (4, 2)], ids=["q2d1", "q2d2", "q4d2"])
+def test_linear_input_without_grad_skips_reduce_along_col(q, d):
+    """No gradient is asked of the input: dX (the reduces along col) is not computed."""
+    hidden = 4 * q
+    sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden, input_grad=False)
+    assert sim.comm.counts("backward") == with_depth({("reduce", "row"): q}, d, 1)
+
+
+@pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (3, 3)], ids=["q2d1", "q2d2", "q3d3"])
+def test_layer_norm_counts(q, d):
+    hidden = 4 * q
+    sim = run(nn.LayerNorm(hidden), q, d, hidden)
+    assert sim.comm.counts("forward") == {("all_reduce", "col"): 2}
+    assert sim.comm.counts("backward") == with_depth({("all_reduce", "col"): 2, ("all_reduce", "row"): 2}, d, 2)
+    statistic = 1 * SEQ * 1 * F32  # [b/(d*q), s, 1]: one number per row
+    vector = (hidden // q) * F32
+    assert bytes_by_key(sim, "forward") == {("all_reduce", "col"): {statistic}}
+    backward = bytes_by_key(sim, "backward")
+    assert backward[("all_reduce", "col")] == {statistic}
+    assert backward[("all_reduce", "row")] == {vector}
+
+
+@pytest.mark.parametrize("q, d", [(2, 1), (2, 2)], ids=["q2d1", "q2d2"])
+def test_rms_norm_counts(q, d):
+    hidden = 4 * q
+    sim = run(nn.RMSNorm(hidden), q, d, hidden)
+    assert sim.comm.counts("forward") == {("all_reduce", "col"): 1}
+    assert sim.comm.counts("backward") == with_depth({("all_reduce", "col"): 1, ("all_reduce", "row"): 1}, d, 1)
+
+
+def test_single_rank_mesh_sends_nothing():
+    sim = run(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)), 1, 1, 8)
+    assert sim.comm.records == []
+
+
+@pytest.mark.parametrize("q, d", [(2, 1), (2, 2)], ids=["q2d1", "q2d2"])
+def test_counts_accumulate_per_call(q, d):
+    """Each forward adds its own records: two calls, twice the counts."""
+    hidden = 4 * q
+    model = nn.Linear(hidden, hidden, bias=False)
+    x = torch.randn(d * q, SEQ, hidden)
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), verify=True)
+    sim(x)
+    sim(x)
+    assert sim.comm.counts("forward") == {("broadcast", "col"): 2 * q, ("broadcast", "row"): 2 * q}
+    assert sim.comm.counts("backward") == {}
+
+
+@pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (3, 3)], ids=["q2d1", "q2d2", "q3d3"])
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_block_counts(kind, q, d):
+    """A whole block communicates only through its matmuls, norms and replicated-gradient syncs.
+
+    GPT: 4 linears with bias (qkv, proj, fc, proj) and 2 LayerNorms with
+    affine; attention, GELU, split and the head views are local.
+    Llama: 7 linears without bias (q, k, v, o, gate, up, down) and 2 RMSNorm
+    weights (one written by hand: its mean over the split hidden dim is one
+    all-reduce along col, like nn.RMSNorm's).
+    """
+    hidden = 4 * q
+    sim = run(make_block(kind, hidden, q), q, d, hidden)
+    if kind == "gpt":
+        num_linear, num_norm_reduces, num_vectors = 4, 2 * 2, 4 + 2 * 2
+    else:
+        num_linear, num_norm_reduces, num_vectors = 7, 2 * 1, 2
+    assert sim.comm.counts("forward") == {
+        ("broadcast", "col"): num_linear * q,
+        ("broadcast", "row"): num_linear * q,
+        ("all_reduce", "col"): num_norm_reduces,
+    }
+    assert sim.comm.counts("backward") == with_depth(
+        {
+            ("reduce", "col"): num_linear * q,
+            ("reduce", "row"): num_linear * q,
+            ("all_reduce", "col"): num_norm_reduces,
+            ("all_reduce", "row"): num_vectors,
+        },
+        d,
+        num_linear + num_vectors,
+    )
