@@ -80,15 +80,21 @@ def home_layout(node: Node, mesh: Mesh) -> Layout:
     return Layout(Shard(0), Shard(0), col)
 
 
-def source_line(node: Node) -> str:
-    """`file:line` of the model code that made `node`, or its name."""
+def _model_frame(node: Node) -> tuple[str, int] | None:
+    """(file, line) of the model code that made `node`, from its stack trace."""
     trace = node.meta.get("stack_trace") or ""
     for line in trace.splitlines():
         line = line.strip()
         if line.startswith("File ") and "/torch/" not in line:
             path, _, rest = line[len("File ") :].partition(", line ")
-            return f"{path.strip(chr(34))}:{rest.split(',')[0]}"
-    return f"node {node.name}"
+            return path.strip('"'), int(rest.split(",")[0])
+    return None
+
+
+def source_line(node: Node) -> str:
+    """`file:line` of the model code that made `node`, or its name."""
+    frame = _model_frame(node)
+    return f"{frame[0]}:{frame[1]}" if frame else f"node {node.name}"
 
 
 def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False) -> GraphModule:
@@ -155,5 +161,6 @@ def _warn_replicated(node: Node, strict: bool) -> None:
     )
     if strict:
         raise ValueError(message + "; strict=True forbids this: add a rule or pass strict=False")
-    warnings.warn(message, stacklevel=2)
+    frame = _model_frame(node) or ("<model>", 0)
+    warnings.warn_explicit(message, UserWarning, frame[0], frame[1])
     log.warning(message)

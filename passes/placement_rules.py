@@ -21,7 +21,7 @@ from torch.fx import Node
 from tess_compile.layout import Layout, Partial, Placement, Replicate, Shard
 from tess_compile.mesh import AXES
 
-__all__ = ["Decision", "PLACEMENT_RULES", "place_replicated", "uses_summa"]
+__all__ = ["Decision", "PLACEMENT_RULES", "display_name", "place_replicated", "uses_summa"]
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -256,7 +256,7 @@ def _view_error(node, x, in_shape, out_shape, dim, axis, parts, ctx):
     a, b, c, e = _segment(in_shape, out_shape, dim)
     factors = list(out_shape[c:e])
     return ValueError(
-        f"{node.target} of {x.name!r} from {list(_shape(x))} to {list(_shape(node))} splits dim {dim} "
+        f"{node.target} of {display_name(x)!r} from {list(_shape(x))} to {list(_shape(node))} splits dim {dim} "
         f"(split over {axis} in {parts} parts on mesh {ctx.mesh}) into {factors}: the outer factor "
         f"{factors[0]} is not divisible by {parts}. For attention this is a head count not divisible "
         f"by q={ctx.mesh.q}: use a head count (and hidden size) that is a multiple of {ctx.mesh.q}, or another q"
@@ -400,10 +400,18 @@ def _is_param(node: Node) -> bool:
     return node.op == "placeholder" and node.meta.get("role", ("",))[0] == "param"
 
 
+def display_name(node: Node) -> str:
+    """The model's name for a parameter, buffer or input; the node's name otherwise."""
+    role = node.meta.get("role")
+    if role and role[0] != "input":
+        return role[1]
+    return node.name
+
+
 def _check_divisible(what: str, node: Node, size: int, parts: int, ctx, fix: str) -> None:
     if size % parts:
         raise ValueError(
-            f"{what} of {node.name!r} (shape {list(_shape(node))}) is {size}, not divisible by {parts} "
+            f"{what} of {display_name(node)!r} (shape {list(_shape(node))}) is {size}, not divisible by {parts} "
             f"on mesh {ctx.mesh}: {fix}"
         )
 
@@ -416,7 +424,7 @@ def _row_block_dim(ctx, x: Node, layout: Layout, axis: str) -> Placement:
         return p
     if ndim < 2:
         raise ValueError(
-            f"{x.name!r} of shape {list(_shape(x))} feeds a matmul without a batch dim; "
+            f"{display_name(x)!r} of shape {list(_shape(x))} feeds a matmul without a batch dim; "
             "Tesseract splits rows over depth and row: give the input a batch dim"
         )
     return Shard(0)
@@ -452,7 +460,7 @@ def _check_rows(node: Node, x: Node, layout: Layout, ctx) -> None:
         parts = ctx.mesh.size(axis)
         if local[p.dim] % parts:
             raise ValueError(
-                f"{node.target} input {x.name!r} of shape {list(_shape(x))}: dim {p.dim} "
+                f"{node.target} input {display_name(x)!r} of shape {list(_shape(x))}: dim {p.dim} "
                 f"is not divisible by d*q = {ctx.mesh.d * ctx.mesh.q} on mesh {ctx.mesh}; "
                 f"use a batch that is a multiple of {ctx.mesh.d * ctx.mesh.q}"
             )
@@ -602,7 +610,8 @@ _POINTWISE = [
     aten.contiguous.default, aten.detach.default, aten.where.self, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default, aten.clamp.default,
     aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
-    aten.logical_not.default, aten.square.default, aten.reciprocal.default,
+    aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
+    aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.square.default, aten.reciprocal.default,
 ]
 _VIEWS = [
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
