@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from passes.builder import Builder, aten
 from passes.placement_rules import uses_summa
-from passes.summa import matmul_ab
+from passes.summa import matmul
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Shard
 
@@ -60,23 +60,28 @@ def lower_split(b: Builder, node: Node, args, kwargs):
     return b.call(node.target, args[0], local, dim)
 
 
+def _weight_layout(node: Node, index: int) -> Layout:
+    return node.meta["arg_layouts"][node.args[index]]
+
+
 def lower_linear(b: Builder, node: Node, args, kwargs):
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    y = matmul_ab(b, x, w, product=aten.linear.default)
+    y = matmul(b, x, w, _weight_layout(node, 1), out_dim=0, product=aten.linear.default)
     return y if bias is None else b.call(aten.add.Tensor, y, bias)
 
 
 def lower_matmul(b: Builder, node: Node, args, kwargs):
-    if uses_summa(node):
-        return matmul_ab(b, args[0], args[1])
-    return lower_default(b, node, args, kwargs)
+    if not uses_summa(node):
+        return lower_default(b, node, args, kwargs)
+    return matmul(b, args[0], args[1], _weight_layout(node, 1), out_dim=1, product=aten.matmul.default)
 
 
 def lower_addmm(b: Builder, node: Node, args, kwargs):
     if not uses_summa(node):
         return lower_default(b, node, args, kwargs)
-    return b.call(aten.add.Tensor, matmul_ab(b, args[1], args[2]), args[0])
+    y = matmul(b, args[1], args[2], _weight_layout(node, 2), out_dim=1, product=aten.matmul.default)
+    return b.call(aten.add.Tensor, y, args[0])
 
 
 def lower_mean(b: Builder, node: Node, args, kwargs):

@@ -431,13 +431,28 @@ def _row_block_dim(ctx, x: Node, layout: Layout, axis: str) -> Placement:
 
 
 def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
-    """C = x @ W by Tesseract's SUMMA: x rows over depth and row, features over col."""
+    """C = x @ W by Tesseract's algorithms: x rows over depth and row, features over col.
+
+    W takes in features over row and out features over col (`C = A @ B`),
+    unless an earlier consumer already laid it out the other way round
+    (out over row, in over col): then `C = A @ B^T` uses it as it is.
+    """
     mesh = ctx.mesh
     x_layout = _no_partial(_layout(ctx, x))
     ndim = len(_shape(x))
     col = x_layout.col
     groups_in = col.groups if isinstance(col, Shard) and col.dim == ndim - 1 else 1
     groups_out = ctx.hints.get(node, 1)
+    w_layout = ctx.layout(w)
+    transposed = (
+        w_layout is not None
+        and w_layout.depth == R
+        and w_layout.col == Shard(w_in, groups_in)
+        and isinstance(w_layout.row, Shard)
+        and w_layout.row.dim == w_out
+    )
+    if transposed:
+        groups_out = w_layout.row.groups
     in_features, out_features = _shape(w)[w_in], _shape(w)[w_out]
     fix = f"use sizes that are multiples of q={mesh.q} (hidden size, heads, MLP width), or another q"
     _check_divisible("in features", w, in_features, mesh.q * groups_in, ctx, fix)
@@ -446,8 +461,8 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     row = _row_block_dim(ctx, x, x_layout, "row")
     x_needed = Layout(depth, row, Shard(ndim - 1, groups_in))
     _check_rows(node, x, x_needed, ctx)
-    w_placements = {w_in: Shard(w_in, groups_in), w_out: Shard(w_out, groups_out)}
-    args = {x: x_needed, w: Layout(R, w_placements[w_in], w_placements[w_out])}
+    w_needed = w_layout if transposed else Layout(R, Shard(w_in, groups_in), Shard(w_out, groups_out))
+    args = {x: x_needed, w: w_needed}
     if bias is not None:
         args[bias] = Layout(R, R, Shard(0, groups_out))
     return Decision(args, Layout(depth, row, Shard(ndim - 1, groups_out)))
