@@ -31,8 +31,13 @@ _ROLE = {
 }
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:
-    """Export `model` on example inputs and tag each placeholder with its role."""
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, weight_inputs: dict[int, str] | None = None) -> torch.fx.GraphModule:
+    """Export `model` on example inputs and tag each placeholder with its role.
+
+    `weight_inputs` maps user-input positions that are really weights (as in
+    Dynamo's graphs, where parameters arrive as inputs) to their names; those
+    placeholders get `meta["weight_input"] = name`.
+    """
     start = time.perf_counter()
     ep = torch.export.export(model, args, kwargs or {}, strict=False)
     _check_outputs(ep)
@@ -48,6 +53,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         spec = specs[node.name]
         if spec.kind == InputKind.USER_INPUT:
             node.meta["role"] = ("input", num_inputs)
+            if weight_inputs and num_inputs in weight_inputs:
+                node.meta["weight_input"] = weight_inputs[num_inputs]
             num_inputs += 1
         elif spec.kind == InputKind.BUFFER and spec.persistent is False:
             node.meta["role"] = ("constant", spec.target)  # not in the state dict

@@ -7,8 +7,9 @@ tuple for ops that return several tensors) and `node.meta["arg_layouts"]`
 collectives that convert one into the other.
 
 User inputs start in their home layout (batch split over depth and row,
-last dim over col). Parameters, buffers and constants are free until their
-first consumer fixes their layout. Ops are looked up in `PLACEMENT_RULES`;
+last dim over col). Parameters, buffers, constants and weights that arrive
+as inputs (`meta["weight_input"]`) are free until their first consumer
+fixes their layout. Ops are looked up in `PLACEMENT_RULES`;
 an op with no rule runs replicated with a warning (`strict=True`: error).
 
 A rule may ask for a producer's output to be laid out with groups (a fused
@@ -97,12 +98,16 @@ def source_line(node: Node) -> str:
     return f"{frame[0]}:{frame[1]}" if frame else f"node {node.name}"
 
 
-def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False) -> GraphModule:
-    """Annotate every node of `gm` with its layout; see the module docstring."""
+def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_outputs: bool = False) -> GraphModule:
+    """Annotate every node of `gm` with its layout; see the module docstring.
+
+    `replicate_outputs`: every output leaves whole on every rank (for callers
+    that go on with plain tensors, as Dynamo's do).
+    """
     hints: dict[Node, int] = {}
     for _ in range(_MAX_ROUNDS):
         ctx = PlacementContext(mesh, hints)
-        decisions = {node: _decide(node, ctx, strict) for node in gm.graph.nodes}
+        decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun:
             break
     for node, decision in decisions.items():
@@ -114,14 +119,14 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False) -> GraphModule:
     return gm
 
 
-def _decide(node: Node, ctx: PlacementContext, strict: bool) -> Decision:
+def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: bool) -> Decision:
     if node.op == "placeholder":
         role = node.meta["role"][0]
-        if role == "input":
+        if role == "input" and "weight_input" not in node.meta:
             ctx.layouts[node] = home_layout(node, ctx.mesh)
         return Decision({}, ctx.layouts.get(node))
     if node.op == "output":
-        return _decide_outputs(node, ctx)
+        return _decide_outputs(node, ctx, replicate_outputs)
     if node.op != "call_function":
         return Decision({}, Layout.replicated())
     if node.target is operator.getitem:
@@ -140,12 +145,12 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool) -> Decision:
     return decision
 
 
-def _decide_outputs(node: Node, ctx: PlacementContext) -> Decision:
-    """Outputs leave as DTensor-expressible layouts: no partials, no groups."""
+def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decision:
+    """Outputs leave as DTensor-expressible layouts (no partials, no groups), or whole."""
     args = {}
     for out in node.all_input_nodes:
         layout = ctx.layouts.get(out) or Layout.replicated()
-        args[out] = Layout(*(_plain(p) for p in layout.placements))
+        args[out] = Layout.replicated() if replicate else Layout(*(_plain(p) for p in layout.placements))
     return Decision(args, None)
 
 

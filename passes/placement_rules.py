@@ -405,7 +405,7 @@ def display_name(node: Node) -> str:
     role = node.meta.get("role")
     if role and role[0] != "input":
         return role[1]
-    return node.name
+    return node.meta.get("weight_input", node.name)
 
 
 def _check_divisible(what: str, node: Node, size: int, parts: int, ctx, fix: str) -> None:

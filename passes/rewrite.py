@@ -9,7 +9,9 @@ from the layout its consumer needs. Writes `meta["layout"]` and
 `meta["global_shape"]` on the node that holds each original value.
 
 Replicated parameters pass through `grad_sync` over their replica axes;
-outputs pass through `seed_once` over theirs (see docs/gradients.md).
+outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
+weights that arrive as inputs included, come whole and are sliced locally;
+their gradients are each rank's share (the runtime sums them).
 """
 
 from __future__ import annotations

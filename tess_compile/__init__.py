@@ -10,11 +10,12 @@ from datetime import timedelta
 
 import torch
 
+from tess_compile.backend import backend
 from tess_compile.compiler import compile_model
 from tess_compile.mesh import Mesh
 from tess_compile.simulator import SimulatedModule
 
-__all__ = ["Mesh", "shard", "simulate"]
+__all__ = ["Mesh", "backend", "shard", "shard_program", "simulate"]
 
 
 def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None) -> SimulatedModule:
@@ -46,13 +47,17 @@ def shard(
     the CPU otherwise; a collective whose peers do not arrive within `timeout`
     (seconds or a timedelta; default 10 minutes) fails with a message.
     """
+    program = compile_model(model, Mesh(q, d), example_inputs, strict=strict, verify=verify)
+    return shard_program(program, device=device, timeout=timeout)
+
+
+def shard_program(program, *, device=None, timeout: float | timedelta | None = None, wrap_outputs: bool = True):
+    """This rank's module of an already compiled `Program` (see `shard`)."""
     from tess_compile.distributed import DEFAULT_TIMEOUT, ShardedModule, check_world
 
-    mesh = Mesh(q, d)
-    check_world(mesh)
+    check_world(program.mesh)
     if timeout is None:
         timeout = DEFAULT_TIMEOUT
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
-    program = compile_model(model, mesh, example_inputs, strict=strict, verify=verify)
-    return ShardedModule(program, device=device, timeout=timeout)
+    return ShardedModule(program, device=device, timeout=timeout, wrap_outputs=wrap_outputs)

@@ -21,14 +21,17 @@ from passes import capture, place, rewrite, verify_placed, verify_rewritten
 from tess_compile.layout import Layout, local_block
 from tess_compile.mesh import Mesh
 
-__all__ = ["Program", "Slot", "compile_model", "pipeline", "split_example_inputs"]
+__all__ = ["INPUT_ROLES", "Program", "Slot", "compile_model", "pipeline", "split_example_inputs"]
+
+# Slot roles whose values arrive as the module's inputs on every call.
+INPUT_ROLES = ("input", "weight")
 
 log = logging.getLogger("tess_compile")
 
 
-def pipeline(strict: bool, verify: bool):
+def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False):
     """The passes after capture, options bound: (name, fn(gm, mesh) -> gm)."""
-    stages = [("place", lambda gm, mesh: place(gm, mesh, strict=strict))]
+    stages = [("place", lambda gm, mesh: place(gm, mesh, strict=strict, replicate_outputs=replicate_outputs))]
     if verify:
         stages.append(("verify placed", verify_placed))
     stages.append(("rewrite", rewrite))
@@ -42,8 +45,8 @@ def pipeline(strict: bool, verify: bool):
 class Slot:
     """One placeholder of the per-rank graph: a parameter, buffer, constant or input."""
 
-    role: str  # "param", "buffer", "constant" or "input"
-    name: str  # the model's qualified name, or the input's index as text
+    role: str  # "param", "buffer", "constant", "input" or "weight" (a weight given as input)
+    name: str  # the model's qualified name, or (inputs and weights) the input's index as text
     layout: Layout
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -78,7 +81,7 @@ class Program:
                 f"inputs have structure {spec}, but the module was compiled for {self.in_spec}: "
                 "call it with the same arguments as example_inputs"
             )
-        for slot, value in zip([s for s in self.slots if s.role == "input"], flat):
+        for slot, value in zip([s for s in self.slots if s.role in INPUT_ROLES], flat):
             if isinstance(value, torch.Tensor) and tuple(value.shape) != slot.shape:
                 raise ValueError(
                     f"input {slot.name} has shape {list(value.shape)}, but the module was compiled for "
@@ -101,15 +104,28 @@ def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
     )
 
 
-def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs, *, strict: bool = False, verify: bool | None = None) -> Program:
-    """Capture `model` on `example_inputs` and compile it for `mesh`."""
+def compile_model(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs,
+    *,
+    strict: bool = False,
+    verify: bool | None = None,
+    weight_inputs: dict[int, str] | None = None,
+    replicate_outputs: bool = False,
+) -> Program:
+    """Capture `model` on `example_inputs` and compile it for `mesh`.
+
+    `weight_inputs` and `replicate_outputs` serve graphs whose weights are
+    inputs and whose outputs go on as plain tensors (the torch.compile path).
+    """
     if verify is None:
         verify = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
     args, kwargs = split_example_inputs(example_inputs)
     start = time.perf_counter()
-    gm = capture(model, args, kwargs)
+    gm = capture(model, args, kwargs, weight_inputs=weight_inputs)
     placed = gm
-    for name, stage in pipeline(strict, verify):
+    for name, stage in pipeline(strict, verify, replicate_outputs):
         try:
             gm = stage(gm, mesh)
         except ValueError:
@@ -137,7 +153,11 @@ def _slots(placed: GraphModule) -> list[Slot]:
         if node.op == "placeholder":
             role, name = node.meta["role"]
             val = node.meta["val"]
-            layout = node.meta["layout"] if role != "input" else Layout.replicated()
+            if role == "input":
+                role = "weight" if "weight_input" in node.meta else "input"
+                layout = Layout.replicated()  # inputs arrive whole
+            else:
+                layout = node.meta["layout"]
             slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype))
     return slots
 

@@ -9,6 +9,7 @@ rank and its peers.
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import torch
@@ -21,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from tess_compile import state
 from tess_compile.collectives import Comm, use_comm
-from tess_compile.compiler import Program, Slot
+from tess_compile.compiler import INPUT_ROLES, Program, Slot
 from tess_compile.layout import assemble, put_blocks, take_block
 from tess_compile.mesh import AXES, Mesh
 
@@ -108,12 +109,32 @@ class DistComm(Comm):
         return put_blocks([x if t == coord else torch.zeros_like(x) for t in range(parts)], dim, groups)
 
 
+@functools.cache
 def _device_mesh(device_type: str, mesh: Mesh, timeout: timedelta):
     """The (d, q, q) DeviceMesh, its groups timing out after `timeout`."""
     backend = dist.get_backend()
     options = Backend.Options(backend, timeout)
     overrides = {axis: (backend, options) for axis in AXES}
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES, backend_override=overrides)
+
+
+class _SumGradOverWorld(torch.autograd.Function):
+    """Identity; the gradient is summed over every rank.
+
+    An input that arrives whole (a weight on the torch.compile path, or any
+    input that requires grad) gets each rank's share of its gradient; the sum
+    is the full gradient, the same on every rank.
+    """
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        dist.all_reduce(total)
+        return total
 
 
 def _default_device() -> torch.device:
@@ -129,8 +150,16 @@ class ShardedModule(nn.Module):
     tensors for scalars such as a loss).
     """
 
-    def __init__(self, program: Program, *, device: torch.device | str | None = None, timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        program: Program,
+        *,
+        device: torch.device | str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        wrap_outputs: bool = True,
+    ):
         super().__init__()
+        self.wrap_outputs = wrap_outputs
         mesh = program.mesh
         self.program = program
         self.device = torch.device(device) if device is not None else _default_device()
@@ -146,13 +175,16 @@ class ShardedModule(nn.Module):
     def forward(self, *args, **kwargs):
         flat = self.program.flatten_inputs(args, kwargs)
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat]
+        for slot in self.program.slots:
+            if slot.role in INPUT_ROLES and flat[int(slot.name)].requires_grad:
+                flat[int(slot.name)] = _SumGradOverWorld.apply(flat[int(slot.name)])
         with use_comm(self.comm):
             outs = self.program.graph(*state.graph_inputs(self.program, self, flat))
         wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
         return pytree.tree_unflatten(wrapped, self.program.out_spec)
 
     def _wrap(self, out, layout):
-        if layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
+        if not self.wrap_outputs or layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
             return out
         return DTensor.from_local(out, self.device_mesh, layout.to_dtensor(), run_check=False)
 

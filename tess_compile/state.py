@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from tess_compile.compiler import Program, Slot
+from tess_compile.compiler import INPUT_ROLES, Program, Slot
 
 __all__ = ["check_state_dict", "full_tensors", "get_tensor", "graph_inputs", "load_shards", "add_local_tensors", "state_slots"]
 
@@ -30,7 +30,7 @@ def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> 
 def add_local_tensors(root: nn.Module, program: Program, rank: int) -> nn.Module:
     """Give `root` the shards that `rank` holds, under the model's own names."""
     for slot in program.slots:
-        if slot.role != "input":
+        if slot.role not in INPUT_ROLES:
             _set_tensor(root, slot.name, program.local_tensor(slot, rank), slot.role)
     return root
 
@@ -43,7 +43,7 @@ def get_tensor(module: nn.Module, slot: Slot) -> torch.Tensor:
 
 def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> list:
     """The per-rank graph's placeholder values, in order."""
-    return [flat_inputs[int(s.name)] if s.role == "input" else get_tensor(module, s) for s in program.slots]
+    return [flat_inputs[int(s.name)] if s.role in INPUT_ROLES else get_tensor(module, s) for s in program.slots]
 
 
 def state_slots(program: Program) -> list[Slot]:

@@ -1,0 +1,86 @@
+"""The torch.compile backend: Dynamo's graphs through the same passes.
+
+`torch.compile(model, backend=tess_compile.backend(q=2, d=2))`, or by name,
+`torch.compile(model, backend="tesseract", options={"q": 2, "d": 2})`.
+Each graph Dynamo hands over (one per piece between graph breaks) is
+exported to the ATen IR that `shard` uses, compiled for the mesh and run
+on it: by the distributed runtime on every rank of an initialized world of
+`q*q*d`, or with `simulate=True` by the simulator in this process.
+
+Parameters arrive as graph inputs, whole. Each call slices this rank's
+blocks out of them (a copy of the blocks, never of the whole model), and
+outputs leave whole, as plain tensors, for the rest of the program. The
+cost against `shard` is in docs/backend.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from tess_compile.compiler import compile_model
+from tess_compile.mesh import Mesh
+from tess_compile.simulator import SimulatedModule
+
+__all__ = ["backend", "tesseract"]
+
+log = logging.getLogger("tess_compile")
+
+_OPTIONS = ("q", "d", "simulate", "strict", "timeout")
+
+
+def backend(q: int, d: int, *, simulate: bool = False, strict: bool = False, timeout: float | None = None) -> Callable:
+    """A torch.compile backend that runs each graph on the `[q, q, d]` mesh."""
+    mesh = Mesh(q, d)
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+        return _compile(gm, list(example_inputs), mesh, simulate=simulate, strict=strict, timeout=timeout)
+
+    return compile_graph
+
+
+def tesseract(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict | None = None) -> Callable:
+    """The backend registered as "tesseract"; `options` holds q, d and backend's keywords."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown or "q" not in options or "d" not in options:
+        raise ValueError(
+            f"backend 'tesseract' got options {sorted(options)}: it needs q and d and takes "
+            f"{list(_OPTIONS)}, e.g. torch.compile(model, backend='tesseract', options={{'q': 2, 'd': 2}})"
+        )
+    q, d = options.pop("q"), options.pop("d")
+    return backend(q, d, **options)(gm, example_inputs)
+
+
+def _compile(gm, example_inputs: list, mesh: Mesh, *, simulate: bool, strict: bool, timeout) -> Callable:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"graph input {node.target!r} is {type(value).__name__} {value!r}, not a tensor: "
+                "tess-compile specialises shapes; use torch.compile(..., dynamic=False)"
+            )
+    weights = {
+        index: _weight_name(node.target)
+        for index, (node, value) in enumerate(zip(placeholders, example_inputs))
+        if isinstance(value, nn.Parameter) or "_buffers_" in node.target
+    }
+    program = compile_model(gm, mesh, tuple(example_inputs), strict=strict, weight_inputs=weights, replicate_outputs=True)
+    log.info("torch.compile backend: graph of %d nodes on mesh %s", len(gm.graph.nodes), mesh)
+    if simulate:
+        return SimulatedModule(program)
+    from tess_compile import shard_program
+
+    return shard_program(program, timeout=timeout, wrap_outputs=False)
+
+
+def _weight_name(target: str) -> str:
+    """`L_self_modules_attn_modules_qkv_parameters_weight_` -> `attn.qkv.weight`."""
+    name = target.removeprefix("L_self_").removesuffix("_")
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, ".")
+    return name.removeprefix("modules.").removeprefix("parameters.").removeprefix("buffers.")
+
