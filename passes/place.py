@@ -64,10 +64,12 @@ class PlacementContext:
         return True
 
 
-def home_layout(node: Node, mesh: Mesh) -> Layout:
+def home_layout(node: Node, mesh: Mesh) -> Layout | None:
     """A user input's layout: batch split over depth and row, features over col."""
     val = node.meta["val"]
-    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+    if not isinstance(val, torch.Tensor):
+        return None  # a flag or number: no layout
+    if val.dim() == 0:
         return Layout.replicated()
     batch, num_batch_parts = val.shape[0], mesh.d * mesh.q
     if batch % num_batch_parts:
@@ -113,7 +115,7 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
     for node, decision in decisions.items():
         node.meta["arg_layouts"] = decision.args
         layout = ctx.layouts.get(node) or decision.out
-        if layout is None and node.op == "placeholder":
+        if layout is None and node.op == "placeholder" and isinstance(node.meta["val"], torch.Tensor):
             layout = Layout.replicated()  # an unused parameter or buffer
         node.meta["layout"] = layout
     return gm

@@ -73,6 +73,10 @@ def rewrite(gm: GraphModule, mesh: Mesh) -> GraphModule:
 def _placeholder(b: Builder, node: Node) -> Node:
     role, layout = node.meta["role"][0], node.meta["layout"]
     x = b.graph.placeholder(node.name)
+    x.meta["role"] = node.meta["role"]
+    if not isinstance(node.meta["val"], torch.Tensor):
+        x.meta["constant_value"] = node.meta["val"]  # a flag or number the model takes
+        return x
     x.meta.update(
         role=node.meta["role"],
         layout=Layout.replicated() if role == "input" else layout,

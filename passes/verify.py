@@ -25,14 +25,15 @@ def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
         if node.op == "output":
             continue
         layout = node.meta.get("layout")
-        if layout is None and node.meta.get("val") is not None:
+        if layout is None and isinstance(node.meta.get("val"), torch.Tensor):
             raise AssertionError(f"placement left {node.name} without a layout")
         if layout is None:
             continue
         layouts = layout if isinstance(layout, tuple) else (layout,)
         vals = node.meta["val"] if isinstance(layout, tuple) else (node.meta["val"],)
         for lay, val in zip(layouts, vals):
-            _check_fits(node.name, lay, tuple(val.shape), mesh)
+            if isinstance(val, torch.Tensor):
+                _check_fits(node.name, lay, tuple(val.shape), mesh)
         for arg, lay in node.meta.get("arg_layouts", {}).items():
             _check_fits(f"{node.name} (argument {arg.name})", lay, tuple(arg.meta["val"].shape), mesh)
     return gm
@@ -54,7 +55,9 @@ def verify_rewritten(gm: GraphModule, mesh: Mesh) -> GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = []
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" and "constant_value" in node.meta:
+            inputs.append(node.meta["constant_value"])
+        elif node.op == "placeholder":
             shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
             inputs.append(mode.from_tensor(torch.empty(shape, dtype=node.meta["dtype"])))
     FakeTensorProp(gm, mode).propagate(*inputs)

@@ -153,6 +153,9 @@ def _slots(placed: GraphModule) -> list[Slot]:
         if node.op == "placeholder":
             role, name = node.meta["role"]
             val = node.meta["val"]
+            if not isinstance(val, torch.Tensor):
+                slots.append(Slot(role, str(name), None, (), None))
+                continue
             if role == "input":
                 role = "weight" if "weight_input" in node.meta else "input"
                 layout = Layout.replicated()  # inputs arrive whole
