@@ -6,7 +6,8 @@ tensor constants to placeholders.
 
 Writes `node.meta["role"]` on every placeholder: `("param", fqn)`,
 `("buffer", fqn)` (persistent buffers), `("constant", name)` (tensor
-constants and non-persistent buffers) or `("input", index)`, and
+constants and non-persistent buffers), `("alias", fqn)` (a second name of a
+tied weight) or `("input", index)`, and
 `gm.meta["in_spec"]` / `gm.meta["out_spec"]` (pytree specs of the model's
 inputs and outputs), `gm.meta["tensors"]` (the lifted tensors by name) and
 `gm.meta["state_keys"]` (the model's state-dict keys, in order).
@@ -62,12 +63,32 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
             node.meta["role"] = (_ROLE[spec.kind], spec.target)
         else:
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
+    _merge_tied(gm, tensors)
     gm.meta["in_spec"] = ep.call_spec.in_spec
     gm.meta["out_spec"] = ep.call_spec.out_spec
     gm.meta["tensors"] = tensors
     gm.meta["state_keys"] = list(model.state_dict(keep_vars=True))
     log.info("capture: %d nodes in %.2fs", len(gm.graph.nodes), time.perf_counter() - start)
     return gm
+
+
+def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
+    """Tied weights (one tensor, several names) become one placeholder.
+
+    Every use moves to the first placeholder of the tensor; the others keep
+    the role `("alias", name)` and `meta["alias_of"]`, so the sharded module
+    ties the same names as the model does.
+    """
+    first_of: dict[int, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        role = node.meta.get("role", ("",))
+        if node.op != "placeholder" or role[0] not in ("param", "buffer"):
+            continue
+        first = first_of.setdefault(id(tensors[role[1]]), node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            node.meta["role"] = ("alias", role[1])
+            node.meta["alias_of"] = first.meta["role"][1]
 
 
 def _check_outputs(ep) -> None:

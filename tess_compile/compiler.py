@@ -45,11 +45,12 @@ def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False):
 class Slot:
     """One placeholder of the per-rank graph: a parameter, buffer, constant or input."""
 
-    role: str  # "param", "buffer", "constant", "input" or "weight" (a weight given as input)
+    role: str  # "param", "buffer", "constant", "alias", "input" or "weight" (a weight given as input)
     name: str  # the model's qualified name, or (inputs and weights) the input's index as text
-    layout: Layout
+    layout: Layout | None
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype | None
+    alias_of: str | None = None  # for "alias": the name of the tied tensor
 
 
 @dataclass
@@ -148,20 +149,22 @@ def compile_model(
 
 
 def _slots(placed: GraphModule) -> list[Slot]:
+    placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
+    layouts = {n.meta["role"][1]: n.meta["layout"] for n in placeholders if n.meta["role"][0] != "input"}
     slots = []
-    for node in placed.graph.nodes:
-        if node.op == "placeholder":
-            role, name = node.meta["role"]
-            val = node.meta["val"]
-            if not isinstance(val, torch.Tensor):
-                slots.append(Slot(role, str(name), None, (), None))
-                continue
-            if role == "input":
-                role = "weight" if "weight_input" in node.meta else "input"
-                layout = Layout.replicated()  # inputs arrive whole
-            else:
-                layout = node.meta["layout"]
-            slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype))
+    for node in placeholders:
+        role, name = node.meta["role"]
+        val = node.meta["val"]
+        if not isinstance(val, torch.Tensor):
+            slots.append(Slot(role, str(name), None, (), None))
+            continue
+        alias_of = node.meta.get("alias_of")
+        if role == "input":
+            role = "weight" if "weight_input" in node.meta else "input"
+            layout = Layout.replicated()  # inputs arrive whole
+        else:
+            layout = layouts[alias_of or name]
+        slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype, alias_of))
     return slots
 
 

@@ -22,7 +22,7 @@ def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> 
             module.add_module(part, nn.Module())
         module = getattr(module, part)
     if role == "param":
-        module.register_parameter(leaf, nn.Parameter(tensor))
+        module.register_parameter(leaf, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
     else:
         module.register_buffer(leaf, tensor, persistent=role == "buffer")
 
@@ -30,15 +30,20 @@ def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> 
 def add_local_tensors(root: nn.Module, program: Program, rank: int) -> nn.Module:
     """Give `root` the shards that `rank` holds, under the model's own names."""
     for slot in program.slots:
-        if slot.role not in INPUT_ROLES:
+        if slot.role not in INPUT_ROLES and slot.role != "alias":
             _set_tensor(root, slot.name, program.local_tensor(slot, rank), slot.role)
+    roles = {s.name: s.role for s in program.slots}
+    for slot in program.slots:
+        if slot.role == "alias":  # tied: the very same tensor under a second name
+            _set_tensor(root, slot.name, get_tensor(root, slot.alias_of), roles[slot.alias_of])
     return root
 
 
-def get_tensor(module: nn.Module, slot: Slot) -> torch.Tensor:
-    if slot.role == "param":
-        return module.get_parameter(slot.name)
-    return module.get_buffer(slot.name)
+def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
+    """The parameter or buffer of `module` at the slot's (or a) dotted name."""
+    name = slot if isinstance(slot, str) else slot.name
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner), leaf)
 
 
 def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> list:
@@ -48,7 +53,7 @@ def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> 
 
 def state_slots(program: Program) -> list[Slot]:
     """Slots that a state dict holds (parameters, persistent buffers), in the model's order."""
-    slots = {s.name: s for s in program.slots if s.role in ("param", "buffer")}
+    slots = {s.name: s for s in program.slots if s.role in ("param", "buffer", "alias")}
     return [slots[key] for key in program.state_keys if key in slots]
 
 
