@@ -64,6 +64,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         else:
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
     _merge_tied(gm, tensors)
+    _inline_grad_mode_wrappers(gm)
     gm.meta["in_spec"] = ep.call_spec.in_spec
     gm.meta["out_spec"] = ep.call_spec.out_spec
     gm.meta["tensors"] = tensors
@@ -89,6 +90,45 @@ def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> N
             node.replace_all_uses_with(first)
             node.meta["role"] = ("alias", role[1])
             node.meta["alias_of"] = first.meta["role"][1]
+
+
+def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:
+    """Inline `wrap_with_set_grad_enabled` regions (a `torch.no_grad()` block,
+    such as rotary tables) so every rule sees plain ops; what a disabled region
+    returns is detached, as it was."""
+    wrapper = torch.ops.higher_order.wrap_with_set_grad_enabled
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is wrapper]:
+        enabled, submodule_node, *operands = node.args
+        outputs = _inline(gm, node, getattr(gm, submodule_node.target), operands)
+        if not enabled:
+            outputs = [_detached(gm, node, out) for out in outputs]
+        for user in list(node.users):
+            user.replace_all_uses_with(outputs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not submodule_node.users:
+            gm.graph.erase_node(submodule_node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _inline(gm: torch.fx.GraphModule, at: torch.fx.Node, sub: torch.fx.GraphModule, operands) -> list:
+    """Copy `sub`'s nodes before `at`, fed by `operands`; return its outputs."""
+    env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], operands))
+    with gm.graph.inserting_before(at):
+        for n in sub.graph.nodes:
+            if n.op == "output":
+                return list(torch.fx.node.map_arg(n.args[0], env.__getitem__))
+            if n.op != "placeholder":
+                env[n] = gm.graph.node_copy(n, env.__getitem__)
+    raise AssertionError("subgraph without output")
+
+
+def _detached(gm: torch.fx.GraphModule, at: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
+    with gm.graph.inserting_before(at):
+        out = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
+    out.meta.update(value.meta)
+    return out
 
 
 def _check_outputs(ep) -> None:

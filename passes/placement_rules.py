@@ -111,6 +111,7 @@ def _align(ctx, node: Node, tensors: list[Node], out_shape, frozen=()) -> tuple[
     Out dims in `frozen` stay unsplit. Returns (required layouts, output placements).
     """
     n_out = len(out_shape)
+    tensors = list(dict.fromkeys(tensors))  # a tensor may come twice (cat([x, x]))
     required = {t: [] for t in tensors}
     out: list[Placement] = []
     for axis in AXES:
@@ -611,8 +612,9 @@ def place_replicated(node: Node, ctx) -> Decision:
     """The fallback: every input whole on every rank, the op run as is."""
     args = {t: Layout.replicated() for t in _tensor_inputs(node)}
     val = node.meta.get("val")
-    out = tuple(Layout.replicated() for _ in val) if isinstance(val, (tuple, list)) else Layout.replicated()
-    return Decision(args, out)
+    if isinstance(val, (tuple, list)):
+        return Decision(args, tuple(Layout.replicated() for _ in val))
+    return Decision(args, Layout.replicated() if isinstance(val, torch.Tensor) else None)
 
 
 _POINTWISE = [

@@ -30,12 +30,13 @@ def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
         if layout is None:
             continue
         layouts = layout if isinstance(layout, tuple) else (layout,)
-        vals = node.meta["val"] if isinstance(layout, tuple) else (node.meta["val"],)
+        vals = node.meta.get("val") if isinstance(layout, tuple) else (node.meta.get("val"),)
         for lay, val in zip(layouts, vals):
             if isinstance(val, torch.Tensor):
                 _check_fits(node.name, lay, tuple(val.shape), mesh)
         for arg, lay in node.meta.get("arg_layouts", {}).items():
-            _check_fits(f"{node.name} (argument {arg.name})", lay, tuple(arg.meta["val"].shape), mesh)
+            if isinstance(arg.meta.get("val"), torch.Tensor):
+                _check_fits(f"{node.name} (argument {arg.name})", lay, tuple(arg.meta["val"].shape), mesh)
     return gm
 
 
