@@ -21,7 +21,7 @@ from torch.fx import Node
 from tess_compile.layout import Layout, Partial, Placement, Replicate, Shard
 from tess_compile.mesh import AXES
 
-__all__ = ["Decision", "PLACEMENT_RULES", "display_name", "place_replicated", "uses_summa"]
+__all__ = ["Decision", "PLACEMENT_RULES", "cross_entropy_is_split", "display_name", "place_replicated", "uses_summa"]
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -83,6 +83,8 @@ _LINEARITY = {
     aten.alias.default: "unary",
     aten._to_copy.default: "unary",
     aten.to.dtype: "unary",
+    aten.to.dtype_layout: "unary",
+    aten.to.device: "unary",
     aten.contiguous.default: "unary",
     aten.detach.default: "unary",
     aten.mul.Scalar: "unary",
@@ -228,6 +230,11 @@ def _dim_arg(node: Node) -> list[int]:
 
 def _last_two(node: Node) -> list[int]:
     return [-2, -1]
+
+
+def _padded_dims(node: Node) -> list[int]:
+    """aten.pad's `pad` lists (before, after) pairs from the last dim backwards."""
+    return [-1 - k for k in range(len(node.args[1]) // 2)]
 
 
 # ------------------------------------------------------------------ views
@@ -608,6 +615,26 @@ def place_norm(node: Node, ctx) -> Decision:
     return Decision(args, layout)
 
 
+def cross_entropy_is_split(node: Node) -> bool:
+    """Whether cross_entropy_loss takes the vocab-parallel path: [N, C] logits,
+    no class weights, no label smoothing."""
+    plain = _arg(node, 2, "weight") is None and _arg(node, 5, "label_smoothing", 0.0) == 0.0
+    return plain and len(_shape(node.args[0])) == 2
+
+
+def place_cross_entropy(node: Node, ctx) -> Decision:
+    """Cross-entropy over [N, C] logits split over rows and classes: log-sum-exp and the
+    target logit by collectives (Optimus 3.2), never the whole logits on a rank."""
+    if not cross_entropy_is_split(node):
+        return place_replicated(node, ctx)
+    logits, target = node.args[:2]
+    layout = _no_partial(_layout(ctx, logits))
+    target_layout = Layout(*(p if isinstance(p, Shard) and p.dim == 0 else R for p in layout.placements))
+    reduction = _arg(node, 3, "reduction", 1)
+    out = target_layout if reduction == 0 else Layout.replicated()
+    return Decision({logits: layout, target: target_layout}, out)
+
+
 def place_replicated(node: Node, ctx) -> Decision:
     """The fallback: every input whole on every rank, the op run as is."""
     args = {t: Layout.replicated() for t in _tensor_inputs(node)}
@@ -624,6 +651,8 @@ _POINTWISE = [
     aten.rsqrt.default, aten.abs.default, aten.tanh.default, aten.sigmoid.default, aten.relu.default,
     aten.gelu.default, aten.silu.default, aten.erf.default, aten.sin.default, aten.cos.default,
     aten.clone.default, aten.alias.default, aten._to_copy.default, aten.to.dtype,
+    aten.to.dtype_layout, aten.to.device, aten.ge.Scalar, aten.le.Scalar, aten.ge.Tensor,
+    aten.le.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
     aten.contiguous.default, aten.detach.default, aten.where.self, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default, aten.clamp.default,
     aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
@@ -659,6 +688,8 @@ PLACEMENT_RULES = {
     aten.slice.Tensor: _dims_local(_dim_arg),
     aten.select.int: _dims_local(_dim_arg),
     aten.tril.default: _dims_local(_last_two),
+    aten.pad.default: _dims_local(_padded_dims),
+    aten.cross_entropy_loss.default: place_cross_entropy,
     aten.triu.default: _dims_local(_last_two),
     aten.expand.default: place_expand,
     aten.transpose.int: place_permute,
