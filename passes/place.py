@@ -65,7 +65,8 @@ class PlacementContext:
 
 
 def home_layout(node: Node, mesh: Mesh) -> Layout | None:
-    """A user input's layout: batch split over depth and row, features over col."""
+    """A user input's layout: batch split over depth and row, features ([b, h] or
+    [b, s, h]) over col."""
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):
         return None  # a flag or number: no layout
@@ -78,7 +79,8 @@ def home_layout(node: Node, mesh: Mesh) -> Layout | None:
             f"d*q = {num_batch_parts} on mesh {mesh}: use a batch that is a multiple of "
             f"{num_batch_parts}, or a mesh with a smaller d*q"
         )
-    features_split = val.is_floating_point() and val.dim() >= 2 and val.shape[-1] % mesh.q == 0
+    # [b, h] and [b, s, h] split their features; images and other inputs do not.
+    features_split = val.is_floating_point() and val.dim() in (2, 3) and val.shape[-1] % mesh.q == 0
     col = Shard(val.dim() - 1) if features_split else Replicate()
     return Layout(Shard(0), Shard(0), col)
 

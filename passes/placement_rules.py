@@ -615,6 +615,26 @@ def place_norm(node: Node, ctx) -> Decision:
     return Decision(args, layout)
 
 
+def place_conv(node: Node, ctx) -> Decision:
+    """convNd(x, W, b): batch kept split over depth and row; out channels over col
+    (a column-parallel conv, no communication); x's channels and space whole."""
+    x, weight = node.args[:2]
+    bias = _arg(node, 2, "bias")
+    x_layout = _layout(ctx, x)
+    batch = [p if isinstance(p, Shard) and p.dim == 0 else R for p in x_layout.placements[:2]]
+    split_out = _shape(weight)[0] % ctx.mesh.size("col") == 0
+    col = Shard(0) if split_out else R
+    args = {x: Layout(*batch, R), weight: Layout(R, R, col)}
+    if isinstance(bias, Node):
+        args[bias] = Layout(R, R, col)
+    return Decision(args, Layout(*batch, Shard(1) if split_out else R))
+
+
+def place_like_factory(node: Node, ctx) -> Decision:
+    """new_ones / new_zeros / new_full: the input gives only dtype and device."""
+    return Decision({}, Layout.replicated())
+
+
 def cross_entropy_is_split(node: Node) -> bool:
     """Whether cross_entropy_loss takes the vocab-parallel path: [N, C] logits,
     no class weights, no label smoothing."""
@@ -689,6 +709,14 @@ PLACEMENT_RULES = {
     aten.select.int: _dims_local(_dim_arg),
     aten.tril.default: _dims_local(_last_two),
     aten.pad.default: _dims_local(_padded_dims),
+    aten.diff.default: _dims_local(lambda node: [_arg(node, 2, "dim", -1)]),
+    aten.conv1d.default: place_conv,
+    aten.conv2d.default: place_conv,
+    aten.conv3d.default: place_conv,
+    aten.new_ones.default: place_like_factory,
+    aten.new_zeros.default: place_like_factory,
+    aten.new_full.default: place_like_factory,
+    aten.new_empty.default: place_like_factory,
     aten.cross_entropy_loss.default: place_cross_entropy,
     aten.triu.default: _dims_local(_last_two),
     aten.expand.default: place_expand,
