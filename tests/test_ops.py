@@ -1,0 +1,49 @@
+"""Ops beyond the transformer block: convolutions on images, factory-like ops."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tess_compile
+from conftest import assert_close_rel
+from models import mesh_id
+
+MESHES = [(2, 1), (2, 2)]
+
+
+class PatchClassifier(nn.Module):
+    """ViT-like: patch-embedding conv, flatten to tokens, LayerNorm, linear head, mean pool."""
+
+    def __init__(self, hidden: int = 8, classes: int = 4):
+        super().__init__()
+        self.patch = nn.Conv2d(3, hidden, kernel_size=2, stride=2)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, images):
+        tokens = self.patch(images).flatten(2).transpose(1, 2)
+        ones = tokens.new_ones(tokens.shape[-1])
+        return self.head(self.norm(tokens) * ones).mean(1)
+
+
+@pytest.mark.parametrize("q, d", MESHES, ids=[mesh_id(q, d) for q, d in MESHES])
+def test_patch_conv_parity_without_fallback(q, d):
+    torch.manual_seed(2)
+    model = PatchClassifier()
+    images = torch.randn(2 * q * d, 3, 4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sim = tess_compile.simulate(model, q, d, example_inputs=(images,), verify=True)
+    out, expected = sim(images), model(images)
+    assert_close_rel(out, expected, name="output")
+    target = torch.randn_like(expected)
+    (out * target).sum().backward()
+    (expected * target).sum().backward()
+    grads = sim.full_grads()
+    for name, param in model.named_parameters():
+        assert_close_rel(grads[name], param.grad, name=f"grad {name}")
+    assert str(sim.program.slots[0].layout) == "RRS(0)", "conv weight: out channels over col"
