@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 
 from passes.builder import Builder, aten
-from passes.placement_rules import cross_entropy_is_split, uses_summa
+from passes.placement_rules import cross_entropy_is_split, uses_summa, vocab_parallel
 from passes.summa import matmul
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Shard
@@ -207,6 +207,24 @@ def _sum_all(b: Builder, x: Node, axes) -> Node:
     return total
 
 
+def lower_embedding(b: Builder, node: Node, args, kwargs):
+    """Vocab-parallel lookup: gather the row group's ids, look up those in this rank's
+    vocab block (others give zeros), reduce-scatter along row back to own rows."""
+    weight_node = node.args[0]
+    w_layout = node.meta["arg_layouts"][weight_node]
+    if not vocab_parallel(node, w_layout) or b.mesh.q == 1:
+        return lower_default(b, node, args, kwargs)
+    table, ids = args[0], args[1]
+    vocab = weight_node.meta["val"].shape[0]
+    all_ids = b.split_op(c.all_gather, ids, "row", 0, 1)
+    block = b.split_op(c.shard_slice, b.call(arange_like, ids, vocab), "row", 0, 1)
+    local = b.call(aten.sub.Tensor, all_ids, b.call(aten.select.int, block, 0, 0))
+    inside = b.call(aten.logical_and.default, b.call(aten.ge.Scalar, local, 0), b.call(aten.lt.Scalar, local, vocab // b.mesh.q))
+    rows = b.call(aten.embedding.default, table, b.call(aten.where.ScalarOther, inside, local, 0))
+    rows = b.call(aten.mul.Tensor, rows, b.call(aten.unsqueeze.default, inside, -1))
+    return b.split_op(c.reduce_scatter, rows, "row", 0, 1)
+
+
 def lower_nothing(b: Builder, node: Node, args, kwargs):
     """Metadata assertions of the global graph say nothing of local tensors."""
     return None
@@ -232,4 +250,5 @@ LOWERING_RULES = {
     aten.rms_norm.default: lower_rms_norm,
     aten.dropout.default: lower_dropout,
     aten.cross_entropy_loss.default: lower_cross_entropy,
+    aten.embedding.default: lower_embedding,
 }

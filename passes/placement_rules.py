@@ -21,7 +21,15 @@ from torch.fx import Node
 from tess_compile.layout import Layout, Partial, Placement, Replicate, Shard
 from tess_compile.mesh import AXES
 
-__all__ = ["Decision", "PLACEMENT_RULES", "cross_entropy_is_split", "display_name", "place_replicated", "uses_summa"]
+__all__ = [
+    "Decision",
+    "PLACEMENT_RULES",
+    "cross_entropy_is_split",
+    "display_name",
+    "place_replicated",
+    "uses_summa",
+    "vocab_parallel",
+]
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -574,11 +582,28 @@ def _keep_gqa_pairing(ctx, node: Node, required: dict, out: list) -> None:
         out[index] = Shard(heads_dim) if split_kv else R
 
 
+def vocab_parallel(node: Node, weight_layout: Layout | None) -> bool:
+    """Whether an embedding looks up a table split over rows by vocab (`R S(0) S(1)`)."""
+    return weight_layout is not None and weight_layout.row == Shard(0) and weight_layout.col == Shard(1)
+
+
 def place_embedding(node: Node, ctx) -> Decision:
+    """Token lookup. A free table [V, h] is split vocab over row and hidden over col
+    (1/q^2 of it a rank, and a tied output head multiplies it where it lies); each
+    rank looks up the ids of its row group that fall in its vocab block, and a
+    reduce-scatter along row sums and splits them. Ids not split over row (e.g.
+    positions) use a table split over col only."""
     weight, ids = node.args[:2]
     ids_layout = _no_partial(_layout(ctx, ids))
     w_layout = ctx.layout(weight)
+    vocab, hidden = _shape(weight)
     n_ids = len(_shape(ids))
+    q = ctx.mesh.q
+    batch_split = ids_layout.row == Shard(0) and ids_layout.col == R
+    plain_lookup = _arg(node, 2, "padding_idx", -1) == -1 and not _arg(node, 3, "scale_grad_by_freq", False)
+    if batch_split and plain_lookup and (vocab_parallel(node, w_layout) or (w_layout is None and vocab % q == 0 and hidden % q == 0)):
+        w_needed = Layout(R, Shard(0), Shard(1))
+        return Decision({weight: w_needed, ids: ids_layout}, Layout(ids_layout.depth, Shard(0), Shard(n_ids)))
     w_needed, out = [], []
     for axis, p in zip(AXES, ids_layout.placements):
         w_p = w_layout.on(axis) if w_layout else None
@@ -588,7 +613,7 @@ def place_embedding(node: Node, ctx) -> Decision:
         elif isinstance(w_p, Shard) and w_p.dim == 1:
             w_needed.append(w_p)
             out.append(Shard(n_ids, w_p.groups))
-        elif w_p is None and axis == "col" and _shape(weight)[1] % ctx.mesh.size(axis) == 0:
+        elif w_p is None and axis == "col" and hidden % ctx.mesh.size(axis) == 0:
             w_needed.append(Shard(1))
             out.append(Shard(n_ids))
         else:

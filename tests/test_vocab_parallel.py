@@ -1,4 +1,5 @@
-"""Cross-entropy over vocab-split logits: log-sum-exp and the target logit by
+"""Vocab parallelism: the embedding table split vocab over row and hidden over col,
+and cross-entropy over vocab-split logits with log-sum-exp and the target logit by
 collectives (Optimus 3.2); the full logits never exist on a rank."""
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def test_vocab_parallel_cross_entropy(reduction, q, d):
     grads = sim.full_grads()
     for name, param in model.named_parameters():
         assert_close_rel(grads[name], param.grad, name=f"grad {name}")
+    assert str(sim.program.slots[0].layout) == "RS(0)S(1)", "table: vocab over row, hidden over col"
     rows = batch * seq // (d * q)
-    gathers = [r for r in sim.comm.records if r.op == "all_gather"]
-    assert [(r.axis, r.num_bytes) for r in gathers] == [("col", rows * 4)], "only the per-row log-sum-exps are gathered"
+    gathers = [r for r in sim.comm.records if r.op == "all_gather" and r.phase == "forward"]
+    # Gathered: the token ids of the row group (int64, for the vocab-parallel lookup)
+    # and the per-row log-sum-exps (fp32); never logits.
+    assert [(r.axis, r.num_bytes) for r in gathers] == [("row", rows * 8), ("col", rows * 4)]
