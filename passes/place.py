@@ -35,7 +35,12 @@ log = logging.getLogger("tess_compile.passes")
 
 _MAX_ROUNDS = 4
 # Ops whose output layout may take groups on its last dim for free.
-_GROUPABLE = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default)
+_GROUPABLE = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.matmul.default)
+_KEEP_LAST_DIM = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def _last_dim(node: Node) -> int:
+    return node.meta["val"].shape[-1]
 
 
 class PlacementContext:
@@ -56,7 +61,13 @@ class PlacementContext:
         return tuple(node.meta["val"].shape)
 
     def want_groups(self, node: Node, groups: int) -> bool:
-        """Ask `node`'s producer for `groups` on its last dim; True if a rerun will give it."""
+        """Ask `node`'s producer for `groups` on its last dim; True if a rerun will give it.
+
+        Reshapes that keep the last dim (GPT-2's `addmm(...).view(b, s, 3h)`) pass
+        the request on to their input.
+        """
+        while node.target in _KEEP_LAST_DIM and _last_dim(node.args[0]) == _last_dim(node):
+            node = node.args[0]
         if node.target not in _GROUPABLE or self.hints.get(node) == groups:
             return False
         self.hints[node] = groups
