@@ -66,3 +66,31 @@ def test_transposed_weight_moves_no_weight(q, d):
     if d > 1:
         expected[("all_reduce", "depth")] = 2
     assert sim.comm.counts("backward") == expected
+
+
+class Conv1DAttentionInput(nn.Module):
+    """GPT-2's fused QKV: addmm on flattened rows, view back, split into q, k, v."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden, 3 * hidden) / hidden**0.5)
+        self.bias = nn.Parameter(torch.randn(3 * hidden))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        qkv = torch.addmm(self.bias, x.view(-1, h), self.weight).view(b, s, 3 * h)
+        q, k, v = qkv.split(h, dim=2)
+        return q * k + v
+
+
+@pytest.mark.parametrize("q, d", [(2, 2), (3, 1)], ids=[mesh_id(2, 2), mesh_id(3, 1)])
+def test_fused_qkv_through_view_needs_no_gather(q, d):
+    """The split asks the addmm (through the view) for a grouped layout of its output."""
+    torch.manual_seed(4)
+    model = Conv1DAttentionInput(4 * q)
+    x = torch.randn(d * q, 3, 4 * q)
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), strict=True, verify=True)
+    out, expected = sim(x), model(x)
+    assert_close_rel(out, expected, name="output")
+    assert not [r for r in sim.comm.records if r.op == "all_gather"]
+    assert str(sim.program.slots[0].layout) == f"RS(0)S(1,g=3)"
