@@ -93,4 +93,4 @@ def test_fused_qkv_through_view_needs_no_gather(q, d):
     out, expected = sim(x), model(x)
     assert_close_rel(out, expected, name="output")
     assert not [r for r in sim.comm.records if r.op == "all_gather"]
-    assert str(sim.program.slots[0].layout) == f"RS(0)S(1,g=3)"
+    assert str(sim.program.slots[0].layout) == "RS(0)S(1,g=3)"
