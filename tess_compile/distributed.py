@@ -176,8 +176,9 @@ class ShardedModule(nn.Module):
         flat = self.program.flatten_inputs(args, kwargs)
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat]
         for slot in self.program.slots:
-            if slot.role in INPUT_ROLES and flat[int(slot.name)].requires_grad:
-                flat[int(slot.name)] = _SumGradOverWorld.apply(flat[int(slot.name)])
+            value = flat[int(slot.name)] if slot.role in INPUT_ROLES else None
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                flat[int(slot.name)] = _SumGradOverWorld.apply(value)
         with use_comm(self.comm):
             outs = self.program.graph(*state.graph_inputs(self.program, self, flat))
         wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
