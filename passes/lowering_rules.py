@@ -105,7 +105,8 @@ def _sum_over(b: Builder, x: Node, dims, axes) -> Node:
 
 
 def lower_layer_norm(b: Builder, node: Node, args, kwargs):
-    """LayerNorm over a split hidden dim: mean, then centred variance, each all-reduced."""
+    """LayerNorm over a split hidden dim: mean, then centred variance, each all-reduced
+    (in fp32 for half inputs, as torch's own kernel)."""
     x, shape = args[0], args[1]
     weight, bias = (list(args[2:4]) + [None, None])[:2]
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
@@ -115,8 +116,9 @@ def lower_layer_norm(b: Builder, node: Node, args, kwargs):
     if not axes:
         return lower_default(b, node, args, kwargs)
     count = math.prod(shape)
-    mean = b.call(aten.div.Tensor, _sum_over(b, x, dims, axes), count)
-    centred = b.call(aten.sub.Tensor, x, mean)
+    x32 = b.call(aten.to.dtype, x, torch.float32)  # statistics in fp32, as torch's kernel
+    mean = b.call(aten.div.Tensor, _sum_over(b, x32, dims, axes), count)
+    centred = b.call(aten.sub.Tensor, x32, mean)
     squares = b.call(aten.mul.Tensor, centred, centred)
     var = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), count)
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, var, eps))
@@ -125,7 +127,7 @@ def lower_layer_norm(b: Builder, node: Node, args, kwargs):
         y = b.call(aten.mul.Tensor, y, weight)
     if bias is not None:
         y = b.call(aten.add.Tensor, y, bias)
-    return y
+    return b.call(aten.type_as.default, y, x)
 
 
 def lower_rms_norm(b: Builder, node: Node, args, kwargs):
@@ -139,11 +141,14 @@ def lower_rms_norm(b: Builder, node: Node, args, kwargs):
     if not axes:
         return lower_default(b, node, args, kwargs)
     eps = torch.finfo(val.dtype).eps if eps is None else eps
-    squares = b.call(aten.mul.Tensor, x, x)
+    x32 = b.call(aten.to.dtype, x, torch.float32)  # statistics in fp32, as torch's kernel
+    squares = b.call(aten.mul.Tensor, x32, x32)
     mean_square = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), math.prod(shape))
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, mean_square, eps))
-    y = b.call(aten.mul.Tensor, x, rstd)
-    return y if weight is None else b.call(aten.mul.Tensor, y, weight)
+    y = b.call(aten.mul.Tensor, x32, rstd)
+    if weight is not None:
+        y = b.call(aten.mul.Tensor, y, weight)
+    return b.call(aten.type_as.default, y, x)
 
 
 def lower_dropout(b: Builder, node: Node, args, kwargs):
