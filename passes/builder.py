@@ -18,7 +18,8 @@ class Builder:
         self.graph = Graph()
 
     def call(self, target, *args, **kwargs) -> Node:
-        return self.graph.call_function(target, args, kwargs)
+        name = getattr(target, "_opname", None)  # "broadcast", not "broadcast_default"
+        return self.graph.create_node("call_function", target, args, kwargs, name=name)
 
     def collective(self, op, x: Node, axis: str, *args) -> Node:
         """`op(x, axis, *args)`, or `x` itself when `axis` has size 1."""
