@@ -125,9 +125,12 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun:
             break
+    by_name = {n.meta["role"][1]: n for n in decisions if n.op == "placeholder"}
     for node, decision in decisions.items():
         node.meta["arg_layouts"] = decision.args
         layout = ctx.layouts.get(node) or decision.out
+        if "alias_of" in node.meta:  # a tied weight's second name: the tensor's layout
+            layout = ctx.layouts.get(by_name[node.meta["alias_of"]])
         if layout is None and node.op == "placeholder" and isinstance(node.meta["val"], torch.Tensor):
             layout = Layout.replicated()  # an unused parameter or buffer
         node.meta["layout"] = layout

@@ -70,10 +70,16 @@ class Program:
     def params(self) -> list[Slot]:
         return [s for s in self.slots if s.role == "param"]
 
-    def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None) -> torch.Tensor:
-        """The block of a parameter/buffer/constant that `rank` holds (a copy)."""
+    def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:
+        """The block of a parameter/buffer/constant that `rank` holds (a copy, on `device`).
+
+        Of a meta tensor (a model built on the meta device): an uninitialised
+        tensor of the local shape, so that the full tensor never exists.
+        """
         full = self.tensors[slot.name] if full is None else full
-        return local_block(full.detach(), slot.layout, self.mesh, rank).clone()
+        if full.is_meta:
+            return torch.empty(slot.layout.local_shape(slot.shape, self.mesh), dtype=slot.dtype, device=device)
+        return local_block(full.detach(), slot.layout, self.mesh, rank).to(device or full.device, copy=True)
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list:
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -150,7 +156,6 @@ def compile_model(
 
 def _slots(placed: GraphModule) -> list[Slot]:
     placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
-    layouts = {n.meta["role"][1]: n.meta["layout"] for n in placeholders if n.meta["role"][0] != "input"}
     slots = []
     for node in placeholders:
         role, name = node.meta["role"]
@@ -158,13 +163,11 @@ def _slots(placed: GraphModule) -> list[Slot]:
         if not isinstance(val, torch.Tensor):
             slots.append(Slot(role, str(name), None, (), None))
             continue
-        alias_of = node.meta.get("alias_of")
+        layout = node.meta["layout"]
         if role == "input":
             role = "weight" if "weight_input" in node.meta else "input"
             layout = Layout.replicated()  # inputs arrive whole
-        else:
-            layout = layouts[alias_of or name]
-        slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype, alias_of))
+        slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype, node.meta.get("alias_of")))
     return slots
 
 

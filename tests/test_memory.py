@@ -1,0 +1,36 @@
+"""Per-rank memory of a sharded GPT-2: parameter bytes near total/q^2, and no
+per-rank tensor ever has the full vocabulary as a dim (logits stay split)."""
+
+from __future__ import annotations
+
+import torch
+
+import tess_compile
+from hf_models import build
+from tess_compile.mesh import AXES
+
+
+def _parts(layout, mesh) -> int:
+    return int(torch.tensor([mesh.size(a) for a in AXES if type(layout.on(a)).__name__ == "Shard"] + [1]).prod())
+
+
+def test_gpt2_parameter_bytes_and_no_full_logits():
+    q, d = 2, 2
+    model, kwargs = build("gpt2", q, d, torch.float32)
+    vocab = model.config.vocab_size
+    sim = tess_compile.simulate(model, q, d, example_inputs=kwargs, verify=True)
+    mesh = sim.mesh
+    params = dict(model.named_parameters())
+    matrices = sum(p.numel() for p in params.values() if p.dim() == 2)
+    vectors = sum(p.numel() for p in params.values() if p.dim() == 1)
+    expected = matrices / q**2 + vectors / q  # vectors are split over col only
+    for rank in range(mesh.num_ranks):
+        held = sum(p.numel() for p in sim.ranks[rank].parameters())
+        assert held <= 1.05 * expected, f"rank {rank} holds {held} parameters, expected about {expected:.0f}"
+    # The learned positions are the one matrix split q ways, not q^2 (their ids are not batch-split).
+    split_q2 = [s.name for s in sim.program.params if s.shape and len(s.shape) == 2 and _parts(s.layout, mesh) == q * q]
+    assert "transformer.wte.weight" in split_q2
+    for node in sim.program.graph.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 2:
+            assert vocab not in val.shape, f"{node.name} has the full vocabulary ({vocab}) in its local shape {list(val.shape)}"
