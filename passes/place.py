@@ -4,7 +4,8 @@ Reads `node.meta["val"]` (global fake tensors from capture) and
 `node.meta["role"]`. Writes `node.meta["layout"]` (the value's layout, a
 tuple for ops that return several tensors) and `node.meta["arg_layouts"]`
 (`{input node: layout the op needs it in}`); the rewrite inserts the
-collectives that convert one into the other.
+collectives that convert one into the other. Ops that run replicated get
+`node.meta["replicated"]` (the model's source line).
 
 User inputs start in their home layout (batch split over depth and row,
 last dim over col). Parameters, buffers, constants and weights that arrive
@@ -154,6 +155,7 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
         rule = PLACEMENT_RULES.get(node.target)
         if rule is None:
             _warn_replicated(node, strict)
+            node.meta["replicated"] = source_line(node)
             rule = place_replicated
         decision = rule(node, ctx)
     for arg, layout in decision.args.items():

@@ -5,8 +5,9 @@ Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["role"]` and
 captured order, the local shards of parameters, buffers and constants and
 the global user inputs; each op runs on local tensors (`LOWERING_RULES`),
 with the collectives of `redistribute` wherever a value's layout differs
-from the layout its consumer needs. Writes `meta["layout"]` and
-`meta["global_shape"]` on the node that holds each original value.
+from the layout its consumer needs. Writes `meta["layout"]`,
+`meta["global_shape"]` and `meta["replicated"]` on the node that holds each
+original value.
 
 Replicated parameters pass through `grad_sync` over their replica axes;
 outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
@@ -99,7 +100,10 @@ def _seed(b: Builder, x: Node, layout: Layout) -> Node:
 
 
 def _annotate(out, node: Node) -> None:
-    """Mark the per-rank node that holds `node`'s value with its layout and global shape."""
+    """Mark the per-rank node that holds `node`'s value with its layout and global
+    shape, and whether it runs replicated."""
+    if isinstance(out, Node) and "replicated" in node.meta:
+        out.meta["replicated"] = node.meta["replicated"]
     if isinstance(out, Node) and isinstance(node.meta.get("layout"), Layout):
         out.meta.setdefault("layout", node.meta["layout"])
         out.meta.setdefault("global_shape", tuple(node.meta["val"].shape))

@@ -12,10 +12,11 @@ import torch
 
 from tess_compile.backend import backend
 from tess_compile.compiler import compile_model
+from tess_compile.dump import dump
 from tess_compile.mesh import Mesh
 from tess_compile.simulator import SimulatedModule
 
-__all__ = ["Mesh", "backend", "shard", "shard_program", "simulate"]
+__all__ = ["Mesh", "backend", "dump", "shard", "shard_program", "simulate"]
 
 
 def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None) -> SimulatedModule:

@@ -131,8 +131,11 @@ def compile_model(
     args, kwargs = split_example_inputs(example_inputs)
     start = time.perf_counter()
     gm = capture(model, args, kwargs, weight_inputs=weight_inputs)
+    dumper = _StageDumper.from_env(mesh)
+    dumper.write("capture", None, gm)
     placed = gm
     for name, stage in pipeline(strict, verify, replicate_outputs):
+        before = len(gm.graph.nodes)
         try:
             gm = stage(gm, mesh)
         except ValueError:
@@ -141,6 +144,7 @@ def compile_model(
             raise RuntimeError(f"tess-compile pass {name!r} failed on mesh {mesh}: {err}") from err
         if name == "place":
             placed = gm
+        dumper.write(name, before, gm)
     log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
     return Program(
         mesh=mesh,
@@ -152,6 +156,37 @@ def compile_model(
         tensors=gm.meta["tensors"],
         state_keys=gm.meta["state_keys"],
     )
+
+
+class _StageDumper:
+    """The debug switch: with `TESS_COMPILE_DUMP=folder`, every stage's graph is
+    written there pass by pass (rank 0's view), with node counts in `passes.txt`."""
+
+    STAGES = {"capture": "captured", "place": "placed", "rewrite": "rewritten"}
+
+    def __init__(self, folder: str | None, mesh: Mesh):
+        self.folder, self.mesh, self.count = folder, mesh, 0
+
+    @classmethod
+    def from_env(cls, mesh: Mesh) -> _StageDumper:
+        return cls(os.environ.get("TESS_COMPILE_DUMP") or None, mesh)
+
+    def write(self, name: str, nodes_before: int | None, gm: GraphModule) -> None:
+        if self.folder is None:
+            return
+        from tess_compile.dump import dump_graph
+
+        os.makedirs(self.folder, exist_ok=True)
+        nodes = len(gm.graph.nodes)
+        change = "" if nodes_before is None else f" ({nodes_before} -> {nodes}, {nodes - nodes_before:+d})"
+        with open(os.path.join(self.folder, "passes.txt"), "a", encoding="ascii") as summary:
+            summary.write(f"{self.count:02d} {name}: {nodes} nodes{change}\n")
+        if name in self.STAGES:
+            text = dump_graph(gm, self.mesh, stage=self.STAGES[name])
+            with open(os.path.join(self.folder, f"{self.count:02d}-{name}.txt"), "w", encoding="ascii") as out:
+                out.write(text)
+        log.info("pass %s: %d nodes%s", name, nodes, change)
+        self.count += 1
 
 
 def _slots(placed: GraphModule) -> list[Slot]:

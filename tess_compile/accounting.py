@@ -1,0 +1,167 @@
+"""Bytes moved by a compiled program, predicted from its per-rank graph.
+
+An analysis of the rewritten graph (stage 3's output); it runs nothing
+between ranks. A fake run of the per-rank graph on local shapes gives every
+value its shape, dtype and, through autograd itself, whether it requires
+grad. Then, per collective that sends bytes:
+
+- forward: the bytes of its input tensor on this rank;
+- backward: its adjoint (`collectives.ADJOINT`) runs if autograd reaches the
+  node from the outputs, that is if its input requires grad and its output
+  feeds a graph output through differentiable ops; it sends the gradient of
+  the node's output, so its bytes are the output tensor's bytes.
+
+`grad_sync` (identity forward, all-reduce backward) counts in backward only;
+`shard_slice`, `seed_once` and their adjoints send nothing. Every output
+that requires grad is assumed to be part of the loss. Reads `meta["role"]`,
+`meta["layout"]`, `meta["global_shape"]` and `meta["dtype"]` of the
+placeholders; writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils import _pytree as pytree
+
+from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
+from tess_compile.compiler import Program
+from tess_compile.mesh import Mesh
+
+__all__ = [
+    "PHASES",
+    "CollectiveCost",
+    "bytes_by_phase",
+    "bytes_from_records",
+    "check_rank",
+    "collective_costs",
+    "fake_run",
+    "predict_bytes",
+    "tensor_bytes",
+]
+
+PHASES = ("forward", "backward")
+
+BytesByKey = dict[tuple[str, str], int]
+
+
+def check_rank(rank: int, mesh: Mesh) -> None:
+    """ValueError unless `rank` is a rank of `mesh`."""
+    if not isinstance(rank, int) or not 0 <= rank < mesh.num_ranks:
+        raise ValueError(
+            f"rank {rank!r} is not a rank of mesh {mesh}: choose one of 0..{mesh.num_ranks - 1}"
+        )
+
+
+def tensor_bytes(value) -> int:
+    return value.numel() * value.element_size()
+
+
+def _requires_grad(node: Node, inputs_require_grad: bool) -> bool:
+    role = node.meta["role"][0]
+    floating = node.meta["dtype"].is_floating_point or node.meta["dtype"].is_complex
+    return floating and (role == "param" or (role == "input" and inputs_require_grad))
+
+
+def _fake_placeholder(node: Node, mesh: Mesh, inputs_require_grad: bool) -> torch.Tensor:
+    """A fake local tensor for a per-rank placeholder (made inside the fake mode)."""
+    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
+    grad = _requires_grad(node, inputs_require_grad)
+    return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=grad)
+
+
+def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> dict[Node, object]:
+    """Every node's local value (fake tensors) from a run of the per-rank `gm`.
+
+    Parameters require grad; user inputs do if `inputs_require_grad` and
+    they are floating point; buffers and constants never. The graph's nodes
+    are left as they were (no `meta["val"]` is written).
+    """
+    interpreter = Interpreter(gm, garbage_collect_values=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        inputs = [_fake_placeholder(n, mesh, inputs_require_grad) for n in placeholders]
+        interpreter.run(*inputs)
+    return interpreter.env
+
+
+def _reached_by_backward(gm: GraphModule, values: dict[Node, object]) -> set:
+    """The autograd nodes that a backward from every graph output runs."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = pytree.tree_leaves(values[output])
+    pending = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    reached = set()
+    while pending:
+        fn = pending.pop()
+        if fn is None or fn in reached:
+            continue
+        reached.add(fn)
+        pending.extend(next_fn for next_fn, _ in fn.next_functions)
+    return reached
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Bytes one collective node of the per-rank graph sends, per phase."""
+
+    node: Node
+    op: str
+    axis: str
+    forward_bytes: int | None  # its input's bytes; None if it sends nothing
+    backward_op: str  # its adjoint
+    backward_bytes: int | None  # its output's bytes; None if the adjoint sends nothing or does not run
+
+
+def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
+    """The cost of every collective node of the per-rank `gm`, in graph order."""
+    values = fake_run(gm, mesh, inputs_require_grad=inputs_require_grad)
+    reached = _reached_by_backward(gm, values)
+    costs = []
+    for node in gm.graph.nodes:
+        op = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
+        if op is None:
+            continue
+        adjoint = ADJOINT[op]
+        forward = tensor_bytes(values[node.args[0]]) if op in COMMUNICATING else None
+        runs = adjoint in COMMUNICATING and values[node].grad_fn in reached
+        backward = tensor_bytes(values[node]) if runs else None
+        costs.append(CollectiveCost(node, op, node.args[1], forward, adjoint, backward))
+    return costs
+
+
+def bytes_by_phase(costs: Iterable[CollectiveCost]) -> dict[str, BytesByKey]:
+    """`{"forward": {(op, axis): bytes}, "backward": {...}}` summed over `costs`."""
+    out: dict[str, BytesByKey] = {phase: {} for phase in PHASES}
+    for cost in costs:
+        if cost.forward_bytes is not None:
+            _add(out["forward"], (cost.op, cost.axis), cost.forward_bytes)
+        if cost.backward_bytes is not None:
+            _add(out["backward"], (cost.backward_op, cost.axis), cost.backward_bytes)
+    return out
+
+
+def predict_bytes(program: Program, *, rank: int = 0, inputs_require_grad: bool = False) -> dict[str, BytesByKey]:
+    """`{"forward": {(op, axis): bytes}, "backward": {...}}` that `rank` sends in one step.
+
+    Splits are even, so every rank moves the same bytes; `rank` is checked
+    against the mesh. Equals `bytes_from_records` of the records of one
+    forward and one backward through every output.
+    """
+    check_rank(rank, program.mesh)
+    return bytes_by_phase(collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad))
+
+
+def bytes_from_records(records: Iterable[CommRecord]) -> dict[str, BytesByKey]:
+    """`{phase: {(op, axis): bytes}}` summed over `Comm.records` (forward, backward always present)."""
+    out: dict[str, BytesByKey] = {phase: {} for phase in PHASES}
+    for record in records:
+        _add(out.setdefault(record.phase, {}), (record.op, record.axis), record.num_bytes)
+    return out
+
+
+def _add(totals: BytesByKey, key: tuple[str, str], num_bytes: int) -> None:
+    totals[key] = totals.get(key, 0) + num_bytes
