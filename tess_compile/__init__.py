@@ -12,7 +12,7 @@ import torch
 
 from tess_compile.backend import backend
 from tess_compile.compiler import compile_model
-from tess_compile.dump import dump
+from tess_compile.graph_dump import dump
 from tess_compile.mesh import Mesh
 from tess_compile.simulator import SimulatedModule
 

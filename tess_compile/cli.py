@@ -141,7 +141,7 @@ def check_mesh(q: int, d: int) -> None:
 
 def cmd_dump(args) -> int:
     """Print (or write to args.output) one stage of the compiled model."""
-    from tess_compile.dump import dump  # only this command needs it
+    from tess_compile.graph_dump import dump  # only this command needs it
 
     model, inputs = build(*parse_target(args.target))
     check_mesh(args.q, args.d)

@@ -174,7 +174,7 @@ class _StageDumper:
     def write(self, name: str, nodes_before: int | None, gm: GraphModule) -> None:
         if self.folder is None:
             return
-        from tess_compile.dump import dump_graph
+        from tess_compile.graph_dump import dump_graph
 
         os.makedirs(self.folder, exist_ok=True)
         nodes = len(gm.graph.nodes)
