@@ -16,7 +16,25 @@ from tess_compile.graph_dump import dump
 from tess_compile.mesh import Mesh
 from tess_compile.simulator import SimulatedModule
 
-__all__ = ["Mesh", "backend", "dump", "shard", "shard_program", "simulate"]
+__all__ = [
+    "Mesh",
+    "backend",
+    "dump",
+    "load_pretrained_shards",
+    "load_shards_from",
+    "shard",
+    "shard_program",
+    "simulate",
+]
+
+
+def __getattr__(name: str):
+    """Checkpoint loaders, imported on first use (they pull in torch.distributed.checkpoint)."""
+    if name in ("load_shards_from", "load_pretrained_shards"):
+        from tess_compile import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'tess_compile' has no attribute {name!r}")
 
 
 def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None) -> SimulatedModule:

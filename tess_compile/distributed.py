@@ -16,14 +16,17 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend
 from torch import nn
+from torch.distributed import tensor as dt
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from tess_compile import state
 from tess_compile.collectives import Comm, use_comm
 from tess_compile.compiler import INPUT_ROLES, Program, Slot
-from tess_compile.layout import assemble, put_blocks, take_block
+from tess_compile.layout import Layout, Partial, Shard, assemble, put_blocks, take_block
 from tess_compile.mesh import AXES, Mesh
 
 __all__ = ["DEFAULT_TIMEOUT", "DistComm", "ShardedModule", "check_world"]
@@ -147,7 +150,10 @@ class ShardedModule(nn.Module):
     """This rank's part of a compiled model: its shards are its parameters.
 
     Takes the model's global inputs; returns DTensors on the mesh (plain
-    tensors for scalars such as a loss).
+    tensors for scalars such as a loss). `named_parameters()` gives the local
+    shards; `state_dict()` gives DTensors, for torch.distributed.checkpoint.
+    Of a model built on the meta device the shards are uninitialised until a
+    checkpoint is loaded (`tess_compile.checkpoint`).
     """
 
     def __init__(
@@ -161,11 +167,11 @@ class ShardedModule(nn.Module):
         super().__init__()
         self.wrap_outputs = wrap_outputs
         mesh = program.mesh
-        self.program = program
         self.device = torch.device(device) if device is not None else _default_device()
+        self.program = state.off_meta(program, self.device)
         self.device_mesh = _device_mesh(self.device.type, mesh, timeout)
         self.comm = DistComm(mesh, self.device_mesh, timeout)
-        state.add_local_tensors(self, program, dist.get_rank())
+        state.add_local_tensors(self, self.program, dist.get_rank(), device=self.device)
         self.to(self.device)
 
     @property
@@ -202,3 +208,96 @@ class ShardedModule(nn.Module):
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a full state dict; this rank takes its blocks."""
         state.load_shards(self.program, {dist.get_rank(): self}, state_dict)
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """This rank's state as DTensors of the model's global shapes, keyed like the model's state dict.
+
+        A shard that is one box of the full tensor is a DTensor with the
+        layout's placements; a grouped split (`Shard(dim, groups=g)`: g boxes)
+        is a DTensor whose local tensor is a `LocalShardsWrapper` of its boxes,
+        which torch.distributed.checkpoint saves and reshards box by box
+        (see docs/checkpoints.md). The local tensors are this module's own.
+        """
+        out = {} if destination is None else destination
+        for slot in state.state_slots(self.program):
+            out[prefix + slot.name] = self._dtensor(slot, keep_vars)
+        return out
+
+    def _dtensor(self, slot: Slot, keep_vars: bool) -> DTensor:
+        local = state.get_tensor(self, slot)
+        local = local if keep_vars else local.detach()
+        rank = dist.get_rank()
+        if len(state.pieces(slot, self.mesh, rank)) > 1:
+            local = state.pieces_wrapper(local, slot, self.mesh, rank)
+        shape = torch.Size(slot.shape)
+        return DTensor.from_local(
+            local, self.device_mesh, _placements(slot.layout), run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        )
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load what `state_dict()` gives (DTensors with this rank's boxes), or this rank's local tensors.
+
+        DCP loads in place into `state_dict()`'s tensors; this copies. A
+        DTensor of other boxes (another mesh) is refused: load such a
+        checkpoint with `torch.distributed.checkpoint.load(module.state_dict(), ...)`.
+        """
+        slots = state.state_slots(self.program)
+        names = [s.name for s in slots]
+        missing = [name for name in names if name not in state_dict]
+        unexpected = [key for key in state_dict if key not in names]
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"state dict does not match the model compiled for mesh {self.mesh}: missing {missing}, "
+                f"unexpected {unexpected}; pass what this module's state_dict() gives, or strict=False"
+            )
+        with torch.no_grad():
+            for slot in slots:
+                if slot.name in state_dict:
+                    self._load_local(slot, state_dict[slot.name])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _load_local(self, slot: Slot, value: torch.Tensor) -> None:
+        local = state.get_tensor(self, slot)
+        if not isinstance(value, DTensor):
+            if value.shape != local.shape:
+                raise ValueError(
+                    f"state dict tensor {slot.name!r} has shape {list(value.shape)}, not this rank's local "
+                    f"shape {list(local.shape)} on mesh {self.mesh}: pass state_dict()'s DTensors or local "
+                    "shards, or load full tensors with load_full_state_dict"
+                )
+            local.copy_(value)
+            return
+        boxes = state.pieces(slot, self.mesh, dist.get_rank())
+        theirs = [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
+        if value.shape != torch.Size(slot.shape) or theirs != [(p.offsets, p.sizes) for p in boxes]:
+            raise ValueError(
+                f"state dict DTensor {slot.name!r} (shape {list(value.shape)}) holds the boxes {theirs} on this "
+                f"rank, not this module's {[(p.offsets, p.sizes) for p in boxes]} of shape {list(slot.shape)} on "
+                f"mesh {self.mesh}: load a checkpoint of another mesh with "
+                "torch.distributed.checkpoint.load(module.state_dict(), ...)"
+            )
+        source = value.to_local()
+        parts = source.local_shards() if isinstance(source, LocalShardsWrapper) else [source]
+        for box, part in zip(boxes, parts):
+            local[box.local].copy_(part)
+
+
+def _placements(layout: Layout) -> tuple:
+    """DTensor placements of `layout`. A grouped split `S(dim,g=g)` over n ranks is
+    `_StridedShard(dim, split_factor=g)`: both give coordinate i the chunks i, n+i, ...
+    of the dim cut into n*g."""
+
+    def convert(placement):
+        if isinstance(placement, Shard):
+            return dt.Shard(placement.dim) if placement.groups == 1 else _StridedShard(placement.dim, split_factor=placement.groups)
+        return dt.Partial() if isinstance(placement, Partial) else dt.Replicate()
+
+    return tuple(convert(p) for p in layout.placements)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(out))

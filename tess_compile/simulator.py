@@ -129,11 +129,13 @@ class SimulatedModule(nn.Module):
     """Every rank of a compiled model in this process; global inputs in, global outputs out.
 
     `parameters()` yields every rank's shards, so an optimizer steps them all.
+    Of a model built on the meta device the shards are uninitialised, on the
+    default device, until a checkpoint is loaded (`tess_compile.checkpoint`).
     """
 
     def __init__(self, program: Program):
         super().__init__()
-        self.program = program
+        self.program = program = state.off_meta(program, torch.get_default_device())
         self.comm = SimComm(program.mesh)
         self.ranks = nn.ModuleList([state.add_local_tensors(nn.Module(), program, r) for r in range(program.mesh.num_ranks)])
 
