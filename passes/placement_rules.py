@@ -13,6 +13,7 @@ replicated over depth; norm/bias vectors are split over col.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -293,8 +294,11 @@ def place_view(node: Node, ctx) -> Decision:
         mapped = _map_view_split(cur_in, cur_out, p, parts)
         if mapped is None:
             if not _ask_groups(ctx, x, cur_in, cur_out, p, parts):
-                raise _view_error(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
-            needed.append(R)  # provisional: the rerun brings a grouped split
+                error = _view_error(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
+                if not _is_narrow_projection(x):
+                    raise error
+                warnings.warn(f"{error.args[0].split(': use')[0]}: key/value heads run replicated over {axis}", stacklevel=2)
+            needed.append(R)  # provisional if groups were asked for; else replicated heads
             out.append(R)
             continue
         o, groups = mapped
@@ -321,6 +325,15 @@ def _map_view_split(in_shape, out_shape, p: Shard, parts):
             return o, outer // prefix
         prefix *= size
     return None
+
+
+def _is_narrow_projection(x: Node) -> bool:
+    """A projection to fewer features than it takes: grouped-query attention's key and
+    value heads, whose count need not divide q (they then run replicated)."""
+    if x.target is not aten.linear.default:
+        return False
+    out_features, in_features = _shape(x.args[1])[:2]
+    return out_features < in_features
 
 
 def _ask_groups(ctx, x, in_shape, out_shape, p: Shard, parts) -> bool:
@@ -472,6 +485,15 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     in_features, out_features = _shape(w)[w_in], _shape(w)[w_out]
     fix = f"use sizes that are multiples of q={mesh.q} (hidden size, heads, MLP width), or another q"
     _check_divisible("in features", w, in_features, mesh.q * groups_in, ctx, fix)
+    split_out = transposed or out_features % (mesh.q * groups_out) == 0 or not _is_narrow_projection(node)
+    if not split_out:
+        warnings.warn(
+            f"{node.target} with weight {display_name(w)!r} of shape {list(_shape(w))}: out features "
+            f"{out_features} do not divide by q={mesh.q} on mesh {mesh}, so its output (e.g. grouped-query "
+            "key/value heads) runs replicated over col",
+            stacklevel=2,
+        )
+        return _place_narrow_summa(node, ctx, x, w, bias, w_in, w_out, groups_in)
     _check_divisible("out features", w, out_features, mesh.q * groups_out, ctx, fix)
     depth = _row_block_dim(ctx, x, x_layout, "depth")
     row = _row_block_dim(ctx, x, x_layout, "row")
@@ -482,6 +504,21 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     if bias is not None:
         args[bias] = Layout(R, R, Shard(0, groups_out))
     return Decision(args, Layout(depth, row, Shard(ndim - 1, groups_out)))
+
+
+def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_out: int, groups_in: int) -> Decision:
+    """x @ W with W's out features whole on every column: each column computes the
+    whole output of its rows (the same SUMMA steps; the output is replicated over col)."""
+    x_layout = _no_partial(_layout(ctx, x))
+    ndim = len(_shape(x))
+    depth = _row_block_dim(ctx, x, x_layout, "depth")
+    row = _row_block_dim(ctx, x, x_layout, "row")
+    x_needed = Layout(depth, row, Shard(ndim - 1, groups_in))
+    _check_rows(node, x, x_needed, ctx)
+    args = {x: x_needed, w: Layout(R, Shard(w_in, groups_in), R)}
+    if bias is not None:
+        args[bias] = Layout.replicated()
+    return Decision(args, Layout(depth, row, R))
 
 
 def _check_rows(node: Node, x: Node, layout: Layout, ctx) -> None:
