@@ -53,3 +53,17 @@ def assert_close_rel(actual, expected, rtol: float = 1e-5, name: str = "tensor")
             f"(max abs err {err.max().item():.3e}, scale {scale:.3e}); first at {list(index)}: "
             f"actual {a[index].item():.8g} vs expected {e[index].item():.8g}"
         )
+
+
+def assert_matches_model(sim, model, *inputs, rtol: float = 1e-5):
+    """The simulated model's output, and every parameter gradient after the backward of
+    a fixed random projection of it, equal the unsharded model's. Returns the output."""
+    out, expected = sim(*inputs), model(*inputs)
+    assert_close_rel(out, expected, rtol, "output")
+    target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1234), dtype=expected.dtype)
+    (out * target).sum().backward()
+    (expected * target).sum().backward()
+    grads = sim.full_grads()
+    for name, param in model.named_parameters():
+        assert_close_rel(grads[name], param.grad, rtol, f"grad {name}")
+    return out

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tess_compile
-from conftest import assert_close_rel
+from conftest import assert_close_rel, assert_matches_model
 from models import mesh_id
 
 MESHES = [(2, 1), (2, 2), (3, 1), (3, 3)]
@@ -38,14 +38,7 @@ def _simulate(q, d):
 @pytest.mark.parametrize("q, d", MESHES, ids=[mesh_id(q, d) for q, d in MESHES])
 def test_transposed_weight_parity(q, d):
     model, sim, x = _simulate(q, d)
-    out, expected = sim(x), model(x)
-    assert_close_rel(out, expected, name="output")
-    target = torch.randn_like(expected)
-    (out * target).sum().backward()
-    (expected * target).sum().backward()
-    grads = sim.full_grads()
-    for name, param in model.named_parameters():
-        assert_close_rel(grads[name], param.grad, name=f"grad {name}")
+    assert_matches_model(sim, model, x)
 
 
 @pytest.mark.parametrize("q, d", MESHES, ids=[mesh_id(q, d) for q, d in MESHES])

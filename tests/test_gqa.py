@@ -12,7 +12,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tess_compile
 from conftest import assert_close_rel
-from models import mesh_id
 
 transformers.logging.set_verbosity_error()
 
