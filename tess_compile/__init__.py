@@ -10,11 +10,7 @@ from datetime import timedelta
 
 import torch
 
-from tess_compile.backend import backend
-from tess_compile.compiler import compile_model
-from tess_compile.graph_dump import dump
 from tess_compile.mesh import Mesh
-from tess_compile.simulator import SimulatedModule
 
 __all__ = [
     "Mesh",
@@ -28,21 +24,36 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """Checkpoint loaders, imported on first use (they pull in torch.distributed.checkpoint)."""
-    if name in ("load_shards_from", "load_pretrained_shards"):
-        from tess_compile import checkpoint
+# Names imported on first use: the compiler imports `passes`, whose rules import
+# `tess_compile.layout`, so importing them here would make a cycle for anyone
+# who imports `passes` first; the checkpoint loaders pull in torch.distributed.checkpoint.
+_LAZY = {
+    "backend": "tess_compile.dynamo_backend",
+    "dump": "tess_compile.graph_dump",
+    "load_shards_from": "tess_compile.checkpoint",
+    "load_pretrained_shards": "tess_compile.checkpoint",
+}
 
-        return getattr(checkpoint, name)
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name]), name)
+        return value
     raise AttributeError(f"module 'tess_compile' has no attribute {name!r}")
 
 
-def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None) -> SimulatedModule:
+def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None):
     """Compile `model` for the `[q, q, d]` mesh and run all `q*q*d` ranks in this process.
 
     Called with the model's global inputs it returns the model's global outputs.
     After `backward()`, `full_grads()` gives every parameter's full gradient.
+    Returns a `tess_compile.simulator.SimulatedModule`.
     """
+    from tess_compile.compiler import compile_model
+    from tess_compile.simulator import SimulatedModule
+
     program = compile_model(model, Mesh(q, d), example_inputs, strict=strict, verify=verify)
     return SimulatedModule(program)
 
@@ -66,6 +77,8 @@ def shard(
     the CPU otherwise; a collective whose peers do not arrive within `timeout`
     (seconds or a timedelta; default 10 minutes) fails with a message.
     """
+    from tess_compile.compiler import compile_model
+
     program = compile_model(model, Mesh(q, d), example_inputs, strict=strict, verify=verify)
     return shard_program(program, device=device, timeout=timeout)
 
