@@ -1,0 +1,23 @@
+"""The benchmarks run (their numbers are printed, never asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compile_time_benchmark_runs_on_meta(capsys):
+    bench = _load("compile_time")
+    row = bench.measure(layers=2, hidden=64, heads=4, q=2, d=2)
+    assert row["per_rank_nodes"] > row["nodes"] > 0
+    assert bench.main(["--layers", "1", "--hidden", "32", "--heads", "4"]) == 0
+    assert "[q=2, q=2, d=2]" in capsys.readouterr().out
