@@ -1,4 +1,4 @@
-"""Bytes moved by a compiled program, predicted from its per-rank graph.
+"""Bytes moved and FLOPs of a compiled program, predicted from its per-rank graph.
 
 An analysis of the rewritten graph (stage 3's output); it runs nothing
 between ranks. A fake run of the per-rank graph on local shapes gives every
@@ -20,12 +20,14 @@ placeholders; writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils import _pytree as pytree
 
 from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
@@ -40,6 +42,7 @@ __all__ = [
     "check_rank",
     "collective_costs",
     "fake_run",
+    "forward_flops",
     "predict_bytes",
     "tensor_bytes",
 ]
@@ -74,19 +77,28 @@ def _fake_placeholder(node: Node, mesh: Mesh, inputs_require_grad: bool) -> torc
     return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=grad)
 
 
-def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> dict[Node, object]:
+def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False, within=None) -> dict[Node, object]:
     """Every node's local value (fake tensors) from a run of the per-rank `gm`.
 
     Parameters require grad; user inputs do if `inputs_require_grad` and
-    they are floating point; buffers and constants never. The graph's nodes
-    are left as they were (no `meta["val"]` is written).
+    they are floating point; buffers and constants never. `within`, a
+    dispatch mode such as a FLOP counter, sees every op of the run. The
+    graph's nodes are left as they were (no `meta["val"]` is written).
     """
     interpreter = Interpreter(gm, garbage_collect_values=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         inputs = [_fake_placeholder(n, mesh, inputs_require_grad) for n in placeholders]
-        interpreter.run(*inputs)
+        with within or contextlib.nullcontext():
+            interpreter.run(*inputs)
     return interpreter.env
+
+
+def forward_flops(program: Program) -> int:
+    """FLOPs of the matmul-like ops (torch's FlopCounterMode) one rank runs in forward."""
+    counter = FlopCounterMode(display=False)
+    fake_run(program.graph, program.mesh, within=counter)
+    return counter.get_total_flops()
 
 
 def _reached_by_backward(gm: GraphModule, values: dict[Node, object]) -> set:
