@@ -75,6 +75,8 @@ def _placeholder(b: Builder, node: Node) -> Node:
     role, layout = node.meta["role"][0], node.meta["layout"]
     x = b.graph.placeholder(node.name)
     x.meta["role"] = node.meta["role"]
+    if "weight_input" in node.meta:
+        x.meta["weight_input"] = node.meta["weight_input"]
     if not isinstance(node.meta["val"], torch.Tensor):
         x.meta["constant_value"] = node.meta["val"]  # a flag or number the model takes
         return x

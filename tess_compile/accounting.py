@@ -65,13 +65,18 @@ def tensor_bytes(value) -> int:
 
 
 def _requires_grad(node: Node, inputs_require_grad: bool) -> bool:
+    """Parameters (weights given as inputs included) and, if asked, floating user inputs."""
     role = node.meta["role"][0]
     floating = node.meta["dtype"].is_floating_point or node.meta["dtype"].is_complex
-    return floating and (role == "param" or (role == "input" and inputs_require_grad))
+    weight = role == "param" or "weight_input" in node.meta
+    return floating and (weight or (role == "input" and inputs_require_grad))
 
 
-def _fake_placeholder(node: Node, mesh: Mesh, inputs_require_grad: bool) -> torch.Tensor:
-    """A fake local tensor for a per-rank placeholder (made inside the fake mode)."""
+def _fake_placeholder(node: Node, mesh: Mesh, inputs_require_grad: bool):
+    """A fake local tensor for a per-rank placeholder (made inside the fake mode), or
+    the flag or number the model takes there."""
+    if "constant_value" in node.meta:
+        return node.meta["constant_value"]
     shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
     grad = _requires_grad(node, inputs_require_grad)
     return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=grad)

@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "ADJOINT",
     "COLLECTIVE_OPS",
+    "COMMUNICATING",
     "Comm",
     "CommRecord",
     "current_comm",

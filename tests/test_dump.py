@@ -172,3 +172,32 @@ def test_dot_format_and_svg():
 def test_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         dump(nn.Linear(4, 4), 2, 2, example_inputs=(torch.randn(4, 2, 4),), **options)
+
+
+def test_accounting_of_flags_and_weights_given_as_inputs():
+    """A flag input passes through the fake run; on the torch.compile path, weights
+    arrive as inputs and still count as requiring grad, as the runtime treats them."""
+
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, scale: bool = False):
+            return self.lin(x) * 2 if scale else self.lin(x)
+
+    x = torch.randn(4, 2, 4)
+    assert "tess.broadcast" in dump(Flagged(), 2, 2, example_inputs={"x": x, "scale": False})
+
+    torch._dynamo.reset()
+    programs = []
+
+    def capture_backend(gm, example_inputs):
+        compiled = tess_compile.backend(2, 2, simulate=True)(gm, example_inputs)
+        programs.append(compiled)
+        return compiled
+
+    model = nn.Linear(4, 4)
+    torch.compile(model, backend=capture_backend)(x).square().sum().backward()
+    sim = programs[0]
+    assert predict_bytes(sim.program) == bytes_from_records(sim.comm.records)
