@@ -1,7 +1,10 @@
 """tess-compile: a compiler-style Tesseract (2.5-D) tensor-parallel sharding pass for PyTorch.
 
 `shard` runs a model on an initialized world of `q*q*d` ranks; `simulate`
-runs every rank in this process. Both take the model's own inputs.
+runs every rank in this process. Both take the model's own inputs, and a
+`mode`: "2.5d" (Tesseract, the default), "2d" (Optimus, d=1), "3d" (d=q)
+or "1d" (Megatron-LM over the same q*q*d ranks); see `tess_compile.mesh`.
+`plan` ranks the modes and meshes of a model on a cluster by predicted time.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ __all__ = [
     "dump",
     "load_pretrained_shards",
     "load_shards_from",
+    "plan",
     "shard",
     "shard_program",
     "simulate",
@@ -32,6 +36,7 @@ _LAZY = {
     "dump": "tess_compile.graph_dump",
     "load_shards_from": "tess_compile.checkpoint",
     "load_pretrained_shards": "tess_compile.checkpoint",
+    "plan": "tess_compile.planner",
 }
 
 
@@ -44,8 +49,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tess_compile' has no attribute {name!r}")
 
 
-def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: bool = False, verify: bool | None = None):
-    """Compile `model` for the `[q, q, d]` mesh and run all `q*q*d` ranks in this process.
+def simulate(
+    model: torch.nn.Module,
+    q: int,
+    d: int,
+    *,
+    example_inputs,
+    mode: str = "2.5d",
+    strict: bool = False,
+    verify: bool | None = None,
+):
+    """Compile `model` for the `[q, q, d]` mesh in `mode` and run all `q*q*d` ranks in this process.
 
     Called with the model's global inputs it returns the model's global outputs.
     After `backward()`, `full_grads()` gives every parameter's full gradient.
@@ -54,7 +68,7 @@ def simulate(model: torch.nn.Module, q: int, d: int, *, example_inputs, strict: 
     from tess_compile.compiler import compile_model
     from tess_compile.simulator import SimulatedModule
 
-    program = compile_model(model, Mesh(q, d), example_inputs, strict=strict, verify=verify)
+    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify)
     return SimulatedModule(program)
 
 
@@ -64,12 +78,13 @@ def shard(
     d: int,
     *,
     example_inputs,
+    mode: str = "2.5d",
     strict: bool = False,
     verify: bool | None = None,
     device=None,
     timeout: float | timedelta | None = None,
 ):
-    """Compile `model` for the `[q, q, d]` mesh; call on every rank of a world of `q*q*d`.
+    """Compile `model` for the `[q, q, d]` mesh in `mode`; call on every rank of a world of `q*q*d`.
 
     Returns a module holding this rank's shards as its parameters; it takes
     the model's global inputs and returns DTensors on the mesh (plain tensors
@@ -79,7 +94,7 @@ def shard(
     """
     from tess_compile.compiler import compile_model
 
-    program = compile_model(model, Mesh(q, d), example_inputs, strict=strict, verify=verify)
+    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify)
     return shard_program(program, device=device, timeout=timeout)
 
 

@@ -29,12 +29,14 @@ __all__ = ["backend", "tesseract"]
 
 log = logging.getLogger("tess_compile")
 
-_OPTIONS = ("q", "d", "simulate", "strict", "timeout")
+_OPTIONS = ("q", "d", "mode", "simulate", "strict", "timeout")
 
 
-def backend(q: int, d: int, *, simulate: bool = False, strict: bool = False, timeout: float | None = None) -> Callable:
-    """A torch.compile backend that runs each graph on the `[q, q, d]` mesh."""
-    mesh = Mesh(q, d)
+def backend(
+    q: int, d: int, *, mode: str = "2.5d", simulate: bool = False, strict: bool = False, timeout: float | None = None
+) -> Callable:
+    """A torch.compile backend that runs each graph on the `[q, q, d]` mesh in `mode`."""
+    mesh = Mesh(q, d, mode)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
         return _compile(gm, list(example_inputs), mesh, simulate=simulate, strict=strict, timeout=timeout)

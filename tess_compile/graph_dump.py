@@ -45,9 +45,20 @@ _PALETTE = (
 )
 
 
-def dump(model: torch.nn.Module, q: int, d: int, *, example_inputs, rank: int = 0, stage: str = "rewritten", format: str = "text", strict: bool = False) -> str:
-    """Compile `model` for the `[q, q, d]` mesh and render `stage` for `rank` in `format`."""
-    mesh = Mesh(q, d)
+def dump(
+    model: torch.nn.Module,
+    q: int,
+    d: int,
+    *,
+    example_inputs,
+    mode: str = "2.5d",
+    rank: int = 0,
+    stage: str = "rewritten",
+    format: str = "text",
+    strict: bool = False,
+) -> str:
+    """Compile `model` for the `[q, q, d]` mesh in `mode` and render `stage` for `rank` in `format`."""
+    mesh = Mesh(q, d, mode)
     _check_options(stage, format, rank, mesh)
     if stage == "rewritten":
         program = compile_model(model, mesh, example_inputs, strict=strict)

@@ -1,22 +1,33 @@
-"""The [q, q, d] device mesh: sizes, coordinates, ranks and peers.
+"""The device mesh: sizes, coordinates, ranks and peers, per parallel mode.
 
 Coordinates are `(k, i, j)`: depth `k`, row `i`, column `j`; the global rank
-is `k*q*q + i*q + j`, exactly the rank order of a DeviceMesh of shape
-`(d, q, q)` named `("depth", "row", "col")`. A collective *along* an axis
-spans the ranks that differ only in that axis's coordinate.
+is `k*rows*cols + i*cols + j`, exactly the rank order of a DeviceMesh of
+shape `(depth, rows, cols)` named `("depth", "row", "col")`. A collective
+*along* an axis spans the ranks that differ only in that axis's coordinate.
+
+Modes (`MODES`) share the three axes:
+
+- `"2.5d"` (Tesseract, the default): shape `(d, q, q)`, `1 <= d <= q`;
+- `"2d"` (Optimus): the `d = 1` case; `"3d"`: the `d = q` case;
+- `"1d"` (Megatron-LM): all `p = q*q*d` ranks on the col axis, shape
+  `(1, 1, p)`, so a 1-D plan uses as many ranks as the `[q, q, d]` one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AXES", "Mesh", "check_mesh"]
+__all__ = ["AXES", "MODES", "Mesh", "check_mesh"]
 
 AXES = ("depth", "row", "col")
+MODES = ("1d", "2d", "2.5d", "3d")
 
 
-def check_mesh(q: int, d: int) -> None:
-    """Raise ValueError unless `q >= 1` and `1 <= d <= q` are integers."""
+def check_mesh(q: int, d: int, mode: str = "2.5d") -> None:
+    """Raise ValueError unless `q >= 1` and `1 <= d <= q` are integers that `mode` allows."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(map(repr, MODES))}: use mode='2.5d' (Tesseract), "
+                         "'2d' (Optimus, d=1), '3d' (d=q) or '1d' (Megatron-LM over q*q*d ranks)")
     if not isinstance(q, int) or not isinstance(d, int) or q < 1 or d < 1:
         raise ValueError(
             f"mesh [q={q!r}, q={q!r}, d={d!r}] is not valid: q and d must be "
@@ -27,17 +38,22 @@ def check_mesh(q: int, d: int) -> None:
             f"mesh [q={q}, q={q}, d={d}] has depth d={d} > q={q}: Tesseract "
             f"needs 1 <= d <= q; use d <= {q}, or q >= {d}"
         )
+    if mode == "2d" and d != 1:
+        raise ValueError(f"mode '2d' (Optimus) is the d=1 case, got [q={q}, q={q}, d={d}]: use d=1, or mode='2.5d'")
+    if mode == "3d" and d != q:
+        raise ValueError(f"mode '3d' is the d=q case, got [q={q}, q={q}, d={d}]: use d={q}, or mode='2.5d'")
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """Sizes and rank arithmetic of a `[q, q, d]` mesh."""
+    """Sizes and rank arithmetic of a `[q, q, d]` mesh in one of the `MODES`."""
 
     q: int
     d: int
+    mode: str = "2.5d"
 
     def __post_init__(self) -> None:
-        check_mesh(self.q, self.d)
+        check_mesh(self.q, self.d, self.mode)
 
     @property
     def num_ranks(self) -> int:
@@ -46,6 +62,8 @@ class Mesh:
     @property
     def shape(self) -> tuple[int, int, int]:
         """Sizes in DeviceMesh order (depth, row, col)."""
+        if self.mode == "1d":
+            return (1, 1, self.num_ranks)
         return (self.d, self.q, self.q)
 
     def size(self, axis: str) -> int:
@@ -53,11 +71,12 @@ class Mesh:
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """`(k, i, j)` of a global rank."""
-        q = self.q
-        return (rank // (q * q), (rank // q) % q, rank % q)
+        _, rows, cols = self.shape
+        return (rank // (rows * cols), (rank // cols) % rows, rank % cols)
 
     def rank(self, k: int, i: int, j: int) -> int:
-        return k * self.q * self.q + i * self.q + j
+        _, rows, cols = self.shape
+        return k * rows * cols + i * cols + j
 
     def coord(self, rank: int, axis: str) -> int:
         return self.coords(rank)[AXES.index(axis)]
@@ -77,4 +96,6 @@ class Mesh:
         return [self.group(r, axis) for r in range(self.num_ranks) if self.coord(r, axis) == 0]
 
     def __str__(self) -> str:
+        if self.mode == "1d":
+            return f"1-D [p={self.num_ranks}]"
         return f"[q={self.q}, q={self.q}, d={self.d}]"
