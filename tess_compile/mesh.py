@@ -10,7 +10,8 @@ Modes (`MODES`) share the three axes:
 - `"2.5d"` (Tesseract, the default): shape `(d, q, q)`, `1 <= d <= q`;
 - `"2d"` (Optimus): the `d = 1` case; `"3d"`: the `d = q` case;
 - `"1d"` (Megatron-LM): all `p = q*q*d` ranks on the col axis, shape
-  `(1, 1, p)`, so a 1-D plan uses as many ranks as the `[q, q, d]` one.
+  `(1, 1, p)`, so a 1-D plan uses as many ranks as the `[q, q, d]` one;
+  `d` may exceed `q` here, so `q=1, d=p` gives any `p`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def check_mesh(q: int, d: int, mode: str = "2.5d") -> None:
             f"mesh [q={q!r}, q={q!r}, d={d!r}] is not valid: q and d must be "
             "positive integers, e.g. q=2, d=2 for 8 ranks"
         )
-    if d > q:
+    if d > q and mode != "1d":
         raise ValueError(
             f"mesh [q={q}, q={q}, d={d}] has depth d={d} > q={q}: Tesseract "
             f"needs 1 <= d <= q; use d <= {q}, or q >= {d}"
