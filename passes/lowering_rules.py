@@ -21,7 +21,7 @@ from passes.summa import matmul
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Shard
 
-__all__ = ["LOWERING_RULES", "lower_default"]
+__all__ = ["LOWERING_RULES", "lower_default", "masked_lookup"]
 
 
 def lower_default(b: Builder, node: Node, args, kwargs):
@@ -212,21 +212,26 @@ def _sum_all(b: Builder, x: Node, axes) -> Node:
     return total
 
 
+def masked_lookup(b: Builder, table: Node, ids: Node, vocab: int, axis: str) -> Node:
+    """Rows of this rank's vocab block (split over `axis`) for `ids`; ids outside the
+    block give zeros, so the sum over `axis` is the whole lookup."""
+    parts = b.mesh.size(axis)
+    block = b.split_op(c.shard_slice, b.call(arange_like, ids, vocab), axis, 0, 1)
+    local = b.call(aten.sub.Tensor, ids, b.call(aten.select.int, block, 0, 0))
+    inside = b.call(aten.logical_and.default, b.call(aten.ge.Scalar, local, 0), b.call(aten.lt.Scalar, local, vocab // parts))
+    rows = b.call(aten.embedding.default, table, b.call(aten.where.ScalarOther, inside, local, 0))
+    return b.call(aten.mul.Tensor, rows, b.call(aten.unsqueeze.default, inside, -1))
+
+
 def lower_embedding(b: Builder, node: Node, args, kwargs):
     """Vocab-parallel lookup: gather the row group's ids, look up those in this rank's
-    vocab block (others give zeros), reduce-scatter along row back to own rows."""
+    vocab block, reduce-scatter along row back to own rows."""
     weight_node = node.args[0]
     w_layout = node.meta["arg_layouts"][weight_node]
-    if not vocab_parallel(node, w_layout) or b.mesh.q == 1:
+    if not vocab_parallel(node, w_layout) or b.mesh.size("row") == 1:
         return lower_default(b, node, args, kwargs)
-    table, ids = args[0], args[1]
-    vocab = weight_node.meta["val"].shape[0]
-    all_ids = b.split_op(c.all_gather, ids, "row", 0, 1)
-    block = b.split_op(c.shard_slice, b.call(arange_like, ids, vocab), "row", 0, 1)
-    local = b.call(aten.sub.Tensor, all_ids, b.call(aten.select.int, block, 0, 0))
-    inside = b.call(aten.logical_and.default, b.call(aten.ge.Scalar, local, 0), b.call(aten.lt.Scalar, local, vocab // b.mesh.q))
-    rows = b.call(aten.embedding.default, table, b.call(aten.where.ScalarOther, inside, local, 0))
-    rows = b.call(aten.mul.Tensor, rows, b.call(aten.unsqueeze.default, inside, -1))
+    all_ids = b.split_op(c.all_gather, args[1], "row", 0, 1)
+    rows = masked_lookup(b, args[0], all_ids, weight_node.meta["val"].shape[0], "row")
     return b.split_op(c.reduce_scatter, rows, "row", 0, 1)
 
 

@@ -8,9 +8,10 @@ collectives that convert one into the other. Ops that run replicated get
 `node.meta["replicated"]` (the model's source line).
 
 User inputs start in their home layout (batch split over depth and row,
-last dim over col). Parameters, buffers, constants and weights that arrive
+last dim over col; whole in mode "1d"). Parameters, buffers, constants and weights that arrive
 as inputs (`meta["weight_input"]`) are free until their first consumer
-fixes their layout. Ops are looked up in `PLACEMENT_RULES`;
+fixes their layout. Ops are looked up in `PLACEMENT_RULES` (mode "1d":
+`PLACEMENT_RULES_1D`);
 an op with no rule runs replicated with a warning (`strict=True`: error).
 
 A rule may ask for a producer's output to be laid out with groups (a fused
@@ -26,6 +27,7 @@ import warnings
 import torch
 from torch.fx import GraphModule, Node
 
+from passes.megatron_rules import PLACEMENT_RULES_1D
 from passes.placement_rules import PLACEMENT_RULES, Decision, place_replicated
 from tess_compile.layout import Layout, Replicate, Shard
 from tess_compile.mesh import Mesh
@@ -78,11 +80,11 @@ class PlacementContext:
 
 def home_layout(node: Node, mesh: Mesh) -> Layout | None:
     """A user input's layout: batch split over depth and row, features ([b, h] or
-    [b, s, h]) over col."""
+    [b, s, h]) over col; whole in mode "1d" (Megatron's inputs are replicated)."""
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):
         return None  # a flag or number: no layout
-    if val.dim() == 0:
+    if val.dim() == 0 or mesh.mode == "1d":
         return Layout.replicated()
     batch, num_batch_parts = val.shape[0], mesh.d * mesh.q
     if batch % num_batch_parts:
@@ -152,7 +154,8 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
         source, index = node.args
         decision = Decision({}, ctx.layouts[source][index])
     else:
-        rule = PLACEMENT_RULES.get(node.target)
+        rules = PLACEMENT_RULES_1D if ctx.mesh.mode == "1d" else PLACEMENT_RULES
+        rule = rules.get(node.target)
         if rule is None:
             _warn_replicated(node, strict)
             node.meta["replicated"] = source_line(node)

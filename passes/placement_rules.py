@@ -276,7 +276,7 @@ def _view_error(node, x, in_shape, out_shape, dim, axis, parts, ctx):
         f"{node.target} of {display_name(x)!r} from {list(_shape(x))} to {list(_shape(node))} splits dim {dim} "
         f"(split over {axis} in {parts} parts on mesh {ctx.mesh}) into {factors}: the outer factor "
         f"{factors[0]} is not divisible by {parts}. For attention this is a head count not divisible "
-        f"by q={ctx.mesh.q}: use a head count (and hidden size) that is a multiple of {ctx.mesh.q}, or another q"
+        f"by {parts}: use a head count (and hidden size) that is a multiple of {parts}, or another mesh"
     )
 
 

@@ -26,6 +26,7 @@ from torch.fx.node import map_arg
 
 from passes.builder import Builder
 from passes.lowering_rules import LOWERING_RULES, lower_default
+from passes.megatron_rules import LOWERING_RULES_1D
 from passes.redistribute import redistribute
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Replicate
@@ -42,6 +43,7 @@ def rewrite(gm: GraphModule, mesh: Mesh) -> GraphModule:
     b = Builder(mesh)
     env: dict[Node, object] = {}
     converted: dict[tuple[Node, Layout], Node] = {}
+    rules = LOWERING_RULES_1D if mesh.mode == "1d" else LOWERING_RULES
 
     def local(node: Node, needed: Layout | None) -> Node:
         if needed is None:
@@ -57,7 +59,7 @@ def rewrite(gm: GraphModule, mesh: Mesh) -> GraphModule:
         elif node.op == "call_function":
             needed = node.meta["arg_layouts"]
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n)))
-            out = LOWERING_RULES.get(node.target, lower_default)(b, node, args, kwargs)
+            out = rules.get(node.target, lower_default)(b, node, args, kwargs)
             _annotate(out, node)
             env[node] = out
         elif node.op == "output":

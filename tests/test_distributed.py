@@ -82,10 +82,10 @@ def error_text(call) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-def _parity_worker(rank, world_size, q, d):
-    """Forward, gradients, AdamW steps and state dicts of both blocks on [q, q, d]."""
+def _parity_worker(rank, world_size, q, d, mode):
+    """Forward, gradients, AdamW steps and state dicts of both blocks on [q, q, d] in `mode`."""
     torch.set_num_threads(1)
-    mesh = Mesh(q, d)
+    mesh = Mesh(q, d, mode)
     out = {"errors": {}, "problems": [], "counts": {}, "shards": {}, "keys": {}}
 
     # A mesh that does not fit this world is refused before anything is sent.
@@ -98,7 +98,7 @@ def _parity_worker(rank, world_size, q, d):
         model, x, target = make_case(label, q, d)
         reference = copy.deepcopy(model)
         initial = copy.deepcopy(model.state_dict())
-        sm = tess_compile.shard(model, q, d, example_inputs=(x,), timeout=60)
+        sm = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, timeout=60)
 
         params = dict(sm.named_parameters())
         names = [name for name, _ in reference.named_parameters()]
@@ -212,19 +212,19 @@ def _world_size_worker(rank, world_size):
 # ---------------------------------------------------------------------------
 
 
-def simulated_counts(label: str, q: int, d: int):
+def simulated_counts(label: str, q: int, d: int, mode: str):
     """Collective counts of one forward and backward in the simulator (one record per collective)."""
     model, x, target = make_case(label, q, d)
-    sim = tess_compile.simulate(model, q, d, example_inputs=(x,))
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), mode=mode)
     (sim(x) * target).sum().backward()
     return sim.comm.counts("forward"), sim.comm.counts("backward")
 
 
-@pytest.mark.parametrize("q, d", [(2, 1), (2, 2)], ids=["q2d1", "q2d2"])
-def test_sharded_parity_training_and_replicas(q, d):
-    mesh = Mesh(q, d)
+@pytest.mark.parametrize("q, d, mode", [(2, 1, "2.5d"), (2, 2, "2.5d"), (1, 2, "1d")], ids=["q2d1", "q2d2", "1d-p2"])
+def test_sharded_parity_training_and_replicas(q, d, mode):
+    mesh = Mesh(q, d, mode)
     world = mesh.num_ranks
-    results = run_local(_parity_worker, world, args=(q, d), timeout_s=240, collective_timeout_s=60)
+    results = run_local(_parity_worker, world, args=(q, d, mode), timeout_s=240, collective_timeout_s=60)
     assert len(results) == world
 
     for rank, res in enumerate(results):
@@ -245,10 +245,10 @@ def test_sharded_parity_training_and_replicas(q, d):
             forward, backward = res["counts"][label]
             assert forward == forward0, f"{label}: forward collectives of rank {rank} {forward} != rank 0 {forward0}"
             assert backward == backward0, f"{label}: backward collectives of rank {rank} {backward} != rank 0 {backward0}"
-        sim_forward, sim_backward = simulated_counts(label, q, d)
+        sim_forward, sim_backward = simulated_counts(label, q, d, mode)
         assert forward0 == sim_forward, f"{label}: distributed forward {forward0} != simulated {sim_forward}"
         assert backward0 == sim_backward, f"{label}: distributed backward {backward0} != simulated {sim_backward}"
-        if d > 1:  # weights are replicated over depth: their gradients must be summed over it
+        if mesh.size("depth") > 1:  # weights are replicated over depth: their gradients must be summed over it
             assert backward0.get(("all_reduce", "depth"), 0) > 0, f"{label}: no depth all-reduce in backward {backward0}"
         else:
             assert not any(axis == "depth" for _, axis in forward0 | backward0)
@@ -257,7 +257,7 @@ def test_sharded_parity_training_and_replicas(q, d):
     for label in MODELS:
         names = list(results[0]["shards"][label])
         for name in names:
-            if d > 1:  # ranks that differ only in depth hold identical copies of every parameter
+            if mesh.size("depth") > 1:  # ranks that differ only in depth hold identical copies of every parameter
                 for rank in range(q * q):
                     for k in range(1, d):
                         twin = k * q * q + rank

@@ -1,0 +1,182 @@
+"""Rules of mode "1d" (Megatron-LM): the other modes' tables with the ops that
+multiply by a weight and the embedding replaced.
+
+All `p` ranks lie on the col axis (depth and row have size 1). Activations
+are whole on every rank. A linear whose input is whole is column-parallel:
+its weight's out features are split over col and so is its output, with no
+communication. A linear whose input has its features split is row-parallel:
+its weight's in features are split, and each rank's product is a partial
+sum over col; the consumer that needs the whole value (the residual add)
+all-reduces it. Attention between the two runs on the heads of each rank.
+A free embedding table is split by vocab over col; each rank looks up the
+ids inside its block, and the partial sums are all-reduced by the consumer.
+
+Backward needs no rule of its own: the adjoint of the all-reduce is the
+all-reduce of the gradient (Megatron's "f" and "g" operators,
+docs/gradients.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch.fx import Node
+
+from passes.builder import Builder, aten
+from passes.lowering_rules import LOWERING_RULES, lower_default, masked_lookup
+from passes.placement_rules import (
+    PLACEMENT_RULES,
+    Decision,
+    _arg,
+    _check_divisible,
+    _is_narrow_projection,
+    _layout,
+    _no_partial,
+    _place_batched_matmul,
+    _shape,
+    display_name,
+    place_replicated,
+    uses_summa,
+)
+from tess_compile import collectives as c
+from tess_compile.layout import Layout, Partial, Replicate, Shard
+
+__all__ = ["LOWERING_RULES_1D", "PLACEMENT_RULES_1D"]
+
+R, P = Replicate(), Partial()
+WHOLE = Layout(R, R, R)
+
+
+def _split_last(layout: Layout, ndim: int) -> Shard | None:
+    """The split of the last dim over col, if any."""
+    col = layout.col
+    return col if isinstance(col, Shard) and col.dim == ndim - 1 else None
+
+
+def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
+    """x @ W row-parallel if x's features are split over col (or W's in features
+    already are), else column-parallel; see the module docstring."""
+    ndim = len(_shape(x))
+    x_split = _split_last(_no_partial(_layout(ctx, x)), ndim)
+    w_layout = ctx.layout(w)
+    parts = ctx.mesh.size("col")
+    fix = f"use sizes that are multiples of p={parts} (hidden size, heads, MLP width), or another p"
+    if w_layout is not None:
+        row_parallel = w_layout.col == Shard(w_in, w_layout.col.groups) if isinstance(w_layout.col, Shard) else False
+    else:
+        row_parallel = x_split is not None
+    if row_parallel:
+        groups = w_layout.col.groups if w_layout is not None else x_split.groups
+        _check_divisible("in features", w, _shape(w)[w_in], parts * groups, ctx, fix)
+        args = {x: Layout(R, R, Shard(ndim - 1, groups)), w: w_layout or Layout(R, R, Shard(w_in, groups))}
+        if bias is not None:
+            args[bias] = WHOLE
+        return Decision(args, Layout(R, R, P))
+    return _place_column_parallel(node, ctx, x, w, bias, w_out, w_layout, fix)
+
+
+def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, w_layout, fix: str) -> Decision:
+    ndim = len(_shape(x))
+    parts = ctx.mesh.size("col")
+    groups = w_layout.col.groups if w_layout is not None and isinstance(w_layout.col, Shard) else ctx.hints.get(node, 1)
+    out_features = _shape(w)[w_out]
+    whole_weight = w_layout == WHOLE or (w_layout is None and out_features % (parts * groups) and _is_narrow_projection(node))
+    if whole_weight:
+        if w_layout is None:
+            warnings.warn(
+                f"{node.target} with weight {display_name(w)!r} of shape {list(_shape(w))}: out features "
+                f"{out_features} do not divide by p={parts} on mesh {ctx.mesh}, so it runs whole on every rank",
+                stacklevel=2,
+            )
+        args = {x: WHOLE, w: WHOLE}
+        if bias is not None:
+            args[bias] = WHOLE
+        return Decision(args, WHOLE)
+    _check_divisible("out features", w, out_features, parts * groups, ctx, fix)
+    args = {x: WHOLE, w: Layout(R, R, Shard(w_out, groups))}
+    if bias is not None:
+        args[bias] = Layout(R, R, Shard(0, groups))
+    return Decision(args, Layout(R, R, Shard(ndim - 1, groups)))
+
+
+def place_linear_1d(node: Node, ctx) -> Decision:
+    return _place_parallel_linear(node, ctx, node.args[0], node.args[1], _arg(node, 2, "bias"), w_in=1, w_out=0)
+
+
+def place_addmm_1d(node: Node, ctx) -> Decision:
+    if not uses_summa(node):
+        return place_replicated(node, ctx)
+    bias, x, w = node.args[:3]
+    return _place_parallel_linear(node, ctx, x, w, bias, w_in=0, w_out=1)
+
+
+def place_matmul_1d(node: Node, ctx) -> Decision:
+    a, b = node.args[:2]
+    if uses_summa(node):
+        return _place_parallel_linear(node, ctx, a, b, None, w_in=0, w_out=1)
+    if len(_shape(a)) < 2 or len(_shape(b)) < 2:
+        return place_replicated(node, ctx)
+    return _place_batched_matmul(node, ctx, a, b)
+
+
+def _vocab_split(layout: Layout | None) -> bool:
+    return layout == Layout(R, R, Shard(0))
+
+
+def place_embedding_1d(node: Node, ctx) -> Decision:
+    """A free table (or one tied to a column-parallel head) split by vocab over col:
+    the lookup gives partial sums. Otherwise the table is whole."""
+    weight, ids = node.args[:2]
+    w_layout = ctx.layout(weight)
+    vocab = _shape(weight)[0]
+    plain = _arg(node, 2, "padding_idx", -1) == -1 and not _arg(node, 3, "scale_grad_by_freq", False)
+    free = w_layout is None and vocab % ctx.mesh.size("col") == 0
+    if plain and (free or _vocab_split(w_layout)):
+        return Decision({weight: Layout(R, R, Shard(0)), ids: WHOLE}, Layout(R, R, P))
+    return Decision({weight: WHOLE, ids: WHOLE}, WHOLE)
+
+
+PLACEMENT_RULES_1D = {
+    **PLACEMENT_RULES,
+    aten.linear.default: place_linear_1d,
+    aten.addmm.default: place_addmm_1d,
+    aten.matmul.default: place_matmul_1d,
+    aten.mm.default: place_matmul_1d,
+    aten.bmm.default: place_matmul_1d,
+    aten.embedding.default: place_embedding_1d,
+}
+
+
+# ----------------------------------------------------------------- lowering
+
+
+def _bias_once(index: int):
+    """Lowering of a product whose bias is argument `index`: a row-parallel product
+    (partial output) adds the bias on the rank at col 0 only."""
+
+    def lower(b: Builder, node: Node, args, kwargs):
+        if not isinstance(node.meta["layout"].col, Partial) or len(args) <= index or args[index] is None:
+            return lower_default(b, node, args, kwargs)
+        args = list(args)
+        args[index] = b.collective(c.keep_first, args[index], "col")
+        return b.call(node.target, *args, **kwargs)
+
+    return lower
+
+
+def lower_embedding_1d(b: Builder, node: Node, args, kwargs):
+    if not _vocab_split(node.meta["arg_layouts"][node.args[0]]) or b.mesh.size("col") == 1:
+        return lower_default(b, node, args, kwargs)
+    vocab = node.args[0].meta["val"].shape[0]
+    return masked_lookup(b, args[0], args[1], vocab, "col")
+
+
+LOWERING_RULES_1D = {
+    **LOWERING_RULES,
+    aten.linear.default: _bias_once(2),
+    aten.addmm.default: _bias_once(0),
+    aten.matmul.default: lower_default,
+    aten.mm.default: lower_default,
+    aten.bmm.default: lower_default,
+    aten.embedding.default: lower_embedding_1d,
+}
