@@ -11,10 +11,14 @@ __all__ = ["Builder"]
 
 
 class Builder:
-    """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish."""
+    """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish.
 
-    def __init__(self, mesh: Mesh):
+    `summa` is the schedule of the matrix products' steps (`passes.summa.SCHEDULES`).
+    """
+
+    def __init__(self, mesh: Mesh, summa: str = "broadcast"):
         self.mesh = mesh
+        self.summa = summa
         self.graph = Graph()
 
     def call(self, target, *args, **kwargs) -> Node:

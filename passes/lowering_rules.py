@@ -60,6 +60,10 @@ def lower_split(b: Builder, node: Node, args, kwargs):
     return b.call(node.target, args[0], local, dim)
 
 
+def _last_dim(x: Node) -> int:
+    return x.meta["val"].dim() - 1
+
+
 def _weight_layout(node: Node, index: int) -> Layout:
     return node.meta["arg_layouts"][node.args[index]]
 
@@ -67,20 +71,20 @@ def _weight_layout(node: Node, index: int) -> Layout:
 def lower_linear(b: Builder, node: Node, args, kwargs):
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    y = matmul(b, x, w, _weight_layout(node, 1), out_dim=0, product=aten.linear.default)
+    y = matmul(b, x, w, _weight_layout(node, 1), out_dim=0, product=aten.linear.default, a_dim=_last_dim(node.args[0]))
     return y if bias is None else b.call(aten.add.Tensor, y, bias)
 
 
 def lower_matmul(b: Builder, node: Node, args, kwargs):
     if not uses_summa(node):
         return lower_default(b, node, args, kwargs)
-    return matmul(b, args[0], args[1], _weight_layout(node, 1), out_dim=1, product=aten.matmul.default)
+    return matmul(b, args[0], args[1], _weight_layout(node, 1), out_dim=1, product=aten.matmul.default, a_dim=_last_dim(node.args[0]))
 
 
 def lower_addmm(b: Builder, node: Node, args, kwargs):
     if not uses_summa(node):
         return lower_default(b, node, args, kwargs)
-    y = matmul(b, args[1], args[2], _weight_layout(node, 2), out_dim=1, product=aten.matmul.default)
+    y = matmul(b, args[1], args[2], _weight_layout(node, 2), out_dim=1, product=aten.matmul.default, a_dim=_last_dim(node.args[1]))
     return b.call(aten.add.Tensor, y, args[0])
 
 

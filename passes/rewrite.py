@@ -28,6 +28,7 @@ from passes.builder import Builder
 from passes.lowering_rules import LOWERING_RULES, lower_default
 from passes.megatron_rules import LOWERING_RULES_1D
 from passes.redistribute import redistribute
+from passes.summa import SCHEDULES
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Replicate
 from tess_compile.mesh import Mesh
@@ -37,10 +38,15 @@ __all__ = ["rewrite"]
 log = logging.getLogger("tess_compile.passes")
 
 
-def rewrite(gm: GraphModule, mesh: Mesh) -> GraphModule:
-    """The per-rank graph of the placed graph `gm`; see the module docstring."""
+def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast") -> GraphModule:
+    """The per-rank graph of the placed graph `gm`; see the module docstring.
+
+    `summa` schedules the steps of the matrix products (`passes.summa.SCHEDULES`).
+    """
+    if summa not in SCHEDULES:
+        raise ValueError(f"summa={summa!r} is not a schedule: use one of {', '.join(map(repr, SCHEDULES))}")
     start = time.perf_counter()
-    b = Builder(mesh)
+    b = Builder(mesh, summa)
     env: dict[Node, object] = {}
     converted: dict[tuple[Node, Layout], Node] = {}
     rules = LOWERING_RULES_1D if mesh.mode == "1d" else LOWERING_RULES

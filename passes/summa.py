@@ -20,18 +20,38 @@ from passes.builder import Builder, aten
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Shard
 
-__all__ = ["matmul", "matmul_ab", "matmul_abt"]
+__all__ = ["SCHEDULES", "matmul", "matmul_ab", "matmul_abt"]
+
+# How the q steps run: "broadcast" one after another (the papers' algorithms);
+# "overlap": step t+1's broadcasts are in flight while step t multiplies
+# (asynchronous, double-buffered); "gather": one all-gather of each operand
+# and one product (fewer, larger messages and one large kernel).
+SCHEDULES = ("broadcast", "overlap", "gather")
+
+
+def _fetch(b: Builder, x: Node, axis: str, t: int) -> Node:
+    """Step t's block of `x` along `axis`: a broadcast, started asynchronously when overlapping."""
+    op = c.broadcast_start if b.summa == "overlap" else c.broadcast
+    return b.collective(op, x, axis, t)
+
+
+def _arrived(b: Builder, x: Node) -> Node:
+    return b.call(c.wait, x) if x.target is c.broadcast_start else x
 
 
 def matmul_ab(b: Builder, a: Node, w: Node, product=aten.matmul.default) -> Node:
     """C = A @ B (Tesseract Alg. 3): for t, broadcast A along col from j=t and
     B along row from i=t, and accumulate `product(A_t, B_t)`."""
     acc = None
+    pending = (_fetch(b, a, "col", 0), _fetch(b, w, "row", 0))
     for t in range(b.mesh.q):
-        a_t = b.collective(c.broadcast, a, "col", t)
-        w_t = b.collective(c.broadcast, w, "row", t)
+        a_t, w_t = (_arrived(b, x) for x in pending)
+        if b.summa == "overlap" and t + 1 < b.mesh.q:
+            pending = (_fetch(b, a, "col", t + 1), _fetch(b, w, "row", t + 1))
         y = b.call(product, a_t, w_t)
         acc = y if acc is None else b.call(aten.add.Tensor, acc, y)
+        if b.summa != "overlap" and t + 1 < b.mesh.q:
+            pending = (_fetch(b, a, "col", t + 1), _fetch(b, w, "row", t + 1))
     return acc
 
 
@@ -39,16 +59,31 @@ def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Nod
     """C = A @ B^T (Optimus Alg. 2): for t, broadcast B along row from i=t and
     reduce `product(A, B_t)` along col to j=t; rank j keeps step j's sum."""
     acc = None
+    pending = _fetch(b, w, "row", 0)
     for t in range(b.mesh.q):
-        w_t = b.collective(c.broadcast, w, "row", t)
+        w_t = _arrived(b, pending)
+        if t + 1 < b.mesh.q:
+            pending = _fetch(b, w, "row", t + 1)
         part = b.collective(c.reduce, b.call(product, a, w_t), "col", t)
         acc = part if acc is None else b.call(aten.add.Tensor, acc, part)
     return acc
 
 
-def matmul(b: Builder, a: Node, w: Node, w_layout: Layout, out_dim: int, product) -> Node:
-    """x @ W by the algorithm that `w_layout` calls for (out dim over row: A @ B^T)."""
+def matmul_gathered(b: Builder, a: Node, w: Node, w_layout: Layout, a_dim: int, transposed: bool, product) -> Node:
+    """The gather schedule: all-gather W along row (and, for A @ B, A along col), one
+    product; for A @ B^T the product's partial sums are reduce-scattered along col."""
     row = w_layout.row
-    if isinstance(row, Shard) and row.dim == out_dim:
-        return matmul_abt(b, a, w, product)
-    return matmul_ab(b, a, w, product)
+    w_full = b.split_op(c.all_gather, w, "row", row.dim, row.groups)
+    if transposed:
+        return b.split_op(c.reduce_scatter, b.call(product, a, w_full), "col", a_dim, row.groups)
+    return b.call(product, b.split_op(c.all_gather, a, "col", a_dim, row.groups), w_full)
+
+
+def matmul(b: Builder, a: Node, w: Node, w_layout: Layout, out_dim: int, product, a_dim: int) -> Node:
+    """x @ W by the algorithm that `w_layout` calls for (out dim over row: A @ B^T),
+    in the builder's schedule; `a_dim` is x's last dim."""
+    row = w_layout.row
+    transposed = isinstance(row, Shard) and row.dim == out_dim
+    if b.summa == "gather":
+        return matmul_gathered(b, a, w, w_layout, a_dim, transposed, product)
+    return matmul_abt(b, a, w, product) if transposed else matmul_ab(b, a, w, product)

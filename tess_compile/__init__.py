@@ -1,9 +1,12 @@
 """tess-compile: a compiler-style Tesseract (2.5-D) tensor-parallel sharding pass for PyTorch.
 
 `shard` runs a model on an initialized world of `q*q*d` ranks; `simulate`
-runs every rank in this process. Both take the model's own inputs, and a
+runs every rank in this process. Both take the model's own inputs, a
 `mode`: "2.5d" (Tesseract, the default), "2d" (Optimus, d=1), "3d" (d=q)
-or "1d" (Megatron-LM over the same q*q*d ranks); see `tess_compile.mesh`.
+or "1d" (Megatron-LM over the same q*q*d ranks; see `tess_compile.mesh`),
+and a `summa` schedule of the matrix products: "broadcast" (the papers' q
+steps, the default), "overlap" (step t+1's broadcasts in flight during
+step t's product) or "gather" (one all-gather per operand, one product).
 `plan` ranks the modes and meshes of a model on a cluster by predicted time.
 """
 
@@ -56,6 +59,7 @@ def simulate(
     *,
     example_inputs,
     mode: str = "2.5d",
+    summa: str = "broadcast",
     strict: bool = False,
     verify: bool | None = None,
 ):
@@ -68,7 +72,7 @@ def simulate(
     from tess_compile.compiler import compile_model
     from tess_compile.simulator import SimulatedModule
 
-    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify)
+    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa)
     return SimulatedModule(program)
 
 
@@ -79,6 +83,7 @@ def shard(
     *,
     example_inputs,
     mode: str = "2.5d",
+    summa: str = "broadcast",
     strict: bool = False,
     verify: bool | None = None,
     device=None,
@@ -94,7 +99,7 @@ def shard(
     """
     from tess_compile.compiler import compile_model
 
-    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify)
+    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa)
     return shard_program(program, device=device, timeout=timeout)
 
 

@@ -5,7 +5,9 @@ a communicator (`Comm`) does the work: `DistComm` over torch.distributed,
 or the simulator over all ranks at once.
 
 Gradients are exact adjoints (see docs/gradients.md): each op's backward is
-the op in `ADJOINT`. Two ops are the identity in forward and exist for their
+the op in `ADJOINT`. `broadcast_start` is a broadcast that a communicator
+may leave running until `wait` is called on its output (double-buffered
+SUMMA steps); the simulator and the accounting treat it as a broadcast. Two ops are the identity in forward and exist for their
 backward: `grad_sync` (all-reduce of a replicated parameter's gradient over
 its replica axis) and `seed_once` (a replicated output seeds its gradient
 from the replica at coordinate 0 only, so a loss held by every rank counts
@@ -31,11 +33,13 @@ __all__ = [
     "grad_sync",
     "seed_once",
     "use_comm",
+    "wait",
 ]
 
 # op name -> the op that is its adjoint, taking the same trailing arguments.
 ADJOINT = {
     "broadcast": "reduce",
+    "broadcast_start": "reduce",
     "reduce": "broadcast",
     "all_reduce": "all_reduce",
     "all_gather": "reduce_scatter",
@@ -49,6 +53,8 @@ ADJOINT = {
 
 # Ops that send bytes between ranks (the others are rank-local).
 COMMUNICATING = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+# Asynchronous ops, by the op they record and count as.
+ASYNC_OF = {"broadcast_start": "broadcast"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class Comm:
     records: list[CommRecord] = field(default_factory=list)
 
     def record(self, op: str, axis: str, x: torch.Tensor) -> None:
+        op = ASYNC_OF.get(op, op)
         if op in COMMUNICATING:
             self.records.append(CommRecord(op, axis, x.numel() * x.element_size(), current_phase()))
 
@@ -81,6 +88,9 @@ class Comm:
 
     def run(self, op: str, x: torch.Tensor, *args):
         raise NotImplementedError
+
+    def wait(self, x: torch.Tensor) -> None:
+        """Block until the asynchronous collective that fills `x` is done (none here)."""
 
 
 _COMM: contextvars.ContextVar[Comm | None] = contextvars.ContextVar("tess_comm", default=None)
@@ -161,6 +171,7 @@ def _scattered(x, axis, parts, dim, groups):
 
 
 broadcast = _define("broadcast", "(Tensor x, str axis, int src) -> Tensor", _same_shape)
+broadcast_start = _define("broadcast_start", "(Tensor x, str axis, int src) -> Tensor", _same_shape)
 reduce = _define("reduce", "(Tensor x, str axis, int dst) -> Tensor", _same_shape)
 all_reduce = _define("all_reduce", "(Tensor x, str axis) -> Tensor", _same_shape)
 keep_first = _define("keep_first", "(Tensor x, str axis) -> Tensor", _same_shape)
@@ -185,6 +196,26 @@ class _IdentityWithAdjoint(torch.autograd.Function):
             return _run(ADJOINT[ctx.op], grad.contiguous(), ctx.axis), None, None
 
 
+class _Wait(torch.autograd.Function):
+    """Identity once the collective filling `x` is done; the gradient passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        comm = _COMM.get()
+        if comm is not None:
+            comm.wait(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """`x`, once the `broadcast_start` that made it has arrived."""
+    return _Wait.apply(x)
+
+
 def grad_sync(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity; the gradient is all-reduced along `axis` (replicated parameters)."""
     return _IdentityWithAdjoint.apply(x, "grad_sync", axis)
@@ -198,6 +229,7 @@ def seed_once(x: torch.Tensor, axis: str) -> torch.Tensor:
 # Graph targets that the runtimes treat as collectives, by op name.
 COLLECTIVE_OPS = {
     broadcast: "broadcast",
+    broadcast_start: "broadcast",
     reduce: "reduce",
     all_reduce: "all_reduce",
     keep_first: "keep_first",

@@ -29,12 +29,12 @@ INPUT_ROLES = ("input", "weight")
 log = logging.getLogger("tess_compile")
 
 
-def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False):
+def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False, summa: str = "broadcast"):
     """The passes after capture, options bound: (name, fn(gm, mesh) -> gm)."""
     stages = [("place", lambda gm, mesh: place(gm, mesh, strict=strict, replicate_outputs=replicate_outputs))]
     if verify:
         stages.append(("verify placed", verify_placed))
-    stages.append(("rewrite", rewrite))
+    stages.append(("rewrite", lambda gm, mesh: rewrite(gm, mesh, summa=summa)))
     if verify:
         stages.append(("verify rewritten", verify_rewritten))
     return stages
@@ -120,11 +120,14 @@ def compile_model(
     verify: bool | None = None,
     weight_inputs: dict[int, str] | None = None,
     replicate_outputs: bool = False,
+    summa: str = "broadcast",
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
 
     `weight_inputs` and `replicate_outputs` serve graphs whose weights are
     inputs and whose outputs go on as plain tensors (the torch.compile path).
+    `summa` schedules the matrix products' steps: "broadcast" (one after
+    another), "overlap" (next step's broadcasts in flight) or "gather".
     """
     if verify is None:
         verify = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
@@ -134,7 +137,7 @@ def compile_model(
     dumper = _StageDumper.from_env(mesh)
     dumper.write("capture", None, gm)
     placed = gm
-    for name, stage in pipeline(strict, verify, replicate_outputs):
+    for name, stage in pipeline(strict, verify, replicate_outputs, summa):
         before = len(gm.graph.nodes)
         try:
             gm = stage(gm, mesh)

@@ -60,11 +60,16 @@ class DistComm(Comm):
         self.timeout = timeout
         self.rank = dist.get_rank()
         self.groups = {axis: device_mesh.get_group(axis) for axis in AXES}
+        self.pending: dict[int, tuple] = {}  # storage pointer -> (work, axis) of a broadcast_start
 
     def run(self, op: str, x: torch.Tensor, axis: str, *args) -> torch.Tensor:
         self.record(op, axis, x)
+        return self._guard(op, axis, getattr(self, "_" + op), x.contiguous(), axis, *args)
+
+    def _guard(self, op: str, axis: str, call, *args):
+        """`call(*args)`, a collective's failure or timeout told with the rank, the axis and the peers."""
         try:
-            return getattr(self, "_" + op)(x.contiguous(), axis, *args)
+            return call(*args)
         except RuntimeError as err:
             peers = self.mesh.group(self.rank, axis)
             raise RuntimeError(
@@ -81,6 +86,17 @@ class DistComm(Comm):
         out = x.clone()
         dist.broadcast(out, group=self.groups[axis], group_src=src)
         return out
+
+    def _broadcast_start(self, x, axis, src):
+        out = x.clone()
+        work = dist.broadcast(out, group=self.groups[axis], group_src=src, async_op=True)
+        self.pending[out.untyped_storage().data_ptr()] = (work, axis)
+        return out
+
+    def wait(self, x: torch.Tensor) -> None:
+        work, axis = self.pending.pop(x.untyped_storage().data_ptr(), (None, None))
+        if work is not None:
+            self._guard("broadcast_start", axis, work.wait)
 
     def _reduce(self, x, axis, dst):
         out = x.clone()

@@ -82,8 +82,9 @@ def error_text(call) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-def _parity_worker(rank, world_size, q, d, mode):
-    """Forward, gradients, AdamW steps and state dicts of both blocks on [q, q, d] in `mode`."""
+def _parity_worker(rank, world_size, q, d, mode, summa):
+    """Forward, gradients, AdamW steps and state dicts of both blocks on [q, q, d] in `mode`,
+    the matrix products in schedule `summa`."""
     torch.set_num_threads(1)
     mesh = Mesh(q, d, mode)
     out = {"errors": {}, "problems": [], "counts": {}, "shards": {}, "keys": {}}
@@ -98,7 +99,7 @@ def _parity_worker(rank, world_size, q, d, mode):
         model, x, target = make_case(label, q, d)
         reference = copy.deepcopy(model)
         initial = copy.deepcopy(model.state_dict())
-        sm = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, timeout=60)
+        sm = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, summa=summa, timeout=60)
 
         params = dict(sm.named_parameters())
         names = [name for name, _ in reference.named_parameters()]
@@ -212,19 +213,23 @@ def _world_size_worker(rank, world_size):
 # ---------------------------------------------------------------------------
 
 
-def simulated_counts(label: str, q: int, d: int, mode: str):
+def simulated_counts(label: str, q: int, d: int, mode: str, summa: str):
     """Collective counts of one forward and backward in the simulator (one record per collective)."""
     model, x, target = make_case(label, q, d)
-    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), mode=mode)
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), mode=mode, summa=summa)
     (sim(x) * target).sum().backward()
     return sim.comm.counts("forward"), sim.comm.counts("backward")
 
 
-@pytest.mark.parametrize("q, d, mode", [(2, 1, "2.5d"), (2, 2, "2.5d"), (1, 2, "1d")], ids=["q2d1", "q2d2", "1d-p2"])
-def test_sharded_parity_training_and_replicas(q, d, mode):
+# (q, d, mode, summa): the overlapped schedule runs its broadcasts asynchronously on gloo.
+WORLDS = [(2, 1, "2.5d", "overlap"), (2, 2, "2.5d", "broadcast"), (1, 2, "1d", "broadcast")]
+
+
+@pytest.mark.parametrize("q, d, mode, summa", WORLDS, ids=["q2d1-overlap", "q2d2", "1d-p2"])
+def test_sharded_parity_training_and_replicas(q, d, mode, summa):
     mesh = Mesh(q, d, mode)
     world = mesh.num_ranks
-    results = run_local(_parity_worker, world, args=(q, d, mode), timeout_s=240, collective_timeout_s=60)
+    results = run_local(_parity_worker, world, args=(q, d, mode, summa), timeout_s=240, collective_timeout_s=60)
     assert len(results) == world
 
     for rank, res in enumerate(results):
@@ -245,7 +250,7 @@ def test_sharded_parity_training_and_replicas(q, d, mode):
             forward, backward = res["counts"][label]
             assert forward == forward0, f"{label}: forward collectives of rank {rank} {forward} != rank 0 {forward0}"
             assert backward == backward0, f"{label}: backward collectives of rank {rank} {backward} != rank 0 {backward0}"
-        sim_forward, sim_backward = simulated_counts(label, q, d, mode)
+        sim_forward, sim_backward = simulated_counts(label, q, d, mode, summa)
         assert forward0 == sim_forward, f"{label}: distributed forward {forward0} != simulated {sim_forward}"
         assert backward0 == sim_backward, f"{label}: distributed backward {backward0} != simulated {sim_backward}"
         if mesh.size("depth") > 1:  # weights are replicated over depth: their gradients must be summed over it
