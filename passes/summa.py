@@ -10,6 +10,9 @@ of `dA = dC @ B^T` and `dB = A^T @ dC`.
 A weight laid out the other way round (out features over row, in features
 over col, as when an earlier consumer fixed it) is used as it is by
 `C = A @ B^T` (Optimus Alg. 2) instead of being moved.
+
+Writes `meta["summa_step"] = t` on the collectives of step t of a loop, so
+that an analysis can count one step q times (`tess_compile.symbolic`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,16 @@ SCHEDULES = ("broadcast", "overlap", "gather")
 def _fetch(b: Builder, x: Node, axis: str, t: int) -> Node:
     """Step t's block of `x` along `axis`: a broadcast, started asynchronously when overlapping."""
     op = c.broadcast_start if b.summa == "overlap" else c.broadcast
-    return b.collective(op, x, axis, t)
+    return _mark_step(b.collective(op, x, axis, t), x, t)
+
+
+def _mark_step(node: Node, x: Node, t: int) -> Node:
+    """Write `meta["summa_step"] = t` on a collective of step t of a q-step loop (the
+    steps move equal bytes; `tess_compile.symbolic` counts step 0 q times). `node`
+    is `x` itself when the axis has size 1: nothing was emitted, nothing is marked."""
+    if node is not x:
+        node.meta["summa_step"] = t
+    return node
 
 
 def _arrived(b: Builder, x: Node) -> Node:
@@ -64,7 +76,8 @@ def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Nod
         w_t = _arrived(b, pending)
         if t + 1 < b.mesh.q:
             pending = _fetch(b, w, "row", t + 1)
-        part = b.collective(c.reduce, b.call(product, a, w_t), "col", t)
+        partial = b.call(product, a, w_t)
+        part = _mark_step(b.collective(c.reduce, partial, "col", t), partial, t)
         acc = part if acc is None else b.call(aten.add.Tensor, acc, part)
     return acc
 
