@@ -16,33 +16,14 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.paper_tables import Block  # noqa: E402
 from passes import capture, place, rewrite  # noqa: E402
 from tess_compile.mesh import Mesh  # noqa: E402
 
 MESHES = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1)]
-
-
-class Block(nn.Module):
-    """Pre-LN GPT block with fused QKV and causal attention."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 def measure(layers: int, hidden: int, heads: int, q: int, d: int) -> dict[str, float]:

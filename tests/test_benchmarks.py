@@ -21,3 +21,14 @@ def test_compile_time_benchmark_runs_on_meta(capsys):
     assert row["per_rank_nodes"] > row["nodes"] > 0
     assert bench.main(["--layers", "1", "--hidden", "32", "--heads", "4"]) == 0
     assert "[q=2, q=2, d=2]" in capsys.readouterr().out
+
+
+def test_bytes_per_layer_benchmark_runs(capsys):
+    bench = _load("bytes_per_layer")
+    row = bench.TABLE_1[0]
+    small = bench.predicted(row.mesh, 4, 16, 4, 8)
+    assert sum(small["forward"].values()) == 2 * 4 * 8 * 16 * 4  # Megatron: two all-reduces of [b, s, h]
+    assert bench.main(["--table", "1", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM" in out and "[4,4,4]" in out
+
