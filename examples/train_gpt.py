@@ -30,7 +30,8 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tess_compile
-from tess_compile.launch import run_local
+from tess_compile.launch import run_local  # noqa: E402
+from tess_compile.mesh import MODES  # noqa: E402
 
 log = logging.getLogger("train_gpt")
 
@@ -161,7 +162,7 @@ def rank_main(rank: int, world_size: int, args) -> list[tuple]:
     model, oracle, data = build(args)
     idx, _ = Batches(args.vocab, args.seq, args.batch, args.seed + 1).next()  # an example batch
     log.info("compiling the model for mesh q=%d d=%d on %d ranks", args.q, args.d, world_size)
-    sharded = tess_compile.shard(model, args.q, args.d, example_inputs=(idx,), timeout=120)
+    sharded = tess_compile.shard(model, args.q, args.d, example_inputs=(idx,), mode=args.mode, timeout=120)
     log.info("compiled; rank 0 holds %d of the model's %d parameters",
              sum(p.numel() for p in sharded.parameters()), sum(p.numel() for p in oracle.parameters()))
     return train(args, sharded, oracle, data, to_full=lambda out: out.full_tensor(), show=rank == 0)
@@ -172,7 +173,7 @@ def simulate_main(args) -> list[tuple]:
     model, oracle, data = build(args)
     idx, _ = Batches(args.vocab, args.seq, args.batch, args.seed + 1).next()
     log.info("compiling the model for mesh q=%d d=%d (simulated, %d ranks)", args.q, args.d, args.q * args.q * args.d)
-    sim = tess_compile.simulate(model, args.q, args.d, example_inputs=(idx,))
+    sim = tess_compile.simulate(model, args.q, args.d, example_inputs=(idx,), mode=args.mode)
     log.info("compiled; training %d steps", args.steps)
     return train(args, sim, oracle, data, to_full=lambda out: out, show=True)
 
@@ -201,6 +202,8 @@ def parse_args(argv=None):
                     "its loss with the unsharded model's at every step.")
     parser.add_argument("--q", type=int, default=2, help="mesh side: q*q*d ranks (default 2)")
     parser.add_argument("--d", type=int, default=2, help="mesh depth (default 2)")
+    parser.add_argument("--mode", choices=MODES, default="2.5d",
+                        help="2.5d (Tesseract, default), 2d (d=1), 3d (d=q) or 1d (Megatron-LM over q*q*d ranks)")
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
@@ -226,13 +229,14 @@ def parse_args(argv=None):
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}: "
                      f"use a hidden size that is a multiple of the head count")
-    if args.heads % args.q:
-        parser.error(f"--heads {args.heads} is not divisible by --q {args.q}: the heads are split "
-                     f"over q; use a head count that is a multiple of {args.q}")
-    if args.vocab % args.q:
-        parser.error(f"--vocab {args.vocab} is not divisible by --q {args.q}: the head's output is split "
-                     f"over q; use a vocabulary size that is a multiple of {args.q}")
-    parts = args.d * args.q
+    split = args.q * args.q * args.d if args.mode == "1d" else args.q  # the parts heads and vocab split in
+    if args.heads % split:
+        parser.error(f"--heads {args.heads} is not divisible by {split}: the heads are split "
+                     f"in {split} parts in mode {args.mode}; use a head count that is a multiple of {split}")
+    if args.vocab % split:
+        parser.error(f"--vocab {args.vocab} is not divisible by {split}: the head's output is split "
+                     f"in {split} parts in mode {args.mode}; use a vocabulary size that is a multiple of {split}")
+    parts = 1 if args.mode == "1d" else args.d * args.q
     if args.batch % parts:
         parser.error(f"--batch {args.batch} is not a multiple of d*q = {args.d}*{args.q} = {parts}: "
                      f"the batch is split over d*q; use e.g. --batch {parts * max(1, args.batch // parts)}")
