@@ -1,7 +1,8 @@
-"""The `tess-compile` command: dump a model's compiled graph, or train it sharded.
+"""The `tess-compile` command: dump a model's compiled graph, train it sharded, or plan a mesh.
 
-    tess-compile dump model.py:make --q 2 --d 2 [--rank R] [--stage S] [--format F] [-o OUT] [--strict]
-    tess-compile run model.py:make --q 2 --d 2 [--steps N] [--lr LR] [--simulate] [--timeout S]
+    tess-compile dump model.py:make --q 2 --d 2 [--mode M] [--rank R] [--stage S] [--format F] [-o OUT] [--strict]
+    tess-compile run model.py:make --q 2 --d 2 [--mode M] [--steps N] [--lr LR] [--simulate] [--timeout S]
+    tess-compile plan model.py:make --gpus 64 [--gpus-per-node 4] [--modes 1d,2d,2.5d] [--memory-gb 40] ...
 
 `make` is a function in model.py that takes no arguments and returns
 `(model, example_inputs)`: an `nn.Module` and a tensor, a tuple of positional
@@ -16,6 +17,13 @@ the mean of the squares of its first tensor output (a DTensor is gathered
 with `.full_tensor()` first). It exits with 1 if the losses differ by more
 than TOLERANCE (relative), or if a process fails or runs past `--timeout`.
 
+`--mode` picks the parallel mode of dump and run: 2.5d (Tesseract, the
+default), 2d (Optimus, d=1), 3d (d=q) or 1d (Megatron-LM over q*q*d ranks,
+e.g. --q 1 --d 8). `plan` builds the model on the meta device, compiles it
+for every mesh of --gpus ranks in --modes and prints the meshes by predicted
+step time on the cluster the options describe (default: the Tesseract
+paper's, 4 A100 per node); see docs/planner.md.
+
 User errors (the FILE.py:FACTORY argument, the file, the factory, the mesh,
 shapes the mesh cannot split) print a message and exit with 2.
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import logging
 import os
 import sys
 import time
@@ -38,6 +47,7 @@ from torch.utils import _pytree as pytree
 import tess_compile
 from tess_compile.compiler import split_example_inputs
 from tess_compile.launch import run_local
+from tess_compile.mesh import MODES
 
 __all__ = ["main"]
 
@@ -106,7 +116,11 @@ def describe(exc: Exception, path: str) -> str:
 
 def build(path: str, name: str) -> tuple[nn.Module, object]:
     """Seed torch, call the factory and check that it returned (model, example_inputs)."""
-    factory = load_factory(path, name)
+    return call_factory(load_factory(path, name), path, name)
+
+
+def call_factory(factory, path: str, name: str) -> tuple[nn.Module, object]:
+    """Seed torch, call `factory` (`name` in `path`) and check that it returned (model, example_inputs)."""
     torch.manual_seed(SEED)
     try:
         result = factory()
@@ -128,10 +142,10 @@ def type_names(value) -> str:
     return type(value).__name__
 
 
-def check_mesh(q: int, d: int) -> None:
-    """CliError with tess_compile's message unless [q, q, d] is a valid mesh."""
+def check_mesh(q: int, d: int, mode: str = "2.5d") -> None:
+    """CliError with tess_compile's message unless [q, q, d] is a valid mesh in `mode`."""
     try:
-        tess_compile.Mesh(q, d)
+        tess_compile.Mesh(q, d, mode)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
@@ -144,9 +158,9 @@ def cmd_dump(args) -> int:
     from tess_compile.graph_dump import dump  # only this command needs it
 
     model, inputs = build(*parse_target(args.target))
-    check_mesh(args.q, args.d)
+    check_mesh(args.q, args.d, args.mode)
     try:
-        text = dump(model, args.q, args.d, example_inputs=inputs, rank=args.rank,
+        text = dump(model, args.q, args.d, example_inputs=inputs, mode=args.mode, rank=args.rank,
                     stage=args.stage, format=args.format, strict=args.strict)
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -170,12 +184,12 @@ def cmd_dump(args) -> int:
 def cmd_run(args) -> int:
     """Train the sharded model beside the oracle; exit 1 if their losses differ."""
     path, name = parse_target(args.target)
-    check_mesh(args.q, args.d)
+    check_mesh(args.q, args.d, args.mode)
     world = args.q * args.q * args.d
     start = time.perf_counter()
     if args.simulate:
         print(f"simulating {world} ranks in this process", file=sys.stderr, flush=True)
-        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, args.q, args.d)
+        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, args.q, args.d, mode=args.mode)
         rows = train(sim, oracle, inputs, args.steps, args.lr, show=True)
         mode = "simulated"
     else:
@@ -199,7 +213,7 @@ def compile_pair(compile_fn, path: str, name: str, q: int, d: int, **options):
 def launch(path: str, name: str, args) -> list[tuple]:
     """Run rank_main on q*q*d local gloo processes; return rank 0's rows."""
     world = args.q * args.q * args.d
-    job = (path, name, args.q, args.d, args.steps, args.lr, args.timeout)
+    job = (path, name, args.q, args.d, args.mode, args.steps, args.lr, args.timeout)
     try:
         rows, error = run_local(rank_main, world, args=job, timeout_s=args.timeout,
                                 collective_timeout_s=args.timeout)[0]
@@ -212,10 +226,10 @@ def launch(path: str, name: str, args) -> list[tuple]:
     return rows
 
 
-def rank_main(rank: int, world_size: int, path, name, q, d, steps, lr, timeout) -> tuple:
+def rank_main(rank: int, world_size: int, path, name, q, d, mode, steps, lr, timeout) -> tuple:
     """One process of `run`: (rows, None), or (None, message) for a user error."""
     try:
-        sharded, oracle, inputs = compile_pair(tess_compile.shard, path, name, q, d, timeout=timeout)
+        sharded, oracle, inputs = compile_pair(tess_compile.shard, path, name, q, d, mode=mode, timeout=timeout)
     except CliError as exc:  # the same on every rank: compiling needs no peer
         return None, str(exc)
     return train(sharded, oracle, inputs, steps, lr, show=rank == 0), None
@@ -295,7 +309,66 @@ class Table:
             sys.stderr.flush()
 
 
+# --------------------------------------------------------------------------- plan
+
+
+def cmd_plan(args) -> int:
+    """Print the meshes of --gpus ranks by predicted step time; exit 1 if none fits in memory."""
+    from tess_compile.planner import candidate_meshes, format_table, plan  # only this command needs them
+
+    path, name = parse_target(args.target)
+    cluster = cluster_of(args)
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    try:
+        candidate_meshes(args.gpus, modes)  # bad --gpus or --modes fail before the model is built
+    except ValueError as exc:
+        raise CliError(f"{exc} (--gpus, --modes)") from None
+    factory = load_factory(path, name)
+    with torch.device("meta"):  # no weight is allocated
+        model, inputs = call_factory(factory, path, name)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        rows = plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {args.intra_bandwidth:g} GB/s, "
+          f"{args.intra_latency:g} us; inter-node {args.inter_bandwidth:g} GB/s, {args.inter_latency:g} us; "
+          f"{args.tflops:g} TFLOP/s and {args.memory_gb:g} GB per GPU; {cluster.algorithm} collectives"
+          f"{'; compute and communication overlapped' if args.overlap else ''}")
+    sys.stdout.write(format_table(rows))
+    if not any(row.fits for row in rows):
+        print(f"tess-compile: error: no mesh of {args.gpus} GPUs fits (see the notes): raise --memory-gb, "
+              "use more GPUs, or change the model", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cluster_of(args):
+    """The Cluster the plan options describe."""
+    from tess_compile.cost_model import Cluster
+
+    try:
+        return Cluster(gpus_per_node=args.gpus_per_node,
+                       intra_bandwidth=args.intra_bandwidth * 1e9, intra_latency=args.intra_latency * 1e-6,
+                       inter_bandwidth=args.inter_bandwidth * 1e9, inter_latency=args.inter_latency * 1e-6,
+                       flops=args.tflops * 1e12, memory=args.memory_gb * 1e9, algorithm=args.algorithm)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 # --------------------------------------------------------------------------- command line
+
+
+def non_negative(text: str) -> float:
+    """An argparse type: a float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 def positive(kind):
@@ -313,7 +386,7 @@ def positive(kind):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """The parser of `tess-compile` and its commands `dump` and `run`."""
+    """The parser of `tess-compile` and its commands `dump`, `run` and `plan`."""
     parser = argparse.ArgumentParser(
         prog="tess-compile",
         description="Shard a PyTorch model with Tesseract (2.5-D) tensor parallelism on a [q, q, d] mesh.")
@@ -345,15 +418,57 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=positive(float), default=600.0,
                      help="seconds the q*q*d processes may take (default 600)")
     run.set_defaults(func=cmd_run)
+    add_plan(commands)
     return parser
 
 
+def add_plan(commands) -> None:
+    """The `plan` command; the cluster options default to the Tesseract paper's cluster."""
+    from tess_compile.cost_model import PAPER_CLUSTER as paper
+
+    plan = commands.add_parser(
+        "plan", help="rank the meshes of a GPU count by predicted step time",
+        description="Build the model of FACTORY on the meta device, compile it for every mesh of --gpus "
+                    "ranks in --modes, and print the meshes by predicted step time (alpha-beta model; "
+                    "see docs/planner.md). Cluster defaults: the Tesseract paper's (4 A100 40 GB per node, "
+                    "NVLink 200 GB/s, InfiniBand 200 Gb/s). Exit code 1 if no mesh fits in memory.")
+    plan.add_argument("target", metavar="FILE.py:FACTORY",
+                      help="a function in FILE.py that takes no arguments and returns (model, example_inputs)")
+    plan.add_argument("--gpus", type=positive(int), required=True, help="number of GPUs (ranks)")
+    plan.add_argument("--gpus-per-node", type=positive(int), default=paper.gpus_per_node,
+                      help=f"GPUs per node; ranks fill nodes in order (default {paper.gpus_per_node})")
+    plan.add_argument("--modes", default="1d,2d,2.5d",
+                      help="comma-separated modes among 1d, 2d, 2.5d, 3d (default 1d,2d,2.5d)")
+    plan.add_argument("--intra-bandwidth", type=positive(float), default=paper.intra_bandwidth / 1e9,
+                      metavar="GB_PER_S", help=f"GB/s within a node (default {paper.intra_bandwidth / 1e9:g})")
+    plan.add_argument("--intra-latency", type=non_negative, default=paper.intra_latency * 1e6, metavar="US",
+                      help=f"microseconds per step within a node (default {paper.intra_latency * 1e6:g})")
+    plan.add_argument("--inter-bandwidth", type=positive(float), default=paper.inter_bandwidth / 1e9,
+                      metavar="GB_PER_S",
+                      help=f"GB/s between nodes (default {paper.inter_bandwidth / 1e9:g}: 200 Gb/s InfiniBand)")
+    plan.add_argument("--inter-latency", type=non_negative, default=paper.inter_latency * 1e6, metavar="US",
+                      help=f"microseconds per step between nodes (default {paper.inter_latency * 1e6:g})")
+    plan.add_argument("--tflops", type=positive(float), default=paper.flops / 1e12,
+                      help=f"sustained matmul TFLOP/s of one GPU (default {paper.flops / 1e12:g})")
+    plan.add_argument("--memory-gb", type=positive(float), default=paper.memory / 1e9,
+                      help=f"memory of one GPU in GB, the budget a mesh must fit (default {paper.memory / 1e9:g})")
+    plan.add_argument("--algorithm", choices=("ring", "tree"), default=paper.algorithm,
+                      help=f"collective algorithm (default {paper.algorithm})")
+    plan.add_argument("--overlap", action="store_true",
+                      help="assume compute and communication overlap (max instead of sum per phase)")
+    plan.add_argument("-v", "--verbose", action="store_true", help="log each mesh as it compiles")
+    plan.set_defaults(func=cmd_plan)
+
+
 def add_common(parser: argparse.ArgumentParser) -> None:
-    """The arguments of both commands: the factory and the mesh."""
+    """The arguments of dump and run: the factory, the mesh and the mode."""
     parser.add_argument("target", metavar="FILE.py:FACTORY",
                         help="a function in FILE.py that takes no arguments and returns (model, example_inputs)")
     parser.add_argument("--q", type=int, required=True, help="mesh side: q*q*d ranks")
-    parser.add_argument("--d", type=int, required=True, help="mesh depth, 1 <= d <= q")
+    parser.add_argument("--d", type=int, required=True, help="mesh depth, 1 <= d <= q (1d: any d)")
+    parser.add_argument("--mode", choices=MODES, default="2.5d",
+                        help="2.5d (Tesseract, default), 2d (Optimus, d=1), 3d (d=q), "
+                             "1d (Megatron-LM over q*q*d ranks, e.g. --q 1 --d 8)")
 
 
 def main(argv=None) -> int:

@@ -77,7 +77,7 @@ def check_run(proc: subprocess.CompletedProcess, steps: int) -> None:
     assert f"step {steps}/{steps}" in proc.stderr, report(proc)  # the progress bar, one line a step off a TTY
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["dump", "--help"], ["run", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["dump", "--help"], ["run", "--help"], ["plan", "--help"]])
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -142,3 +142,99 @@ def test_losses_that_differ_exit_1(capsys):
     assert cli.summarize(rows, wall=1.0, mode="simulated") == 1
     assert "at step 2" in capsys.readouterr().err
     assert cli.summarize(rows[:1], wall=1.0, mode="simulated") == 0
+
+
+# --------------------------------------------------------------------------- plan and --mode
+
+PLAN_MODEL_PY = '''
+import torch
+from torch import nn
+
+
+def make_mlp():
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    return model, torch.randn(16, 4, 64)
+'''
+# mode, mesh, forward s, backward s, step s, comm MB/rank, memory GB/rank, note
+PLAN_ROW = re.compile(r"^(1d|2d|2\.5d|3d)\s+(\[[\d, ]+\])\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
+
+
+@pytest.fixture
+def plan_dir(tmp_path):
+    (tmp_path / "plan_model.py").write_text(PLAN_MODEL_PY)
+    return tmp_path
+
+
+def plan_rows(stdout: str) -> list[tuple]:
+    return [m.groups() for m in map(PLAN_ROW.match, stdout.splitlines()) if m]
+
+
+def test_plan_prints_the_meshes_fastest_first(plan_dir):
+    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "64", "--gpus-per-node", "4", cwd=plan_dir)
+    assert proc.returncode == 0, report(proc)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# 64 GPUs, 4 per node; intra-node 200 GB/s"), report(proc)
+    assert lines[1].split()[:2] == ["mode", "mesh"], report(proc)
+    rows = plan_rows(proc.stdout)
+    assert sorted((row[0], row[1]) for row in rows) == [("1d", "[64]"), ("2.5d", "[4, 4, 4]"),
+                                                        ("2d", "[8, 8, 1]")], report(proc)
+    steps = [float(row[4]) for row in rows]
+    assert steps == sorted(steps), report(proc)
+    assert "Traceback" not in proc.stderr, report(proc)
+
+
+def test_plan_with_cluster_options(plan_dir):
+    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "8", "--gpus-per-node", "8", "--modes", "1d",
+                   "--inter-bandwidth", "12.5", "--tflops", "100", "--algorithm", "tree", "--memory-gb", "80",
+                   "--overlap", "-v", cwd=plan_dir)
+    assert proc.returncode == 0, report(proc)
+    assert "tree collectives; compute and communication overlapped" in proc.stdout, report(proc)
+    assert [(row[0], row[1], row[7]) for row in plan_rows(proc.stdout)] == [("1d", "[8]", "within one node")]
+    assert "plan: compiling Sequential for 1d [8] (1 of 1)" in proc.stderr, report(proc)
+
+
+def test_plan_over_the_memory_budget_exits_1(plan_dir):
+    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "8", "--memory-gb", "1e-6", cwd=plan_dir)
+    assert proc.returncode == 1, report(proc)
+    assert len(plan_rows(proc.stdout)) == 2, report(proc)
+    assert "over the budget of 1e-06 GB" in proc.stdout, report(proc)
+    assert "no mesh of 8 GPUs fits" in proc.stderr, report(proc)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--modes", "2d"], "use 4 or 9 GPUs, or add mode '1d'"),
+    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--modes", "1d,4d"], "mode '4d' is not one of"),
+    (["plan", "plan_model.py:make_mlp", "--gpus", "0"], "expected a number > 0 (int), got '0'"),
+    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--algorithm", "fast"], "invalid choice: 'fast'"),
+    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--inter-latency", "-1"], "expected a number >= 0"),
+    (["plan", "plan_model.py:nothing", "--gpus", "8"], "no function 'nothing'"),
+    (["dump", "plan_model.py:make_mlp", "--q", "2", "--d", "2", "--mode", "2d"], "mode '2d' (Optimus) is the d=1 case"),
+    (["run", "plan_model.py:make_mlp", "--q", "2", "--d", "1", "--mode", "4d"], "invalid choice: '4d'"),
+], ids=["plan-no-mesh", "plan-bad-mode", "plan-no-gpus", "plan-algorithm", "plan-latency", "plan-no-factory",
+        "dump-2d-depth", "run-bad-mode"])
+def test_plan_and_mode_user_errors(plan_dir, monkeypatch, capsys, argv, expected):
+    """In this process (argparse exits with 2 itself; cli.main returns 2 for the others)."""
+    monkeypatch.chdir(plan_dir)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the file's folder
+    monkeypatch.setitem(sys.modules, cli.MODULE_NAME, None)  # and imports it under this name
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err, err
+
+
+def test_dump_in_mode_1d(workdir):
+    proc = run_cli("dump", "model.py:make_mlp", "--q", "1", "--d", "4", "--mode", "1d", cwd=workdir)
+    assert proc.returncode == 0, report(proc)
+    assert "1-D [p=4]" in proc.stdout, report(proc)
+    assert "broadcast" not in proc.stdout, report(proc)  # Megatron: all-reduces only
+
+
+@pytest.mark.parametrize("q, d, mode", [(1, 4, "1d"), (2, 1, "2d")])
+def test_run_simulated_in_mode(workdir, q, d, mode):
+    proc = run_cli("run", "model.py:make_mlp", "--q", str(q), "--d", str(d), "--mode", mode, "--simulate",
+                   "--steps", "2", cwd=workdir)
+    check_run(proc, steps=2)
