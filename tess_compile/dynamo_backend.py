@@ -29,17 +29,25 @@ __all__ = ["backend", "tesseract"]
 
 log = logging.getLogger("tess_compile")
 
-_OPTIONS = ("q", "d", "mode", "simulate", "strict", "timeout")
+_OPTIONS = ("q", "d", "mode", "summa", "simulate", "strict", "timeout")
 
 
 def backend(
-    q: int, d: int, *, mode: str = "2.5d", simulate: bool = False, strict: bool = False, timeout: float | None = None
+    q: int,
+    d: int,
+    *,
+    mode: str = "2.5d",
+    summa: str = "broadcast",
+    simulate: bool = False,
+    strict: bool = False,
+    timeout: float | None = None,
 ) -> Callable:
-    """A torch.compile backend that runs each graph on the `[q, q, d]` mesh in `mode`."""
+    """A torch.compile backend that runs each graph on the `[q, q, d]` mesh in `mode`,
+    the matrix products in schedule `summa` (see docs/modes.md)."""
     mesh = Mesh(q, d, mode)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-        return _compile(gm, list(example_inputs), mesh, simulate=simulate, strict=strict, timeout=timeout)
+        return _compile(gm, list(example_inputs), mesh, summa=summa, simulate=simulate, strict=strict, timeout=timeout)
 
     return compile_graph
 
@@ -57,7 +65,7 @@ def tesseract(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict 
     return backend(q, d, **options)(gm, example_inputs)
 
 
-def _compile(gm, example_inputs: list, mesh: Mesh, *, simulate: bool, strict: bool, timeout) -> Callable:
+def _compile(gm, example_inputs: list, mesh: Mesh, *, summa: str, simulate: bool, strict: bool, timeout) -> Callable:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if not isinstance(value, torch.Tensor):
@@ -70,7 +78,9 @@ def _compile(gm, example_inputs: list, mesh: Mesh, *, simulate: bool, strict: bo
         for index, (node, value) in enumerate(zip(placeholders, example_inputs))
         if isinstance(value, nn.Parameter) or "_buffers_" in node.target
     }
-    program = compile_model(gm, mesh, tuple(example_inputs), strict=strict, weight_inputs=weights, replicate_outputs=True)
+    program = compile_model(
+        gm, mesh, tuple(example_inputs), strict=strict, weight_inputs=weights, replicate_outputs=True, summa=summa
+    )
     log.info("torch.compile backend: graph of %d nodes on mesh %s", len(gm.graph.nodes), mesh)
     if simulate:
         return SimulatedModule(program)

@@ -195,3 +195,19 @@ def test_row_parallel_bias_is_added_once():
     placed = [n for n in sim.program.graph.graph.nodes if n.name.startswith("keep_first")]
     assert len(placed) == 1
     assert_close_rel(sim(x), model[1].bias.detach().expand(2, 8), name="bias-only output")
+
+
+@pytest.mark.parametrize("mode, q, d, summa", [("1d", 1, 4, "broadcast"), ("2.5d", 2, 2, "gather")])
+def test_torch_compile_backend_takes_mode_and_schedule(mode, q, d, summa):
+    """torch.compile with the backend in another mode and schedule: output and gradients."""
+    torch.manual_seed(7)
+    model = GPTBlock(16, 4)
+    x = torch.randn(4, 4, 16)
+    compiled = torch.compile(model, backend=tess_compile.backend(q, d, mode=mode, summa=summa, simulate=True))
+    reference = copy.deepcopy(model)
+    out = compiled(x)
+    assert_close_rel(out, reference(x), name="output")
+    out.square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_close_rel(param.grad, ref.grad, name=f"grad {name}")
