@@ -1,5 +1,6 @@
 """The tess-compile command line end to end, in subprocesses: `dump`, `run` (simulated and
-on real gloo processes), the installed script, and user errors (exit 2, no traceback)."""
+on real gloo processes), `plan`, `--mode`, the installed script, and user errors (exit 2,
+no traceback); `plan`'s options and errors also in this process, through `cli.main`."""
 
 from __future__ import annotations
 
@@ -169,8 +170,21 @@ def plan_rows(stdout: str) -> list[tuple]:
     return [m.groups() for m in map(PLAN_ROW.match, stdout.splitlines()) if m]
 
 
+def run_in_process(argv: list[str], folder, monkeypatch, capsys) -> tuple[int, str, str]:
+    """cli.main(argv) in `folder`: (exit code, stdout, stderr); argparse's own exits included."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the file's folder
+    monkeypatch.setitem(sys.modules, cli.MODULE_NAME, None)  # and imports it under this name
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_plan_prints_the_meshes_fastest_first(plan_dir):
-    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "64", "--gpus-per-node", "4", cwd=plan_dir)
+    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "64", "--gpus-per-node", "4", "-v", cwd=plan_dir)
     assert proc.returncode == 0, report(proc)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# 64 GPUs, 4 per node; intra-node 200 GB/s"), report(proc)
@@ -180,25 +194,29 @@ def test_plan_prints_the_meshes_fastest_first(plan_dir):
                                                         ("2d", "[8, 8, 1]")], report(proc)
     steps = [float(row[4]) for row in rows]
     assert steps == sorted(steps), report(proc)
+    assert "plan: compiling Sequential for 2.5d [4, 4, 4] (3 of 3)" in proc.stderr, report(proc)
     assert "Traceback" not in proc.stderr, report(proc)
 
 
-def test_plan_with_cluster_options(plan_dir):
-    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "8", "--gpus-per-node", "8", "--modes", "1d",
-                   "--inter-bandwidth", "12.5", "--tflops", "100", "--algorithm", "tree", "--memory-gb", "80",
-                   "--overlap", "-v", cwd=plan_dir)
-    assert proc.returncode == 0, report(proc)
-    assert "tree collectives; compute and communication overlapped" in proc.stdout, report(proc)
-    assert [(row[0], row[1], row[7]) for row in plan_rows(proc.stdout)] == [("1d", "[8]", "within one node")]
-    assert "plan: compiling Sequential for 1d [8] (1 of 1)" in proc.stderr, report(proc)
+def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
+    code, out, err = run_in_process(
+        ["plan", "plan_model.py:make_mlp", "--gpus", "8", "--gpus-per-node", "8", "--modes", "1d",
+         "--inter-bandwidth", "12.5", "--tflops", "100", "--algorithm", "tree", "--memory-gb", "80",
+         "--overlap"], plan_dir, monkeypatch, capsys)
+    assert code == 0, err
+    assert out.startswith("# 8 GPUs, 8 per node; intra-node 200 GB/s, 2 us; inter-node 12.5 GB/s, 5 us; "
+                          "100 TFLOP/s and 80 GB per GPU; tree collectives; compute and communication "
+                          "overlapped\n"), out
+    assert [(row[0], row[1], row[7]) for row in plan_rows(out)] == [("1d", "[8]", "within one node")], out
 
 
-def test_plan_over_the_memory_budget_exits_1(plan_dir):
-    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "8", "--memory-gb", "1e-6", cwd=plan_dir)
-    assert proc.returncode == 1, report(proc)
-    assert len(plan_rows(proc.stdout)) == 2, report(proc)
-    assert "over the budget of 1e-06 GB" in proc.stdout, report(proc)
-    assert "no mesh of 8 GPUs fits" in proc.stderr, report(proc)
+def test_plan_over_the_memory_budget_exits_1(plan_dir, monkeypatch, capsys):
+    code, out, err = run_in_process(["plan", "plan_model.py:make_mlp", "--gpus", "8", "--memory-gb", "1e-6"],
+                                    plan_dir, monkeypatch, capsys)
+    assert code == 1, err
+    assert len(plan_rows(out)) == 2, out
+    assert "over the budget of 1e-06 GB" in out, out
+    assert "no mesh of 8 GPUs fits" in err, err
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -213,15 +231,7 @@ def test_plan_over_the_memory_budget_exits_1(plan_dir):
 ], ids=["plan-no-mesh", "plan-bad-mode", "plan-no-gpus", "plan-algorithm", "plan-latency", "plan-no-factory",
         "dump-2d-depth", "run-bad-mode"])
 def test_plan_and_mode_user_errors(plan_dir, monkeypatch, capsys, argv, expected):
-    """In this process (argparse exits with 2 itself; cli.main returns 2 for the others)."""
-    monkeypatch.chdir(plan_dir)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the file's folder
-    monkeypatch.setitem(sys.modules, cli.MODULE_NAME, None)  # and imports it under this name
-    try:
-        code = cli.main(argv)
-    except SystemExit as exit_info:
-        code = exit_info.code
-    err = capsys.readouterr().err
+    code, _, err = run_in_process(argv, plan_dir, monkeypatch, capsys)
     assert code == 2, err
     assert expected in err, err
 
@@ -233,8 +243,7 @@ def test_dump_in_mode_1d(workdir):
     assert "broadcast" not in proc.stdout, report(proc)  # Megatron: all-reduces only
 
 
-@pytest.mark.parametrize("q, d, mode", [(1, 4, "1d"), (2, 1, "2d")])
-def test_run_simulated_in_mode(workdir, q, d, mode):
-    proc = run_cli("run", "model.py:make_mlp", "--q", str(q), "--d", str(d), "--mode", mode, "--simulate",
+def test_run_simulated_in_mode_1d(workdir):
+    proc = run_cli("run", "model.py:make_mlp", "--q", "1", "--d", "4", "--mode", "1d", "--simulate",
                    "--steps", "2", cwd=workdir)
     check_run(proc, steps=2)

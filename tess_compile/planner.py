@@ -1,0 +1,215 @@
+"""The planner: rank every mode and mesh of a model on a cluster by predicted step time.
+
+`plan` lists the meshes `gpus` ranks allow in each mode (`candidate_meshes`),
+compiles the model for each (on the meta device: no weight is allocated),
+prices each program with `tess_compile.cost_model`, and returns one `PlanRow`
+per mesh: those that fit the memory budget first, fastest first, then those
+over the budget, then those that did not compile, each with the reason.
+`format_table` prints the rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from tess_compile.compiler import compile_model
+from tess_compile.cost_model import PAPER_CLUSTER, Cluster, MemoryEstimate, StepTime, predict_memory, predict_time
+from tess_compile.mesh import AXES, MODES, Mesh
+
+__all__ = ["DEFAULT_MODES", "PlanRow", "candidate_meshes", "format_table", "mesh_label", "plan"]
+
+DEFAULT_MODES = ("1d", "2d", "2.5d")
+GB = 1e9
+
+log = logging.getLogger("tess_compile")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate: its mesh, predicted time and memory, and a note: why it was dropped,
+    or (if it fits) which mesh axes cross nodes."""
+
+    mesh: Mesh
+    time: StepTime | None = None  # None if it did not compile
+    memory: MemoryEstimate | None = None
+    note: str = ""
+    fits: bool = False  # compiled, and within the memory budget
+
+    @property
+    def mode(self) -> str:
+        return self.mesh.mode
+
+
+def mesh_label(mesh: Mesh) -> str:
+    """The paper's notation: `[64]` for 1-D, `[q, q, d]` otherwise."""
+    if mesh.mode == "1d":
+        return f"[{mesh.num_ranks}]"
+    return f"[{mesh.q}, {mesh.q}, {mesh.d}]"
+
+
+def candidate_meshes(gpus: int, modes: Sequence[str] = DEFAULT_MODES) -> list[Mesh]:
+    """Every mesh of exactly `gpus` ranks in `modes`, in the order of `modes`.
+
+    1d: `Mesh(1, gpus, "1d")`; 2d: `q*q == gpus`; 3d: `q**3 == gpus`;
+    2.5d: `q*q*d == gpus`, `1 <= d <= q`, leaving out `d == 1` when "2d" is
+    in `modes` and `d == q` when "3d" is (the same programs).
+    """
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r}: use a positive integer number of GPUs, e.g. 64")
+    if isinstance(modes, str) or not modes:
+        raise ValueError(f"modes={modes!r}: pass a non-empty sequence of modes, e.g. ('1d', '2d', '2.5d')")
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(map(repr, MODES))}: "
+                             "pick modes from those, e.g. ('1d', '2d', '2.5d')")
+    meshes = []
+    for mode in dict.fromkeys(modes):  # each mode once, in order
+        meshes.extend(_meshes_of(mode, gpus, modes))
+    if not meshes:
+        raise ValueError(f"no mesh of {gpus} GPUs in modes {', '.join(modes)}: 2d needs a square number "
+                         f"(q*q), 3d a cube, 2.5d q*q*d with d <= q; use {_near(gpus, modes)} GPUs, or add mode '1d'")
+    return meshes
+
+
+def _meshes_of(mode: str, gpus: int, modes: Sequence[str]) -> list[Mesh]:
+    if mode == "1d":
+        return [Mesh(1, gpus, "1d")]
+    out = []
+    for q in range(1, math.isqrt(gpus) + 1):
+        d, rest = divmod(gpus, q * q)
+        if rest or d > q:
+            continue
+        if mode == "2d" and d != 1 or mode == "3d" and d != q:
+            continue
+        if mode == "2.5d" and (d == 1 and "2d" in modes or d == q and "3d" in modes):
+            continue
+        out.append(Mesh(q, d, mode))
+    return out
+
+
+def _near(gpus: int, modes: Sequence[str]) -> str:
+    """The nearest GPU counts below and above `gpus` that some mesh of `modes` takes, as text."""
+    def fits(n: int) -> bool:
+        return any(_meshes_of(mode, n, modes) for mode in modes)
+
+    below = next((n for n in range(gpus, 0, -1) if fits(n)), None)
+    above = next(n for n in range(gpus, 8 * gpus + 1) if fits(n))  # a cube lies in [g, 8g]
+    return str(above) if below is None or below == above else f"{below} or {above}"
+
+
+def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
+    """The model and its inputs: a model as given, or a factory's result built on the meta device."""
+    if isinstance(factory_or_model, nn.Module):
+        if example_inputs is None:
+            raise ValueError(f"plan() got a {type(factory_or_model).__name__} without example_inputs: pass "
+                             "example_inputs=, or a factory that returns (model, example_inputs)")
+        return factory_or_model, example_inputs
+    if not callable(factory_or_model):
+        raise TypeError(f"plan() got a {type(factory_or_model).__name__}: pass an nn.Module with "
+                         "example_inputs=, or a factory that takes no arguments and returns (model, example_inputs)")
+    with torch.device("meta"):
+        result = factory_or_model()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        raise ValueError(f"the factory returned {type(result).__name__}, not (model, example_inputs): "
+                         "return an nn.Module and its inputs, e.g. `return model, torch.randn(16, 128, 1024)`")
+    return result
+
+
+def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
+              overlap: bool, summa: str, strict: bool) -> PlanRow:
+    """Compile `model` for `mesh` and price it; a row with the reason if it fails or does not fit."""
+    try:
+        program = compile_model(model, mesh, inputs, strict=strict, summa=summa)
+    except (ValueError, RuntimeError) as exc:
+        log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
+        return PlanRow(mesh, note=f"does not compile: {exc}")
+    time = predict_time(program, cluster, overlap=overlap)
+    memory = predict_memory(program)
+    if memory.total > budget:
+        note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
+        return PlanRow(mesh, time, memory, note)
+    inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
+    note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
+    return PlanRow(mesh, time, memory, note, fits=True)
+
+
+def _sort_key(row: PlanRow) -> tuple:
+    if row.time is None:
+        return (2, 0.0)
+    return (0 if row.fits else 1, row.time.step_s)
+
+
+def plan(
+    factory_or_model: Callable[[], tuple[nn.Module, object]] | nn.Module,
+    gpus: int,
+    *,
+    gpus_per_node: int | None = None,
+    cluster: Cluster = PAPER_CLUSTER,
+    modes: Sequence[str] = DEFAULT_MODES,
+    memory_budget: float | None = None,
+    example_inputs=None,
+    overlap: bool = False,
+    summa: str = "broadcast",
+    strict: bool = False,
+) -> list[PlanRow]:
+    """Every mesh of `gpus` ranks in `modes`, priced on `cluster`, fastest first.
+
+    `factory_or_model`: a function that takes no arguments and returns
+    `(model, example_inputs)`, called under `torch.device("meta")`; or a
+    model with `example_inputs=`. `gpus_per_node` overrides the cluster's.
+    `memory_budget` (bytes per GPU; default the cluster's memory) drops
+    the meshes that need more. Rows that fit come first, by predicted step
+    time, then those over budget, then those that did not compile; `note`
+    says why a row was dropped. `overlap`: see `cost_model.predict_time`;
+    `summa` and `strict` go to `compile_model`.
+    """
+    if gpus_per_node is not None:
+        cluster = replace(cluster, gpus_per_node=gpus_per_node)
+    budget = cluster.memory if memory_budget is None else memory_budget
+    if not budget > 0:
+        raise ValueError(f"memory_budget={memory_budget!r}: use bytes per GPU > 0, e.g. 40e9")
+    meshes = candidate_meshes(gpus, modes)
+    model, inputs = _build(factory_or_model, example_inputs)
+    rows = []
+    for number, mesh in enumerate(meshes, 1):
+        log.info("plan: compiling %s for %s %s (%d of %d)", type(model).__name__, mesh.mode,
+                 mesh_label(mesh), number, len(meshes))
+        row = _evaluate(model, inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict)
+        rows.append(row)
+    return sorted(rows, key=_sort_key)
+
+
+# --------------------------------------------------------------------------- the table
+
+HEADER = ("mode", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "memory GB/rank", "note")
+
+
+def format_table(rows: Sequence[PlanRow]) -> str:
+    """The rows as a fixed-width text table, one line per row, in the given order."""
+    cells = [HEADER] + [_cells(row) for row in rows]
+    widths = [max(len(line[col]) for line in cells) for col in range(len(HEADER) - 1)]
+    lines = []
+    for line in cells:
+        head = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
+        head += [text.rjust(width) for text, width in zip(line[2:-1], widths[2:])]
+        lines.append("  ".join(head + [line[-1]]).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _cells(row: PlanRow) -> tuple[str, ...]:
+    if row.time is None:
+        return (row.mode, mesh_label(row.mesh), "-", "-", "-", "-", "-", row.note)
+    numbers = (row.time.forward_s, row.time.backward_s, row.time.step_s, row.time.comm_bytes / 1e6,
+               row.memory.total / GB)
+    return (row.mode, mesh_label(row.mesh), *map(_number, numbers), row.note)
+
+
+def _number(value: float) -> str:
+    """Four significant digits; whole numbers from 10000 up (no exponent)."""
+    return f"{value:.0f}" if value >= 1e4 else f"{value:.4g}"

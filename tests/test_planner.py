@@ -1,0 +1,180 @@
+"""The planner: the meshes it enumerates, the order of its rows, the memory budget,
+meshes that do not compile, and the table."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import tess_compile
+from tess_compile.cost_model import PAPER_CLUSTER
+from tess_compile.mesh import Mesh
+from tess_compile.planner import candidate_meshes, format_table, mesh_label, plan
+
+from models import GPTBlock
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, inner)
+        self.fc2 = nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_mlp():
+    """Splits on every mesh of 8 and 64 ranks: batch 16 = d*q of [4, 4, 4], hidden 64 = p of [64]."""
+    return MLP(64, 256), torch.randn(16, 4, 64)
+
+
+def make_paper_block():
+    """One GPT block of the paper's strong-scaling runs (hidden 3072, 64 heads, batch 16); sequence 512."""
+    return GPTBlock(3072, 64), torch.randn(16, 512, 3072)
+
+
+def make_odd_mlp():
+    """Inner size 96: no 1-D (column-parallel) split over 64 ranks."""
+    return MLP(64, 96), torch.randn(16, 4, 64)
+
+
+# --------------------------------------------------------------------------- enumeration
+
+
+def test_meshes_of_8_gpus():
+    assert candidate_meshes(8) == [Mesh(1, 8, "1d"), Mesh(2, 2, "2.5d")]
+    assert candidate_meshes(8, ("3d",)) == [Mesh(2, 2, "3d")]
+
+
+def test_meshes_of_64_gpus():
+    assert candidate_meshes(64) == [Mesh(1, 64, "1d"), Mesh(8, 1, "2d"), Mesh(4, 4, "2.5d")]
+    assert candidate_meshes(64, ("2.5d",)) == [Mesh(4, 4, "2.5d"), Mesh(8, 1, "2.5d")]
+    # the same program is listed once, under the narrower mode
+    assert candidate_meshes(64, ("2d", "2.5d", "3d")) == [Mesh(8, 1, "2d"), Mesh(4, 4, "3d")]
+
+
+def test_meshes_of_other_counts():
+    assert candidate_meshes(32, ("2.5d",)) == [Mesh(4, 2, "2.5d")]
+    assert candidate_meshes(1) == [Mesh(1, 1, "1d"), Mesh(1, 1, "2d")]
+    assert candidate_meshes(6) == [Mesh(1, 6, "1d")]
+
+
+@pytest.mark.parametrize("gpus, modes, expected", [
+    (8, ("2d",), ("no mesh of 8 GPUs in modes 2d: 2d needs a square number (q*q), 3d a cube, "
+                  "2.5d q*q*d with d <= q; use 4 or 9 GPUs, or add mode '1d'")),
+    (2, ("3d",), "use 1 or 8 GPUs"),
+    (8, ("4d",), "mode '4d' is not one of '1d', '2d', '2.5d', '3d'"),
+    (0, ("1d",), "gpus=0: use a positive integer"),
+    (8, (), "modes=(): pass a non-empty sequence of modes"),
+    (8, "2d", "modes='2d': pass a non-empty sequence of modes"),
+])
+def test_bad_gpus_or_modes(gpus, modes, expected):
+    with pytest.raises(ValueError) as info:
+        candidate_meshes(gpus, modes)
+    assert expected in str(info.value)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("gpus", [8, 64])
+def test_plan_prices_every_mesh_fastest_first(gpus, caplog):
+    with caplog.at_level(logging.INFO, logger="tess_compile"):
+        rows = plan(make_mlp, gpus, gpus_per_node=4)
+    assert sorted(map(mesh_label, (row.mesh for row in rows))) == sorted(map(mesh_label, candidate_meshes(gpus)))
+    assert all(row.fits for row in rows), format_table(rows)
+    times = [row.time.step_s for row in rows]
+    assert times == sorted(times)
+    assert all(row.time.comm_bytes > 0 and row.memory.total > 0 for row in rows)
+    assert f"(1 of {len(rows)})" in caplog.text
+
+
+def test_the_paper_mesh_crosses_nodes_on_row_and_depth():
+    rows = plan(make_mlp, 64, gpus_per_node=4, modes=("2.5d",))
+    notes = {mesh_label(row.mesh): row.note for row in rows}
+    assert notes == {"[4, 4, 4]": "inter-node: depth, row", "[8, 8, 1]": "inter-node: row, col"}
+    one_node = plan(make_mlp, 8, gpus_per_node=8)
+    assert {row.note for row in one_node} == {"within one node"}
+
+
+def test_the_paper_ranking_on_64_gpus():
+    """Tesseract Table 1, 64 A100s: [4, 4, 4] beats Megatron-LM [64] and Optimus [8, 8]."""
+    rows = plan(make_paper_block, 64)
+    assert [mesh_label(row.mesh) for row in rows][0] == "[4, 4, 4]", format_table(rows)
+    assert all(row.fits for row in rows), format_table(rows)
+
+
+def test_memory_budget_drops_the_meshes_over_it():
+    rows = plan(make_mlp, 64)
+    totals = sorted(row.memory.total for row in rows)
+    budget = (totals[0] + totals[1]) / 2  # only the leanest mesh fits
+    limited = plan(make_mlp, 64, memory_budget=budget)
+    assert [row.fits for row in limited] == [True, False, False]
+    assert limited[0].memory.total == totals[0]
+    for row in limited[1:]:
+        assert row.memory.total > budget
+        assert "over the budget of" in row.note
+    assert limited[1].time.step_s <= limited[2].time.step_s
+    # the cluster's memory is the default budget
+    small = replace(PAPER_CLUSTER, memory=budget)
+    assert [row.fits for row in plan(make_mlp, 64, cluster=small)] == [True, False, False]
+
+
+def test_a_mesh_that_does_not_compile_says_why():
+    rows = plan(make_odd_mlp, 64)
+    failed = rows[-1]
+    assert failed.mesh == Mesh(1, 64, "1d")
+    assert failed.time is None and not failed.fits
+    assert failed.note.startswith("does not compile: ")
+    assert "not divisible by 64" in failed.note
+    assert all(row.fits for row in rows[:-1])
+
+
+def test_plan_of_a_model_needs_its_inputs():
+    model, inputs = make_mlp()
+    rows = plan(model, 8, example_inputs=inputs)
+    assert [row.fits for row in rows] == [True, True]
+    with pytest.raises(ValueError, match="without example_inputs: pass example_inputs="):
+        plan(model, 8)
+    with pytest.raises(ValueError, match="the factory returned MLP, not \\(model, example_inputs\\)"):
+        plan(lambda: MLP(8, 8), 8)
+
+
+def test_factory_runs_on_the_meta_device():
+    built = []
+
+    def factory():
+        model, inputs = make_mlp()
+        built.append(model.fc1.weight.device)
+        return model, inputs
+
+    plan(factory, 8)
+    assert built == [torch.device("meta")]
+
+
+def test_plan_with_the_gather_schedule():
+    """summa="gather": one all-gather per operand instead of q broadcasts; the same meshes."""
+    rows = plan(make_mlp, 8, summa="gather")
+    assert [row.fits for row in rows] == [True, True]
+    assert {mesh_label(row.mesh) for row in rows} == {"[8]", "[2, 2, 2]"}
+
+
+def test_plan_is_exported():
+    assert tess_compile.plan is plan
+
+
+def test_format_table():
+    rows = plan(make_odd_mlp, 64, memory_budget=1.0)
+    text = format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["mode", "mesh", "forward", "s", "backward", "s", "step", "s", "comm",
+                                "MB/rank", "memory", "GB/rank", "note"]
+    assert len(lines) == 1 + len(rows)
+    assert lines[-1].startswith("1d    [64]")
+    assert "does not compile" in lines[-1]
+    assert text.isascii()
