@@ -8,7 +8,8 @@ Not a pass: it reads what the passes leave and changes nothing. Stages:
 - "rewritten": one rank's per-rank graph of `passes.rewrite`, local shapes
   from a fake run, collectives with their axis, peers and bytes, and a
   header with the rank's parameter bytes and bytes moved
-  (`tess_compile.accounting`).
+  (`tess_compile.accounting`); with `sizes=`, also those bytes as formulas
+  in the model's sizes and the mesh (`tess_compile.symbolic`).
 
 Text dumps have one node a line (`name = op(args)  # comment`); `#` lines
 are the header and, in "placed", the conversions before the node needing
@@ -32,6 +33,7 @@ from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING
 from tess_compile.compiler import Program, compile_model, split_example_inputs
 from tess_compile.layout import Layout
 from tess_compile.mesh import AXES, Mesh
+from tess_compile.symbolic import format_symbolic, formulas_by_phase, mesh_values, symbolic_costs
 
 __all__ = ["FORMATS", "STAGES", "dump", "dump_graph", "dump_program"]
 
@@ -56,13 +58,19 @@ def dump(
     stage: str = "rewritten",
     format: str = "text",
     strict: bool = False,
+    sizes: dict[str, int] | None = None,
 ) -> str:
-    """Compile `model` for the `[q, q, d]` mesh in `mode` and render `stage` for `rank` in `format`."""
+    """Compile `model` for the `[q, q, d]` mesh in `mode` and render `stage` for `rank` in `format`.
+
+    `sizes` names the model's sizes (`{"b": 8, "s": 12, "h": 40}`, the sizes
+    of `example_inputs` and the model); the rewritten stage's header then
+    gives the bytes moved as formulas in them and in q, d, p.
+    """
     mesh = Mesh(q, d, mode)
-    _check_options(stage, format, rank, mesh)
+    _check_options(stage, format, rank, mesh, sizes)
     if stage == "rewritten":
         program = compile_model(model, mesh, example_inputs, strict=strict)
-        return dump_program(program, rank=rank, format=format)
+        return dump_program(program, rank=rank, format=format, sizes=sizes)
     args, kwargs = split_example_inputs(example_inputs)
     gm = capture(model, args, kwargs)
     if stage == "placed":
@@ -70,15 +78,22 @@ def dump(
     return dump_graph(gm, mesh, stage=stage, rank=rank, format=format)
 
 
-def dump_program(program: Program, *, rank: int = 0, format: str = "text") -> str:
-    """The rewritten stage of a compiled `Program`: rank `rank`'s per-rank graph."""
-    return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format)
+def dump_program(
+    program: Program, *, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None
+) -> str:
+    """The rewritten stage of a compiled `Program`: rank `rank`'s per-rank graph (`sizes`: see `dump`)."""
+    return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format, sizes=sizes)
 
 
-def dump_graph(gm: GraphModule, mesh: Mesh, *, stage: str, rank: int = 0, format: str = "text") -> str:
-    """Render `gm`, the output of `stage` ("captured", "placed" or "rewritten")."""
-    _check_options(stage, format, rank, mesh)
-    header, lines = _STAGE_VIEWS[stage](gm, mesh, rank)
+def dump_graph(
+    gm: GraphModule, mesh: Mesh, *, stage: str, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None
+) -> str:
+    """Render `gm`, the output of `stage` ("captured", "placed" or "rewritten"; `sizes`: see `dump`)."""
+    _check_options(stage, format, rank, mesh, sizes)
+    if sizes is None:
+        header, lines = _STAGE_VIEWS[stage](gm, mesh, rank)
+    else:
+        header, lines = _rewritten_view(gm, mesh, rank, sizes)
     if format == "text":
         return _text(header, lines)
     dot = _dot(stage, header, lines)
@@ -88,10 +103,15 @@ def dump_graph(gm: GraphModule, mesh: Mesh, *, stage: str, rank: int = 0, format
 # ------------------------------------------------------------------ checks
 
 
-def _check_options(stage: str, format: str, rank: int, mesh: Mesh) -> None:
+def _check_options(stage: str, format: str, rank: int, mesh: Mesh, sizes=None) -> None:
     _check_choice("stage", stage, STAGES)
     _check_choice("format", format, FORMATS)
     check_rank(rank, mesh)
+    if sizes is not None and stage != "rewritten":
+        raise ValueError(
+            f"sizes= gives the bytes moved as formulas, which only the rewritten stage has, "
+            f"not stage {stage!r}: use stage='rewritten', or leave sizes out"
+        )
     if format == "svg" and shutil.which("dot") is None:
         raise ValueError(
             "format='svg' needs Graphviz's `dot` executable, which is not installed: install it "
@@ -256,7 +276,7 @@ def _placed_view(gm: GraphModule, mesh: Mesh, rank: int):
     return header, lines
 
 
-def _rewritten_view(gm: GraphModule, mesh: Mesh, rank: int):
+def _rewritten_view(gm: GraphModule, mesh: Mesh, rank: int, sizes: dict[str, int] | None = None):
     values = fake_run(gm, mesh)
     costs = {cost.node: cost for cost in collective_costs(gm, mesh)}
     lines = []
@@ -269,7 +289,10 @@ def _rewritten_view(gm: GraphModule, mesh: Mesh, rank: int):
         shape = _each(val, lambda v, _: str(list(v.shape)))
         collective = costs[node].op if node in costs else None
         lines.append(_Line(node, _code(node), " ".join(p for p in parts if p), _layout_text(layout), shape, collective=collective))
-    return _rewritten_header(gm, mesh, rank, costs.values(), values), lines
+    header = _rewritten_header(gm, mesh, rank, costs.values(), values)
+    if sizes is not None:
+        header += _symbolic_header(gm, mesh, sizes, list(costs.values()))
+    return header, lines
 
 
 def _collective_text(cost: CollectiveCost, mesh: Mesh, rank: int) -> str:
@@ -293,6 +316,13 @@ def _rewritten_header(gm: GraphModule, mesh: Mesh, rank: int, costs, values) -> 
         for (op, axis), num_bytes in sorted(moved[phase].items()):
             header.append(f"  {phase} {op} along {axis}: {num_bytes}")
     return header + _replicated_header(gm, values)
+
+
+def _symbolic_header(gm: GraphModule, mesh: Mesh, sizes: dict[str, int], costs: list[CollectiveCost]) -> list[str]:
+    values = {**sizes, **mesh_values(mesh)}
+    formulas = formulas_by_phase(symbolic_costs(gm, mesh, sizes, costs=costs))
+    named = ", ".join(f"{k}={v}" for k, v in values.items())
+    return [f"bytes moved as formulas ({named}):"] + [f"  {line}" for line in format_symbolic(formulas, values)]
 
 
 def _parameter_bytes(gm: GraphModule, mesh: Mesh) -> int:
