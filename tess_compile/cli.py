@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 import tess_compile
+from passes.summa import SCHEDULES
 from tess_compile.compiler import split_example_inputs
 from tess_compile.launch import run_local
 from tess_compile.mesh import MODES
@@ -329,7 +330,8 @@ def cmd_plan(args) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        rows = plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap)
+        rows = plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap,
+                    summa=args.summa)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {args.intra_bandwidth:g} GB/s, "
@@ -454,6 +456,8 @@ def add_plan(commands) -> None:
                       help=f"memory of one GPU in GB, the budget a mesh must fit (default {paper.memory / 1e9:g})")
     plan.add_argument("--algorithm", choices=("ring", "tree"), default=paper.algorithm,
                       help=f"collective algorithm (default {paper.algorithm})")
+    plan.add_argument("--summa", choices=("auto", *SCHEDULES), default="auto",
+                      help="schedule of the matrix products to price; auto (default) prices each, keeps the fastest")
     plan.add_argument("--overlap", action="store_true",
                       help="assume compute and communication overlap (max instead of sum per phase)")
     plan.add_argument("-v", "--verbose", action="store_true", help="log each mesh as it compiles")

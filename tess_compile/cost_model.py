@@ -13,7 +13,9 @@ cluster's sustained throughput; backward runs twice the forward FLOPs (one
 matmul for the input's gradient and one for the weight's, per forward
 matmul). Collectives run synchronously today, so compute and communication
 add; `overlap=True` takes `max(compute, comm)` per phase, the bound of a
-perfectly overlapped schedule. Memory per rank: parameters, gradients,
+perfectly overlapped schedule, and `overlap="forward"` in forward only (the
+`summa="overlap"` schedule overlaps forward broadcasts; backward runs its
+collectives synchronously). Memory per rank: parameters, gradients,
 AdamW state and the activations autograd saves for backward.
 """
 
@@ -195,18 +197,18 @@ class StepTime:
     backward_comm_s: float
     forward_bytes: int
     backward_bytes: int
-    overlap: bool = False
+    overlap: tuple[str, ...] = ()  # the phases whose compute and communication overlap
 
-    def _phase(self, compute: float, comm: float) -> float:
-        return max(compute, comm) if self.overlap else compute + comm
+    def _phase(self, phase: str, compute: float, comm: float) -> float:
+        return max(compute, comm) if phase in self.overlap else compute + comm
 
     @property
     def forward_s(self) -> float:
-        return self._phase(self.forward_compute_s, self.forward_comm_s)
+        return self._phase("forward", self.forward_compute_s, self.forward_comm_s)
 
     @property
     def backward_s(self) -> float:
-        return self._phase(self.backward_compute_s, self.backward_comm_s)
+        return self._phase("backward", self.backward_compute_s, self.backward_comm_s)
 
     @property
     def step_s(self) -> float:
@@ -217,7 +219,11 @@ class StepTime:
         return self.forward_bytes + self.backward_bytes
 
 
-def predict_time(program: Program, cluster: Cluster, *, overlap: bool = False,
+# predict_time's `overlap` -> the phases whose compute and communication overlap.
+_OVERLAPPED_PHASES = {False: (), True: ("forward", "backward"), "forward": ("forward",)}
+
+
+def predict_time(program: Program, cluster: Cluster, *, overlap: bool | str = False,
                  inputs_require_grad: bool = False) -> StepTime:
     """Forward and backward seconds of one step of `program` on `cluster` (see the module docstring)."""
     costs = collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
@@ -230,7 +236,7 @@ def predict_time(program: Program, cluster: Cluster, *, overlap: bool = False,
         backward_comm_s=comm["backward"],
         forward_bytes=sum(c.forward_bytes for c in costs if c.forward_bytes is not None),
         backward_bytes=sum(c.backward_bytes for c in costs if c.backward_bytes is not None),
-        overlap=overlap,
+        overlap=_OVERLAPPED_PHASES[overlap],
     )
 
 

@@ -5,6 +5,9 @@ compiles the model for each (on the meta device: no weight is allocated),
 prices each program with `tess_compile.cost_model`, and returns one `PlanRow`
 per mesh: those that fit the memory budget first, fastest first, then those
 over the budget, then those that did not compile, each with the reason.
+With `summa="auto"` each 2-D/2.5-D/3-D mesh is priced in every schedule of
+its matrix products (`passes.summa.SCHEDULES`; "overlap" with forward
+compute and communication overlapped) and keeps the fastest.
 `format_table` prints the rows.
 """
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from passes.summa import SCHEDULES
 from tess_compile.compiler import compile_model
 from tess_compile.cost_model import PAPER_CLUSTER, Cluster, MemoryEstimate, StepTime, predict_memory, predict_time
 from tess_compile.mesh import AXES, MODES, Mesh
@@ -40,6 +44,7 @@ class PlanRow:
     memory: MemoryEstimate | None = None
     note: str = ""
     fits: bool = False  # compiled, and within the memory budget
+    summa: str = "broadcast"  # the schedule of the matrix products it was priced in
 
     @property
     def mode(self) -> str:
@@ -124,19 +129,36 @@ def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
 def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
               overlap: bool, summa: str, strict: bool) -> PlanRow:
     """Compile `model` for `mesh` and price it; a row with the reason if it fails or does not fit."""
-    try:
-        program = compile_model(model, mesh, inputs, strict=strict, summa=summa)
-    except (ValueError, RuntimeError) as exc:
-        log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
-        return PlanRow(mesh, note=f"does not compile: {exc}")
-    time = predict_time(program, cluster, overlap=overlap)
+    schedules = _schedules(mesh, summa)
+    priced = []  # (step seconds, schedule, StepTime, Program)
+    for schedule in schedules:
+        if schedule == "overlap" and "broadcast" in schedules:  # the same collectives: priced, not compiled again
+            program = next(item[3] for item in priced if item[1] == "broadcast")
+        else:
+            try:
+                program = compile_model(model, mesh, inputs, strict=strict, summa=schedule)
+            except (ValueError, RuntimeError) as exc:
+                log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
+                return PlanRow(mesh, note=f"does not compile: {exc}")
+        time = predict_time(program, cluster, overlap=overlap or ("forward" if schedule == "overlap" else False))
+        priced.append((time.step_s, schedule, time, program))
+    _, schedule, time, program = min(priced, key=lambda item: item[0])
     memory = predict_memory(program)
     if memory.total > budget:
         note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
-        return PlanRow(mesh, time, memory, note)
+        return PlanRow(mesh, time, memory, note, summa=schedule)
     inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
     note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
-    return PlanRow(mesh, time, memory, note, fits=True)
+    if len(schedules) > 1:
+        note = f"summa={schedule}; {note}"
+    return PlanRow(mesh, time, memory, note, fits=True, summa=schedule)
+
+
+def _schedules(mesh: Mesh, summa: str) -> tuple[str, ...]:
+    """The schedules to price: all of them for "auto" where products run SUMMA steps."""
+    if summa != "auto":
+        return (summa,)
+    return ("broadcast",) if mesh.mode == "1d" or mesh.q == 1 else SCHEDULES
 
 
 def _sort_key(row: PlanRow) -> tuple:
@@ -155,7 +177,7 @@ def plan(
     memory_budget: float | None = None,
     example_inputs=None,
     overlap: bool = False,
-    summa: str = "broadcast",
+    summa: str = "auto",
     strict: bool = False,
 ) -> list[PlanRow]:
     """Every mesh of `gpus` ranks in `modes`, priced on `cluster`, fastest first.
@@ -166,8 +188,9 @@ def plan(
     `memory_budget` (bytes per GPU; default the cluster's memory) drops
     the meshes that need more. Rows that fit come first, by predicted step
     time, then those over budget, then those that did not compile; `note`
-    says why a row was dropped. `overlap`: see `cost_model.predict_time`;
-    `summa` and `strict` go to `compile_model`.
+    says why a row was dropped. `overlap`: see `cost_model.predict_time`.
+    `summa`: a schedule of the matrix products, or "auto" to price each and
+    keep the fastest per mesh (`PlanRow.summa`). `strict` goes to `compile_model`.
     """
     if gpus_per_node is not None:
         cluster = replace(cluster, gpus_per_node=gpus_per_node)

@@ -95,11 +95,22 @@ def test_plan_prices_every_mesh_fastest_first(gpus, caplog):
 
 
 def test_the_paper_mesh_crosses_nodes_on_row_and_depth():
-    rows = plan(make_mlp, 64, gpus_per_node=4, modes=("2.5d",))
+    rows = plan(make_mlp, 64, gpus_per_node=4, modes=("2.5d",), summa="broadcast")
     notes = {mesh_label(row.mesh): row.note for row in rows}
     assert notes == {"[4, 4, 4]": "inter-node: depth, row", "[8, 8, 1]": "inter-node: row, col"}
-    one_node = plan(make_mlp, 8, gpus_per_node=8)
+    one_node = plan(make_mlp, 8, gpus_per_node=8, summa="broadcast")
     assert {row.note for row in one_node} == {"within one node"}
+
+
+def test_auto_prices_every_schedule_and_keeps_the_fastest():
+    rows = plan(make_mlp, 8, gpus_per_node=4, modes=("2.5d",))
+    (row,) = rows
+    assert row.summa in ("broadcast", "overlap", "gather") and row.note.startswith(f"summa={row.summa}; ")
+    each = {s: plan(make_mlp, 8, gpus_per_node=4, modes=("2.5d",), summa=s)[0].time.step_s
+            for s in ("broadcast", "gather")}
+    each["overlap"] = plan(make_mlp, 8, gpus_per_node=4, modes=("2.5d",), summa="overlap")[0].time.step_s
+    assert row.time.step_s == min(each.values())
+    assert each["overlap"] <= each["broadcast"]
 
 
 def test_the_paper_ranking_on_64_gpus():
