@@ -32,3 +32,10 @@ def test_bytes_per_layer_benchmark_runs(capsys):
     out = capsys.readouterr().out
     assert "Megatron-LM" in out and "[4,4,4]" in out
 
+
+
+def test_paper_times_benchmark_runs(capsys):
+    bench = _load("paper_times")
+    assert bench.main(["--table", "1", "--no-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "Tesseract [4,4,4] over Tesseract [8,8,1]" in out and "fastest first" in out
