@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from passes import capture, place
 from tess_compile.accounting import PHASES, CollectiveCost, bytes_by_phase, check_rank, collective_costs, fake_run
-from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING
+from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
 from tess_compile.compiler import Program, compile_model, split_example_inputs
 from tess_compile.layout import Layout
 from tess_compile.mesh import AXES, Mesh
@@ -163,8 +163,8 @@ def _arg(value) -> str:
 
 
 def _target_name(target) -> str:
-    if target in COLLECTIVE_OPS:
-        return f"tess.{COLLECTIVE_OPS[target]}"
+    if target in COLLECTIVE_OPS or target is wait:  # by its own name: broadcast_start, not broadcast
+        return f"tess.{getattr(target, '_opname', None) or target.__name__}"
     if isinstance(target, torch._ops.OpOverload):
         return str(target).removesuffix(".default")
     return f"{target.__module__.lstrip('_')}.{target.__name__}"
