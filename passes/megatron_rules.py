@@ -32,11 +32,9 @@ from passes.placement_rules import (
     _is_narrow_projection,
     _layout,
     _no_partial,
-    _place_batched_matmul,
     _shape,
     display_name,
-    place_replicated,
-    uses_summa,
+    weight_product_rules,
 )
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Partial, Replicate, Shard
@@ -99,26 +97,6 @@ def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, 
     return Decision(args, Layout(R, R, Shard(ndim - 1, groups)))
 
 
-def place_linear_1d(node: Node, ctx) -> Decision:
-    return _place_parallel_linear(node, ctx, node.args[0], node.args[1], _arg(node, 2, "bias"), w_in=1, w_out=0)
-
-
-def place_addmm_1d(node: Node, ctx) -> Decision:
-    if not uses_summa(node):
-        return place_replicated(node, ctx)
-    bias, x, w = node.args[:3]
-    return _place_parallel_linear(node, ctx, x, w, bias, w_in=0, w_out=1)
-
-
-def place_matmul_1d(node: Node, ctx) -> Decision:
-    a, b = node.args[:2]
-    if uses_summa(node):
-        return _place_parallel_linear(node, ctx, a, b, None, w_in=0, w_out=1)
-    if len(_shape(a)) < 2 or len(_shape(b)) < 2:
-        return place_replicated(node, ctx)
-    return _place_batched_matmul(node, ctx, a, b)
-
-
 def _vocab_split(layout: Layout | None) -> bool:
     return layout == Layout(R, R, Shard(0))
 
@@ -138,11 +116,7 @@ def place_embedding_1d(node: Node, ctx) -> Decision:
 
 PLACEMENT_RULES_1D = {
     **PLACEMENT_RULES,
-    aten.linear.default: place_linear_1d,
-    aten.addmm.default: place_addmm_1d,
-    aten.matmul.default: place_matmul_1d,
-    aten.mm.default: place_matmul_1d,
-    aten.bmm.default: place_matmul_1d,
+    **weight_product_rules(_place_parallel_linear),
     aten.embedding.default: place_embedding_1d,
 }
 

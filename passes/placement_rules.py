@@ -30,6 +30,7 @@ __all__ = [
     "place_replicated",
     "uses_summa",
     "vocab_parallel",
+    "weight_product_rules",
 ]
 
 aten = torch.ops.aten
@@ -535,12 +536,6 @@ def _check_rows(node: Node, x: Node, layout: Layout, ctx) -> None:
         local[p.dim] //= parts
 
 
-def place_linear(node: Node, ctx) -> Decision:
-    x, w = node.args[0], node.args[1]
-    bias = _arg(node, 2, "bias")
-    return _place_summa(node, ctx, x, w, bias, w_in=1, w_out=0)
-
-
 def uses_summa(node: Node) -> bool:
     """Whether a matmul-like node multiplies by a 2-D parameter (Tesseract's SUMMA)."""
     if node.target is aten.linear.default:
@@ -552,20 +547,35 @@ def uses_summa(node: Node) -> bool:
     return _is_param(weight) and len(_shape(weight)) == 2
 
 
-def place_addmm(node: Node, ctx) -> Decision:
-    bias, x, w = node.args[:3]
-    if not uses_summa(node):
-        return place_replicated(node, ctx)
-    return _place_summa(node, ctx, x, w, bias, w_in=0, w_out=1)
+def weight_product_rules(place_product) -> dict:
+    """The rules of the ops that may multiply by a weight, given how a mode places
+    `x @ W`: `place_product(node, ctx, x, w, bias, w_in, w_out)`. Products of two
+    activations are batched matmuls; addmm by a non-parameter runs replicated."""
 
+    def place_linear(node: Node, ctx) -> Decision:
+        return place_product(node, ctx, node.args[0], node.args[1], _arg(node, 2, "bias"), w_in=1, w_out=0)
 
-def place_matmul(node: Node, ctx) -> Decision:
-    a, b = node.args[:2]
-    if uses_summa(node):
-        return _place_summa(node, ctx, a, b, None, w_in=0, w_out=1)
-    if len(_shape(a)) < 2 or len(_shape(b)) < 2:
-        return place_replicated(node, ctx)
-    return _place_batched_matmul(node, ctx, a, b)
+    def place_addmm(node: Node, ctx) -> Decision:
+        if not uses_summa(node):
+            return place_replicated(node, ctx)
+        bias, x, w = node.args[:3]
+        return place_product(node, ctx, x, w, bias, w_in=0, w_out=1)
+
+    def place_matmul(node: Node, ctx) -> Decision:
+        a, b = node.args[:2]
+        if uses_summa(node):
+            return place_product(node, ctx, a, b, None, w_in=0, w_out=1)
+        if len(_shape(a)) < 2 or len(_shape(b)) < 2:
+            return place_replicated(node, ctx)
+        return _place_batched_matmul(node, ctx, a, b)
+
+    return {
+        aten.linear.default: place_linear,
+        aten.addmm.default: place_addmm,
+        aten.matmul.default: place_matmul,
+        aten.mm.default: place_matmul,
+        aten.bmm.default: place_matmul,
+    }
 
 
 def _place_batched_matmul(node: Node, ctx, a: Node, b: Node) -> Decision:
@@ -788,11 +798,7 @@ PLACEMENT_RULES = {
     aten.split.Tensor: place_split,
     aten.split_with_sizes.default: place_split,
     aten.cat.default: place_cat,
-    aten.linear.default: place_linear,
-    aten.addmm.default: place_addmm,
-    aten.matmul.default: place_matmul,
-    aten.mm.default: place_matmul,
-    aten.bmm.default: place_matmul,
+    **weight_product_rules(_place_summa),
     aten.scaled_dot_product_attention.default: place_attention,
     aten.embedding.default: place_embedding,
     aten.layer_norm.default: place_norm,
