@@ -17,7 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from tess_compile.layout import Layout, Shard
 from tess_compile.mesh import AXES, Mesh
 
-__all__ = ["verify_placed", "verify_rewritten"]
+__all__ = ["local_placeholder", "verify_placed", "verify_rewritten"]
 
 
 def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
@@ -52,15 +52,19 @@ def _check_fits(what: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh) -
         local[p.dim] //= parts
 
 
+def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
+    """The value a per-rank placeholder takes: an empty tensor of its local shape (call
+    inside a FakeTensorMode for a fake one), or the flag or number the model takes there."""
+    if "constant_value" in node.meta:
+        return node.meta["constant_value"]
+    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
+    return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=requires_grad)
+
+
 def verify_rewritten(gm: GraphModule, mesh: Mesh) -> GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and "constant_value" in node.meta:
-            inputs.append(node.meta["constant_value"])
-        elif node.op == "placeholder":
-            shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
-            inputs.append(mode.from_tensor(torch.empty(shape, dtype=node.meta["dtype"])))
+    with mode:
+        inputs = [local_placeholder(node, mesh) for node in gm.graph.nodes if node.op == "placeholder"]
     FakeTensorProp(gm, mode).propagate(*inputs)
     for node in gm.graph.nodes:
         layout = node.meta.get("layout")

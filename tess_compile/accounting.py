@@ -30,6 +30,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils import _pytree as pytree
 
+from passes.verify import local_placeholder
 from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
 from tess_compile.compiler import Program
 from tess_compile.mesh import Mesh
@@ -66,20 +67,12 @@ def tensor_bytes(value) -> int:
 
 def _requires_grad(node: Node, inputs_require_grad: bool) -> bool:
     """Parameters (weights given as inputs included) and, if asked, floating user inputs."""
+    if "constant_value" in node.meta:  # a flag or number
+        return False
     role = node.meta["role"][0]
     floating = node.meta["dtype"].is_floating_point or node.meta["dtype"].is_complex
     weight = role == "param" or "weight_input" in node.meta
     return floating and (weight or (role == "input" and inputs_require_grad))
-
-
-def _fake_placeholder(node: Node, mesh: Mesh, inputs_require_grad: bool):
-    """A fake local tensor for a per-rank placeholder (made inside the fake mode), or
-    the flag or number the model takes there."""
-    if "constant_value" in node.meta:
-        return node.meta["constant_value"]
-    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
-    grad = _requires_grad(node, inputs_require_grad)
-    return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=grad)
 
 
 def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False, within=None) -> dict[Node, object]:
@@ -93,7 +86,7 @@ def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False, 
     interpreter = Interpreter(gm, garbage_collect_values=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        inputs = [_fake_placeholder(n, mesh, inputs_require_grad) for n in placeholders]
+        inputs = [local_placeholder(n, mesh, _requires_grad(n, inputs_require_grad)) for n in placeholders]
         with within or contextlib.nullcontext():
             interpreter.run(*inputs)
     return interpreter.env
