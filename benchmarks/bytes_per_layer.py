@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, Block  # noqa: E402
-from tess_compile.accounting import bytes_from_records, predict_bytes  # noqa: E402
+from tess_compile.accounting import bytes_by_phase, bytes_from_records, collective_costs, predict_bytes  # noqa: E402
 from tess_compile.compiler import compile_model  # noqa: E402
+from tess_compile.cost_model import ring_wire_bytes  # noqa: E402
 from tess_compile.simulator import SimulatedModule  # noqa: E402
 
 MB = 1e6
@@ -38,13 +39,15 @@ def _totals(by_phase: dict) -> tuple[int, int, int, int]:
     return sum(fwd.values()), sum(bwd.values()), len(fwd), len(bwd)
 
 
-def predicted(mesh, batch: int, hidden: int, heads: int, seq: int) -> dict:
-    """Per-rank bytes of one forward and backward of a `Block` compiled on the meta device."""
+def predicted(mesh, batch: int, hidden: int, heads: int, seq: int) -> tuple[dict, dict]:
+    """(payload by phase and collective, ring wire bytes by phase) per rank of one forward and
+    backward of a `Block` compiled on the meta device."""
     with torch.device("meta"):
         block = Block(hidden, heads)
         x = torch.empty(batch, seq, hidden)
     program = compile_model(block, mesh, (x,))
-    return predict_bytes(program, inputs_require_grad=True)
+    costs = collective_costs(program.graph, mesh, inputs_require_grad=True)
+    return bytes_by_phase(costs), ring_wire_bytes(costs, mesh)
 
 
 def measured(mesh) -> tuple[dict, dict]:
@@ -59,12 +62,16 @@ def measured(mesh) -> tuple[dict, dict]:
 
 def print_predicted(title: str, rows) -> None:
     print(f"\n{title}: predicted MB per rank per layer (sequence {SEQ}, fp32)")
+    print(f"{'':<45} {'payload':^29}  {'ring wire':^29}")
     print(f"{'method':<12} {'shape':<10} {'GPUs':>4} {'batch':>5} {'hidden':>6} {'heads':>5} "
-          f"{'forward':>9} {'backward':>9} {'total':>9}")
+          f"{'forward':>9} {'backward':>9} {'total':>9}  {'forward':>9} {'backward':>9} {'total':>9}")
     for row in rows:
-        fwd, bwd, _, _ = _totals(predicted(row.mesh, row.batch_used, row.hidden, row.heads, SEQ))
+        payload, wire = predicted(row.mesh, row.batch_used, row.hidden, row.heads, SEQ)
+        fwd, bwd, _, _ = _totals(payload)
+        wf, wb = wire["forward"], wire["backward"]
         print(f"{row.method:<12} {row.shape:<10} {row.mesh.num_ranks:>4} {row.batch_used:>5} {row.hidden:>6} "
-              f"{row.heads:>5} {fwd / MB:9.1f} {bwd / MB:9.1f} {(fwd + bwd) / MB:9.1f}")
+              f"{row.heads:>5} {fwd / MB:9.1f} {bwd / MB:9.1f} {(fwd + bwd) / MB:9.1f}  "
+              f"{wf / MB:9.1f} {wb / MB:9.1f} {(wf + wb) / MB:9.1f}")
 
 
 def print_measured(rows) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "comm_seconds",
     "predict_memory",
     "predict_time",
+    "ring_wire_bytes",
 ]
 
 ALGORITHMS = ("ring", "tree")
@@ -170,6 +171,21 @@ def collective_time(op: str, group_size: int, num_bytes: int, link: Link, algori
         return 0.0
     steps, factor = rule(group_size)
     return steps * link.latency + factor * num_bytes / link.bandwidth
+
+
+def ring_wire_bytes(costs: Iterable[CollectiveCost], mesh: Mesh) -> dict[str, float]:
+    """`{"forward": bytes, "backward": bytes}` one rank sends (and as many it receives) on
+    the links when the collectives run as rings: each payload times its ring bandwidth
+    factor (`2(g-1)/g` for an all-reduce, `1` for a pipelined broadcast, ...). Unlike the
+    payloads, these compare across collectives and modes."""
+    wire = dict.fromkeys(PHASES, 0.0)
+    for cost in costs:
+        group = mesh.size(cost.axis)
+        for phase, op, num_bytes in (("forward", cost.op, cost.forward_bytes),
+                                     ("backward", cost.backward_op, cost.backward_bytes)):
+            if num_bytes is not None and group > 1:
+                wire[phase] += COLLECTIVE_RULES[("ring", op)](group)[1] * num_bytes
+    return wire
 
 
 def comm_seconds(costs: Iterable[CollectiveCost], mesh: Mesh, cluster: Cluster) -> dict[str, float]:

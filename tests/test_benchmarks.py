@@ -26,8 +26,9 @@ def test_compile_time_benchmark_runs_on_meta(capsys):
 def test_bytes_per_layer_benchmark_runs(capsys):
     bench = _load("bytes_per_layer")
     row = bench.TABLE_1[0]
-    small = bench.predicted(row.mesh, 4, 16, 4, 8)
-    assert sum(small["forward"].values()) == 2 * 4 * 8 * 16 * 4  # Megatron: two all-reduces of [b, s, h]
+    payload, wire = bench.predicted(row.mesh, 4, 16, 4, 8)
+    assert sum(payload["forward"].values()) == 2 * 4 * 8 * 16 * 4  # Megatron: two all-reduces of [b, s, h]
+    assert wire["forward"] == 2 * (row.mesh.num_ranks - 1) / row.mesh.num_ranks * sum(payload["forward"].values())
     assert bench.main(["--table", "1", "--no-measure"]) == 0
     out = capsys.readouterr().out
     assert "Megatron-LM" in out and "[4,4,4]" in out

@@ -20,6 +20,7 @@ from tess_compile.cost_model import (
     comm_seconds,
     predict_memory,
     predict_time,
+    ring_wire_bytes,
 )
 from tess_compile.mesh import Mesh
 
@@ -216,3 +217,21 @@ def test_memory_in_bf16():
     assert memory.params == 2 * 280
     assert memory.optimizer == 8 * 280
     assert not math.isclose(memory.activations, 0)
+
+
+def test_ring_wire_bytes_of_megatron_and_tesseract_layers():
+    """1-D: the two all-reduces of [b, s, h] a phase send 2(p-1)/p of their payload
+    (the paper's 2(p-1)bsh/p per all-reduce pair); SUMMA broadcasts send their payload."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 16, bias=False))
+    x = torch.randn(4, 16)
+    mesh = Mesh(1, 4, "1d")
+    program = compile_model(model, mesh, (x,))
+    wire = ring_wire_bytes(collective_costs(program.graph, mesh), mesh)
+    assert wire["forward"] == 2 * 3 / 4 * x.numel() * 4  # one all-reduce of the [4, 16] output
+    mesh = Mesh(2, 1)
+    program = compile_model(model, mesh, (x,))
+    costs = collective_costs(program.graph, mesh)
+    payload = sum(c.forward_bytes for c in costs if c.forward_bytes is not None)
+    assert all(c.op == "broadcast" for c in costs if c.forward_bytes is not None)
+    assert ring_wire_bytes(costs, mesh)["forward"] == payload
