@@ -317,10 +317,13 @@ def test_full_state_dict_round_trips_through_save_pretrained(gpt2, meta_program,
     assert all(torch.equal(again.full_state_dict()[k], v) for k, v in full.items())
 
 
-def test_dcp_checkpoint_of_q2d2_loads_into_simulator_q2d1(gpt2, saved_at_q2d2, paths):
+@pytest.mark.parametrize("mesh", [Mesh(2, 1), Mesh(1, 4, "1d")], ids=["q2d1", "1d-p4"])
+def test_dcp_checkpoint_of_q2d2_loads_into_simulator_q2d1(gpt2, saved_at_q2d2, paths, mesh):
+    """A DCP checkpoint saved at [2,2,2] loads by DTensor resharding into another mesh,
+    of 2-D or of 1-D layouts."""
     model, _ = gpt2
     _, kwargs = build("gpt2", 2, 1)
-    program = quiet_compile(meta_gpt2(model.config), Mesh(2, 1), kwargs)
+    program = quiet_compile(meta_gpt2(model.config), mesh, kwargs)
     sim = SimulatedModule(program)
     load_shards_from(sim, paths["dcp"])
     full = model.state_dict()
