@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, Block  # noqa: E402
+from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, Block, compile_layer  # noqa: E402
 from tess_compile.accounting import bytes_by_phase, bytes_from_records, collective_costs, predict_bytes  # noqa: E402
 from tess_compile.compiler import compile_model  # noqa: E402
 from tess_compile.cost_model import ring_wire_bytes  # noqa: E402
@@ -42,10 +42,7 @@ def _totals(by_phase: dict) -> tuple[int, int, int, int]:
 def predicted(mesh, batch: int, hidden: int, heads: int, seq: int) -> tuple[dict, dict]:
     """(payload by phase and collective, ring wire bytes by phase) per rank of one forward and
     backward of a `Block` compiled on the meta device."""
-    with torch.device("meta"):
-        block = Block(hidden, heads)
-        x = torch.empty(batch, seq, hidden)
-    program = compile_model(block, mesh, (x,))
+    program = compile_layer(mesh, batch, hidden, heads, seq)
     costs = collective_costs(program.graph, mesh, inputs_require_grad=True)
     return bytes_by_phase(costs), ring_wire_bytes(costs, mesh)
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tess_compile.compiler import Program, compile_model
 from tess_compile.mesh import Mesh
 
-__all__ = ["SEQ", "TABLE_1", "TABLE_2", "Block", "PaperRow"]
+__all__ = ["SEQ", "TABLE_1", "TABLE_2", "Block", "PaperRow", "compile_layer"]
 
 SEQ = 512  # assumed: the paper does not give the sequence length
 
@@ -43,6 +45,15 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def compile_layer(mesh: Mesh, batch: int, hidden: int, heads: int, seq: int = SEQ) -> Program:
+    """One `Block` on a `[batch, seq, hidden]` input, built on the meta device (no weight
+    is allocated) and compiled for `mesh`."""
+    with torch.device("meta"):
+        block = Block(hidden, heads)
+        x = torch.empty(batch, seq, hidden)
+    return compile_model(block, mesh, (x,))
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None,
     parts = ctx.mesh.size("col")
     fix = f"use sizes that are multiples of p={parts} (hidden size, heads, MLP width), or another p"
     if w_layout is not None:
-        row_parallel = w_layout.col == Shard(w_in, w_layout.col.groups) if isinstance(w_layout.col, Shard) else False
+        row_parallel = isinstance(w_layout.col, Shard) and w_layout.col.dim == w_in
     else:
         row_parallel = x_split is not None
     if row_parallel:

@@ -51,35 +51,42 @@ def _arrived(b: Builder, x: Node) -> Node:
     return b.call(c.wait, x) if x.target is c.broadcast_start else x
 
 
+def _accumulate_steps(b: Builder, fetch, use) -> Node:
+    """The sum over the q steps of `use(t, blocks)`, where `fetch(t)` emits step t's
+    broadcasts. Without overlap step t+1's broadcasts follow step t's product; with
+    it they start as soon as step t's blocks arrive, in flight during the product."""
+    acc, pending = None, fetch(0)
+    for t in range(b.mesh.q):
+        blocks = tuple(_arrived(b, x) for x in pending)
+        more = t + 1 < b.mesh.q
+        if more and b.summa == "overlap":
+            pending = fetch(t + 1)
+        y = use(t, blocks)
+        acc = y if acc is None else b.call(aten.add.Tensor, acc, y)
+        if more and b.summa != "overlap":
+            pending = fetch(t + 1)
+    return acc
+
+
 def matmul_ab(b: Builder, a: Node, w: Node, product=aten.matmul.default) -> Node:
     """C = A @ B (Tesseract Alg. 3): for t, broadcast A along col from j=t and
     B along row from i=t, and accumulate `product(A_t, B_t)`."""
-    acc = None
-    pending = (_fetch(b, a, "col", 0), _fetch(b, w, "row", 0))
-    for t in range(b.mesh.q):
-        a_t, w_t = (_arrived(b, x) for x in pending)
-        if b.summa == "overlap" and t + 1 < b.mesh.q:
-            pending = (_fetch(b, a, "col", t + 1), _fetch(b, w, "row", t + 1))
-        y = b.call(product, a_t, w_t)
-        acc = y if acc is None else b.call(aten.add.Tensor, acc, y)
-        if b.summa != "overlap" and t + 1 < b.mesh.q:
-            pending = (_fetch(b, a, "col", t + 1), _fetch(b, w, "row", t + 1))
-    return acc
+
+    def fetch(t: int) -> tuple[Node, Node]:
+        return _fetch(b, a, "col", t), _fetch(b, w, "row", t)
+
+    return _accumulate_steps(b, fetch, lambda t, blocks: b.call(product, *blocks))
 
 
 def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Node:
     """C = A @ B^T (Optimus Alg. 2): for t, broadcast B along row from i=t and
     reduce `product(A, B_t)` along col to j=t; rank j keeps step j's sum."""
-    acc = None
-    pending = _fetch(b, w, "row", 0)
-    for t in range(b.mesh.q):
-        w_t = _arrived(b, pending)
-        if t + 1 < b.mesh.q:
-            pending = _fetch(b, w, "row", t + 1)
-        partial = b.call(product, a, w_t)
-        part = _mark_step(b.collective(c.reduce, partial, "col", t), partial, t)
-        acc = part if acc is None else b.call(aten.add.Tensor, acc, part)
-    return acc
+
+    def reduce_step(t: int, blocks) -> Node:
+        partial = b.call(product, a, blocks[0])
+        return _mark_step(b.collective(c.reduce, partial, "col", t), partial, t)
+
+    return _accumulate_steps(b, lambda t: (_fetch(b, w, "row", t),), reduce_step)
 
 
 def matmul_gathered(b: Builder, a: Node, w: Node, w_layout: Layout, a_dim: int, transposed: bool, product) -> Node:

@@ -21,7 +21,7 @@ placeholders; writes nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "forward_flops",
     "predict_bytes",
     "tensor_bytes",
+    "transfers",
 ]
 
 PHASES = ("forward", "backward")
@@ -143,14 +144,21 @@ def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool =
     return costs
 
 
+def transfers(costs: Iterable[CollectiveCost]) -> Iterator[tuple[str, str, str, int]]:
+    """`(phase, op, axis, bytes)` of every collective of `costs` that sends, in each phase
+    (a node's backward op is its adjoint)."""
+    for cost in costs:
+        if cost.forward_bytes is not None:
+            yield "forward", cost.op, cost.axis, cost.forward_bytes
+        if cost.backward_bytes is not None:
+            yield "backward", cost.backward_op, cost.axis, cost.backward_bytes
+
+
 def bytes_by_phase(costs: Iterable[CollectiveCost]) -> dict[str, BytesByKey]:
     """`{"forward": {(op, axis): bytes}, "backward": {...}}` summed over `costs`."""
     out: dict[str, BytesByKey] = {phase: {} for phase in PHASES}
-    for cost in costs:
-        if cost.forward_bytes is not None:
-            _add(out["forward"], (cost.op, cost.axis), cost.forward_bytes)
-        if cost.backward_bytes is not None:
-            _add(out["backward"], (cost.backward_op, cost.axis), cost.backward_bytes)
+    for phase, op, axis, num_bytes in transfers(costs):
+        _add(out[phase], (op, axis), num_bytes)
     return out
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tess_compile.accounting import PHASES, CollectiveCost, collective_costs, fake_run, forward_flops
+from tess_compile.accounting import PHASES, CollectiveCost, collective_costs, fake_run, forward_flops, transfers
 from tess_compile.compiler import Program
 from tess_compile.mesh import AXES, Mesh
 
@@ -179,12 +179,9 @@ def ring_wire_bytes(costs: Iterable[CollectiveCost], mesh: Mesh) -> dict[str, fl
     factor (`2(g-1)/g` for an all-reduce, `1` for a pipelined broadcast, ...). Unlike the
     payloads, these compare across collectives and modes."""
     wire = dict.fromkeys(PHASES, 0.0)
-    for cost in costs:
-        group = mesh.size(cost.axis)
-        for phase, op, num_bytes in (("forward", cost.op, cost.forward_bytes),
-                                     ("backward", cost.backward_op, cost.backward_bytes)):
-            if num_bytes is not None and group > 1:
-                wire[phase] += COLLECTIVE_RULES[("ring", op)](group)[1] * num_bytes
+    for phase, op, axis, num_bytes in transfers(costs):
+        if mesh.size(axis) > 1:
+            wire[phase] += COLLECTIVE_RULES[("ring", op)](mesh.size(axis))[1] * num_bytes
     return wire
 
 
@@ -192,14 +189,8 @@ def comm_seconds(costs: Iterable[CollectiveCost], mesh: Mesh, cluster: Cluster) 
     """`{"forward": s, "backward": s}`: the time of the collectives in `costs`, one after another."""
     links = {axis: cluster.link(mesh, axis) for axis in AXES}
     seconds = dict.fromkeys(PHASES, 0.0)
-    for cost in costs:
-        group = mesh.size(cost.axis)
-        if cost.forward_bytes is not None:
-            seconds["forward"] += collective_time(cost.op, group, cost.forward_bytes, links[cost.axis],
-                                                  cluster.algorithm)
-        if cost.backward_bytes is not None:
-            seconds["backward"] += collective_time(cost.backward_op, group, cost.backward_bytes,
-                                                   links[cost.axis], cluster.algorithm)
+    for phase, op, axis, num_bytes in transfers(costs):
+        seconds[phase] += collective_time(op, mesh.size(axis), num_bytes, links[axis], cluster.algorithm)
     return seconds
 
 
