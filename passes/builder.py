@@ -13,12 +13,14 @@ __all__ = ["Builder"]
 class Builder:
     """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish.
 
-    `summa` is the schedule of the matrix products' steps (`passes.summa.SCHEDULES`).
+    `summa` is the schedule of the matrix products' steps (`passes.summa.SCHEDULES`);
+    `keep_blocks` keeps their fetched blocks for backward instead of fetching again.
     """
 
-    def __init__(self, mesh: Mesh, summa: str = "broadcast"):
+    def __init__(self, mesh: Mesh, summa: str = "broadcast", keep_blocks: bool = False):
         self.mesh = mesh
         self.summa = summa
+        self.keep_blocks = keep_blocks
         self.graph = Graph()
 
     def call(self, target, *args, **kwargs) -> Node:

@@ -38,15 +38,16 @@ __all__ = ["rewrite"]
 log = logging.getLogger("tess_compile.passes")
 
 
-def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast") -> GraphModule:
+def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_blocks: bool = False) -> GraphModule:
     """The per-rank graph of the placed graph `gm`; see the module docstring.
 
-    `summa` schedules the steps of the matrix products (`passes.summa.SCHEDULES`).
+    `summa` schedules the steps of the matrix products (`passes.summa.SCHEDULES`);
+    `keep_blocks` keeps their fetched blocks for backward (see `passes.summa`).
     """
     if summa not in SCHEDULES:
         raise ValueError(f"summa={summa!r} is not a schedule: use one of {', '.join(map(repr, SCHEDULES))}")
     start = time.perf_counter()
-    b = Builder(mesh, summa)
+    b = Builder(mesh, summa, keep_blocks)
     env: dict[Node, object] = {}
     converted: dict[tuple[Node, Layout], Node] = {}
     rules = LOWERING_RULES_1D if mesh.mode == "1d" else LOWERING_RULES

@@ -7,6 +7,13 @@ local products; autograd through them gives the backward (a broadcast's
 adjoint is a reduce), so the backward of `C = A @ B` is made of the reduces
 of `dA = dC @ B^T` and `dB = A^T @ dC`.
 
+No fetched block outlives its product: each product is a
+`tess_compile.products.fetched_product` that keeps this rank's own blocks
+for backward and fetches again there (the papers' backward: 2q broadcasts
+and 2q reduces for `C = A @ B`). With `keep_blocks` the products are plain
+kernels that keep the fetched blocks instead: 2q fewer backward
+collectives, q times the saved bytes.
+
 A weight laid out the other way round (out features over row, in features
 over col, as when an earlier consumer fixed it) is used as it is by
 `C = A @ B^T` (Optimus Alg. 2) instead of being moved.
@@ -22,6 +29,7 @@ from torch.fx import Node
 from passes.builder import Builder, aten
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Shard
+from tess_compile.products import fetched_product
 
 __all__ = ["SCHEDULES", "matmul", "matmul_ab", "matmul_abt"]
 
@@ -31,6 +39,27 @@ __all__ = ["SCHEDULES", "matmul", "matmul_ab", "matmul_abt"]
 # and one product (fewer, larger messages and one large kernel).
 SCHEDULES = ("broadcast", "overlap", "gather")
 
+# Product kernels by the name `fetched_product` knows them by.
+_PRODUCT_NAMES = {aten.linear.default: "linear", aten.matmul.default: "matmul"}
+
+
+def _broadcast_spec(b: Builder, axis: str, t: int) -> tuple | None:
+    """How step t's block along `axis` was fetched (None: the own block was used)."""
+    return ("broadcast", axis, t) if b.mesh.size(axis) > 1 else None
+
+
+def _gather_spec(b: Builder, axis: str, dim: int, groups: int) -> tuple | None:
+    parts = b.mesh.size(axis)
+    return ("all_gather", axis, parts, dim, groups) if parts > 1 else None
+
+
+def _product(b: Builder, product, a_used: Node, w_used: Node, a: Node, w: Node, a_fetch, w_fetch) -> Node:
+    """`product(a_used, w_used)`; unless the builder keeps fetched blocks, a
+    `fetched_product` that keeps the own blocks `a`, `w` and fetches again in backward."""
+    if b.keep_blocks or (a_fetch is None and w_fetch is None):
+        return b.call(product, a_used, w_used)
+    return b.call(fetched_product, a_used, w_used, a, w, _PRODUCT_NAMES[product], a_fetch, w_fetch)
+
 
 def _fetch(b: Builder, x: Node, axis: str, t: int) -> Node:
     """Step t's block of `x` along `axis`: a broadcast, started asynchronously when overlapping."""
@@ -39,9 +68,9 @@ def _fetch(b: Builder, x: Node, axis: str, t: int) -> Node:
 
 
 def _mark_step(node: Node, x: Node, t: int) -> Node:
-    """Write `meta["summa_step"] = t` on a collective of step t of a q-step loop (the
-    steps move equal bytes; `tess_compile.symbolic` counts step 0 q times). `node`
-    is `x` itself when the axis has size 1: nothing was emitted, nothing is marked."""
+    """Write `meta["summa_step"] = t` on a collective or product of step t of a q-step
+    loop (the steps move equal bytes; `tess_compile.symbolic` counts step 0 q times).
+    `node` is `x` itself when the axis has size 1: nothing was emitted, nothing is marked."""
     if node is not x:
         node.meta["summa_step"] = t
     return node
@@ -75,7 +104,11 @@ def matmul_ab(b: Builder, a: Node, w: Node, product=aten.matmul.default) -> Node
     def fetch(t: int) -> tuple[Node, Node]:
         return _fetch(b, a, "col", t), _fetch(b, w, "row", t)
 
-    return _accumulate_steps(b, fetch, lambda t, blocks: b.call(product, *blocks))
+    def use(t: int, blocks) -> Node:
+        y = _product(b, product, *blocks, a, w, _broadcast_spec(b, "col", t), _broadcast_spec(b, "row", t))
+        return _mark_step(y, blocks[0], t)
+
+    return _accumulate_steps(b, fetch, use)
 
 
 def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Node:
@@ -83,7 +116,7 @@ def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Nod
     reduce `product(A, B_t)` along col to j=t; rank j keeps step j's sum."""
 
     def reduce_step(t: int, blocks) -> Node:
-        partial = b.call(product, a, blocks[0])
+        partial = _mark_step(_product(b, product, a, blocks[0], a, w, None, _broadcast_spec(b, "row", t)), a, t)
         return _mark_step(b.collective(c.reduce, partial, "col", t), partial, t)
 
     return _accumulate_steps(b, lambda t: (_fetch(b, w, "row", t),), reduce_step)
@@ -94,9 +127,12 @@ def matmul_gathered(b: Builder, a: Node, w: Node, w_layout: Layout, a_dim: int, 
     product; for A @ B^T the product's partial sums are reduce-scattered along col."""
     row = w_layout.row
     w_full = b.split_op(c.all_gather, w, "row", row.dim, row.groups)
+    w_fetch = _gather_spec(b, "row", row.dim, row.groups)
     if transposed:
-        return b.split_op(c.reduce_scatter, b.call(product, a, w_full), "col", a_dim, row.groups)
-    return b.call(product, b.split_op(c.all_gather, a, "col", a_dim, row.groups), w_full)
+        y = _product(b, product, a, w_full, a, w, None, w_fetch)
+        return b.split_op(c.reduce_scatter, y, "col", a_dim, row.groups)
+    a_full = b.split_op(c.all_gather, a, "col", a_dim, row.groups)
+    return _product(b, product, a_full, w_full, a, w, _gather_spec(b, "col", a_dim, row.groups), w_fetch)
 
 
 def matmul(b: Builder, a: Node, w: Node, w_layout: Layout, out_dim: int, product, a_dim: int) -> Node:

@@ -60,6 +60,7 @@ def simulate(
     example_inputs,
     mode: str = "2.5d",
     summa: str = "broadcast",
+    keep_blocks: bool = False,
     strict: bool = False,
     verify: bool | None = None,
 ):
@@ -72,7 +73,8 @@ def simulate(
     from tess_compile.compiler import compile_model
     from tess_compile.simulator import SimulatedModule
 
-    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa)
+    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
+                             keep_blocks=keep_blocks)
     return SimulatedModule(program)
 
 
@@ -84,6 +86,7 @@ def shard(
     example_inputs,
     mode: str = "2.5d",
     summa: str = "broadcast",
+    keep_blocks: bool = False,
     strict: bool = False,
     verify: bool | None = None,
     device=None,
@@ -99,7 +102,8 @@ def shard(
     """
     from tess_compile.compiler import compile_model
 
-    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa)
+    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
+                             keep_blocks=keep_blocks)
     return shard_program(program, device=device, timeout=timeout)
 
 

@@ -11,6 +11,10 @@ grad. Then, per collective that sends bytes:
   feeds a graph output through differentiable ops; it sends the gradient of
   the node's output, so its bytes are the output tensor's bytes.
 
+A `fetched_product` (`tess_compile.products`) fetches its operands again in
+backward: each fetch whose block the backward needs counts in backward, with
+the bytes of the own block it sends.
+
 `grad_sync` (identity forward, all-reduce backward) counts in backward only;
 `shard_slice`, `seed_once` and their adjoints send nothing. Every output
 that requires grad is assumed to be part of the loss. Reads `meta["role"]`,
@@ -34,6 +38,7 @@ from passes.verify import local_placeholder
 from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
 from tess_compile.compiler import Program
 from tess_compile.mesh import Mesh
+from tess_compile.products import fetched_product
 
 __all__ = [
     "PHASES",
@@ -117,7 +122,8 @@ def _reached_by_backward(gm: GraphModule, values: dict[Node, object]) -> set:
 
 @dataclass(frozen=True)
 class CollectiveCost:
-    """Bytes one collective node of the per-rank graph sends, per phase."""
+    """Bytes one collective node of the per-rank graph sends, per phase (or one
+    backward fetch of a `fetched_product` node)."""
 
     node: Node
     op: str
@@ -125,6 +131,11 @@ class CollectiveCost:
     forward_bytes: int | None  # its input's bytes; None if it sends nothing
     backward_op: str  # its adjoint
     backward_bytes: int | None  # its output's bytes; None if the adjoint sends nothing or does not run
+    backward_of: Node | None = None  # the node whose local tensor backward sends, if not `node`
+
+    @property
+    def backward_value(self) -> Node:
+        return self.node if self.backward_of is None else self.backward_of
 
 
 def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
@@ -133,6 +144,8 @@ def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool =
     reached = _reached_by_backward(gm, values)
     costs = []
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is fetched_product:
+            costs.extend(_fetch_costs(node, values, reached))
         op = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
         if op is None:
             continue
@@ -141,6 +154,20 @@ def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool =
         runs = adjoint in COMMUNICATING and values[node].grad_fn in reached
         backward = tensor_bytes(values[node]) if runs else None
         costs.append(CollectiveCost(node, op, node.args[1], forward, adjoint, backward))
+    return costs
+
+
+def _fetch_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
+    """The backward fetches of a `fetched_product` node, in the order it runs them:
+    w's block when a's gradient is needed, then a's when w's is."""
+    a_used, w_used, a, w, _, a_fetch, w_fetch = node.args
+    if values[node].grad_fn not in reached:
+        return []
+    costs = []
+    for needed, own, fetch in ((values[a_used].requires_grad, w, w_fetch), (values[w_used].requires_grad, a, a_fetch)):
+        if needed and fetch is not None:
+            op, axis = fetch[:2]
+            costs.append(CollectiveCost(node, op, axis, None, op, tensor_bytes(values[own]), backward_of=own))
     return costs
 
 

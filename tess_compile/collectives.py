@@ -28,6 +28,7 @@ __all__ = [
     "COMMUNICATING",
     "Comm",
     "CommRecord",
+    "active_comm",
     "current_comm",
     "current_phase",
     "grad_sync",
@@ -89,6 +90,11 @@ class Comm:
     def run(self, op: str, x: torch.Tensor, *args):
         raise NotImplementedError
 
+    def run_all(self, op: str, xs: list[torch.Tensor], axis: str, *args) -> list[torch.Tensor]:
+        """`op` on the tensors of every rank this communicator speaks for (here one)."""
+        (x,) = xs
+        return [self.run(op, x, axis, *args)]
+
     def wait(self, x: torch.Tensor) -> None:
         """Block until the asynchronous collective that fills `x` is done (none here)."""
 
@@ -106,6 +112,11 @@ def use_comm(comm: Comm, phase: str = "forward"):
     finally:
         _COMM.reset(comm_token)
         _PHASE.reset(phase_token)
+
+
+def active_comm() -> Comm | None:
+    """The communicator of the running sharded module, None outside one (a fake run)."""
+    return _COMM.get()
 
 
 def current_comm() -> Comm:

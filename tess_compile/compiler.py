@@ -8,6 +8,7 @@ placeholders, what feeds it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -29,12 +30,13 @@ INPUT_ROLES = ("input", "weight")
 log = logging.getLogger("tess_compile")
 
 
-def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False, summa: str = "broadcast"):
+def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False, summa: str = "broadcast",
+             keep_blocks: bool = False):
     """The passes after capture, options bound: (name, fn(gm, mesh) -> gm)."""
     stages = [("place", lambda gm, mesh: place(gm, mesh, strict=strict, replicate_outputs=replicate_outputs))]
     if verify:
         stages.append(("verify placed", verify_placed))
-    stages.append(("rewrite", lambda gm, mesh: rewrite(gm, mesh, summa=summa)))
+    stages.append(("rewrite", lambda gm, mesh: rewrite(gm, mesh, summa=summa, keep_blocks=keep_blocks)))
     if verify:
         stages.append(("verify rewritten", verify_rewritten))
     return stages
@@ -81,20 +83,165 @@ class Program:
             return torch.empty(slot.layout.local_shape(slot.shape, self.mesh), dtype=slot.dtype, device=device)
         return local_block(full.detach(), slot.layout, self.mesh, rank).to(device or full.device, copy=True)
 
-    def flatten_inputs(self, args: tuple, kwargs: dict) -> list:
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self.in_spec:
+    def flatten_inputs(self, args: tuple, kwargs: dict, device: torch.device | str | None = None) -> list:
+        """The call's inputs as the flat list the per-rank graph takes, in the compiled order.
+
+        ValueError, before anything runs, for a call the program was not
+        compiled for: other arguments or structure, a tensor of another shape
+        or dtype, a value (not a tensor) other than the compiled one, or (if
+        `device` is given, for a runtime that does not move inputs) a tensor
+        on another device. Keywords may come in any order.
+        """
+        args, kwargs = self._match_structure(tuple(args), dict(kwargs))
+        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+        constants = self._compiled_constants
+        for slot in self.slots:
+            if slot.role not in INPUT_ROLES or int(slot.name) >= len(leaves):
+                continue
+            index = int(slot.name)
+            path, value = leaves[index]
+            self._check_input(slot, _input_name(path), value, constants.get(index), device)
+        return [value for _, value in leaves]
+
+    def _match_structure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """`(args, kwargs)` with the keywords in the compiled order; a one-line
+        ValueError if the call's structure is not the compiled one."""
+        if pytree.tree_structure((args, kwargs)) == self.in_spec:
+            return args, kwargs
+        fix = "call it with the same arguments as example_inputs"
+        compiled_args, compiled_kwargs = self.in_spec.child(0), self.in_spec.child(1)
+        keys = list(compiled_kwargs.context or [])
+        if len(args) != compiled_args.num_children or sorted(kwargs) != sorted(keys):
             raise ValueError(
-                f"inputs have structure {spec}, but the module was compiled for {self.in_spec}: "
-                "call it with the same arguments as example_inputs"
+                f"called with {len(args)} positional and keywords {sorted(kwargs)}, but compiled for "
+                f"{compiled_args.num_children} positional and keywords {sorted(keys)}: {fix}"
             )
-        for slot, value in zip([s for s in self.slots if s.role in INPUT_ROLES], flat):
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != slot.shape:
+        kwargs = {key: kwargs[key] for key in keys}
+        named = [(f"positional input {i}", value, compiled_args.child(i)) for i, value in enumerate(args)]
+        named += [(f"keyword input {key!r}", kwargs[key], compiled_kwargs.child(i)) for i, key in enumerate(keys)]
+        offset = 0
+        for name, value, spec in named:
+            difference = _first_difference(value, spec, name, offset)
+            if difference is not None:
+                where, got, wanted, index = difference
+                raise ValueError(f"{where} is {_describe_value(got)}, but compiled for {self._describe_spec(wanted, index)}: {fix}")
+            offset += spec.num_leaves
+        if pytree.tree_structure((args, kwargs)) == self.in_spec:
+            return args, kwargs
+        raise ValueError(f"the call's inputs do not have the structure the module was compiled for: {fix}")
+
+    def _describe_spec(self, spec: pytree.TreeSpec, index: int) -> str:
+        """What the compiled program takes at `spec`, whose first leaf is flat input `index`."""
+        if not spec.is_leaf():
+            return _describe_container(spec)
+        slot = next((s for s in self.slots if s.role in INPUT_ROLES and s.name == str(index)), None)
+        if slot is not None and slot.dtype is not None:
+            return f"a tensor of shape {list(slot.shape)}"
+        compiled = self._compiled_constants
+        return f"the value {compiled[index]!r}" if index in compiled else "one tensor or value"
+
+    @functools.cached_property
+    def _compiled_constants(self) -> dict[int, object]:
+        """The values (not tensors) the program was compiled for, by flat input index."""
+        placeholders = [n for n in self.graph.graph.nodes if n.op == "placeholder"]
+        return {
+            int(slot.name): node.meta["constant_value"]
+            for slot, node in zip(self.slots, placeholders)
+            if slot.role in INPUT_ROLES and "constant_value" in node.meta
+        }
+
+    def _check_input(self, slot: Slot, name: str, value, compiled, device) -> None:
+        fix = "call it with the same arguments as example_inputs"
+        if slot.dtype is None:  # compiled for a value such as a flag: the program is specialised to it
+            if isinstance(value, torch.Tensor):
+                raise ValueError(f"{name} is a tensor, but compiled for the value {compiled!r}: {fix}")
+            if _plain(value) and _plain(compiled) and not _same_value(value, compiled):
                 raise ValueError(
-                    f"input {slot.name} has shape {list(value.shape)}, but the module was compiled for "
-                    f"{list(slot.shape)} on mesh {self.mesh}: compile again with example_inputs of this shape"
+                    f"{name} is {value!r}, but the module was compiled for {compiled!r} (values that are not "
+                    f"tensors are fixed at compile time): call it with {compiled!r}, or compile again with "
+                    f"example_inputs that hold {value!r}"
                 )
-        return flat
+            return
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{name} is {_describe_value(value)}, but compiled for a tensor of shape {list(slot.shape)} "
+                f"and dtype {slot.dtype}: {fix}"
+            )
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(
+                f"{name} has shape {list(value.shape)}, but the module was compiled for "
+                f"{list(slot.shape)} on mesh {self.mesh}: compile again with example_inputs of this shape"
+            )
+        if value.dtype != slot.dtype:
+            raise ValueError(
+                f"{name} has dtype {value.dtype}, but the module was compiled for {slot.dtype}: cast it "
+                f"(.to({slot.dtype})), or compile again with example_inputs of dtype {value.dtype}"
+            )
+        if device is not None and value.device != torch.device(device):
+            raise ValueError(
+                f"{name} is on device {value.device}, but the module runs on {torch.device(device)}: "
+                f"move it there (.to({str(torch.device(device))!r}))"
+            )
+
+
+def _input_name(path) -> str:
+    """'positional input 0' or "keyword input 'mask'", then the place inside it ('[1]')."""
+    top, key, *inside = path
+    name = f"positional input {key.idx}" if top.idx == 0 else f"keyword input {key.key!r}"
+    return name + "".join(str(k) for k in inside)
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    return a == b or (a != a and b != b)  # NaN is NaN
+
+
+def _first_difference(value, spec: pytree.TreeSpec, where: str, index: int):
+    """`(where, value, spec, index)` at the outermost place where `value`'s structure
+    leaves `spec`'s (a leaf for a container, another container type, length or keys),
+    `index` the flat input index of its first leaf; None if the structures agree."""
+    got = pytree.tree_structure(value)
+    if got == spec:
+        return None
+    same_node = got.type == spec.type and got.num_children == spec.num_children and got.context == spec.context
+    if spec.is_leaf() or not same_node:
+        return where, value, spec, index
+    children, _ = pytree.SUPPORTED_NODES[spec.type].flatten_fn(value)
+    keys = spec.context if isinstance(value, dict) else range(len(children))
+    child_index = index
+    for child, key, child_spec in zip(children, keys, spec.children()):
+        difference = _first_difference(child, child_spec, f"{where}[{key!r}]", child_index)
+        if difference is not None:
+            return difference
+        child_index += child_spec.num_leaves
+    return where, value, spec, index
+
+
+def _describe_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if value is None:
+        return "None"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _describe_container(spec: pytree.TreeSpec) -> str:
+    if spec.type is type(None):
+        return "None"
+    if spec.type is dict:
+        return f"a dict with keys {sorted(map(str, spec.context))}"
+    if spec.type in (list, tuple):
+        return f"a {spec.type.__name__} of {spec.num_children}"
+    return f"a {spec.type.__name__} of {spec.num_children} parts"
 
 
 def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -121,13 +268,16 @@ def compile_model(
     weight_inputs: dict[int, str] | None = None,
     replicate_outputs: bool = False,
     summa: str = "broadcast",
+    keep_blocks: bool = False,
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
 
     `weight_inputs` and `replicate_outputs` serve graphs whose weights are
     inputs and whose outputs go on as plain tensors (the torch.compile path).
     `summa` schedules the matrix products' steps: "broadcast" (one after
-    another), "overlap" (next step's broadcasts in flight) or "gather".
+    another), "overlap" (next step's broadcasts in flight) or "gather";
+    `keep_blocks` keeps their fetched blocks for backward instead of fetching
+    again (less communication, q times the saved bytes).
     """
     if verify is None:
         verify = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
@@ -137,7 +287,7 @@ def compile_model(
     dumper = _StageDumper.from_env(mesh)
     dumper.write("capture", None, gm)
     placed = gm
-    for name, stage in pipeline(strict, verify, replicate_outputs, summa):
+    for name, stage in pipeline(strict, verify, replicate_outputs, summa, keep_blocks):
         before = len(gm.graph.nodes)
         try:
             gm = stage(gm, mesh)

@@ -33,6 +33,7 @@ from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
 from tess_compile.compiler import Program, compile_model, split_example_inputs
 from tess_compile.layout import Layout
 from tess_compile.mesh import AXES, Mesh
+from tess_compile.products import fetched_product
 from tess_compile.symbolic import format_symbolic, formulas_by_phase, mesh_values, symbolic_costs
 
 __all__ = ["FORMATS", "STAGES", "dump", "dump_graph", "dump_program"]
@@ -163,7 +164,7 @@ def _arg(value) -> str:
 
 
 def _target_name(target) -> str:
-    if target in COLLECTIVE_OPS or target is wait:  # by its own name: broadcast_start, not broadcast
+    if target in COLLECTIVE_OPS or target in (wait, fetched_product):  # by its own name: broadcast_start, not broadcast
         return f"tess.{getattr(target, '_opname', None) or target.__name__}"
     if isinstance(target, torch._ops.OpOverload):
         return str(target).removesuffix(".default")
@@ -186,6 +187,9 @@ def _call(node: Node) -> str:
         names = _parameter_names(node.target)
         x, axis, *rest = node.args
         args = [_arg(x), f"along={_quote(axis)}"] + [f"{n}={_arg(v)}" for n, v in zip(names[2:], rest)]
+    elif node.target is fetched_product:  # the used blocks, then what backward keeps and fetches by name
+        names = _parameter_names(node.target)
+        args = [_arg(a) for a in node.args[:2]] + [f"{n}={_arg(v)}" for n, v in zip(names[2:], node.args[2:])]
     else:
         args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
     return f"{_target_name(node.target)}({', '.join(args)})"
@@ -278,24 +282,28 @@ def _placed_view(gm: GraphModule, mesh: Mesh, rank: int):
 
 def _rewritten_view(gm: GraphModule, mesh: Mesh, rank: int, sizes: dict[str, int] | None = None):
     values = fake_run(gm, mesh)
-    costs = {cost.node: cost for cost in collective_costs(gm, mesh)}
+    costs = collective_costs(gm, mesh)
+    by_node: dict[Node, list[CollectiveCost]] = {}
+    for cost in costs:
+        by_node.setdefault(cost.node, []).append(cost)
     lines = []
     for node in gm.graph.nodes:
         layout = node.meta.get("layout")
         val = values[node] if node.op != "output" else None
         parts = [_layout_text(layout), _each(val, lambda v, _: f"local {list(v.shape)} {_dtype(v.dtype)}")]
-        if node in costs:
-            parts.append(_collective_text(costs[node], mesh, rank))
+        parts += [_collective_text(cost, mesh, rank) for cost in by_node.get(node, [])]
         shape = _each(val, lambda v, _: str(list(v.shape)))
-        collective = costs[node].op if node in costs else None
+        collective = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" and node in by_node else None
         lines.append(_Line(node, _code(node), " ".join(p for p in parts if p), _layout_text(layout), shape, collective=collective))
-    header = _rewritten_header(gm, mesh, rank, costs.values(), values)
+    header = _rewritten_header(gm, mesh, rank, costs, values)
     if sizes is not None:
-        header += _symbolic_header(gm, mesh, sizes, list(costs.values()))
+        header += _symbolic_header(gm, mesh, sizes, costs)
     return header, lines
 
 
 def _collective_text(cost: CollectiveCost, mesh: Mesh, rank: int) -> str:
+    if cost.backward_of is not None:  # a product's fetch again in backward
+        return f"backward {cost.backward_op} along {cost.axis} peers {mesh.group(rank, cost.axis)} bytes {cost.backward_bytes}"
     text = f"peers {mesh.group(rank, cost.axis)} bytes {cost.forward_bytes or 0}"
     if cost.backward_bytes is not None:
         text += f"; backward {cost.backward_op} bytes {cost.backward_bytes}"

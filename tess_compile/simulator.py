@@ -22,6 +22,7 @@ from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, Comm, use_comm
 from tess_compile.compiler import Program
 from tess_compile.layout import assemble, put_blocks, take_block
 from tess_compile.mesh import Mesh
+from tess_compile.products import fetched_product, lockstep_product
 
 __all__ = ["SimComm", "SimulatedModule", "run_lockstep"]
 
@@ -115,6 +116,9 @@ def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> 
         elif node.op == "call_function" and node.target in COLLECTIVE_OPS:
             xs = env[node.args[0]]
             env[node] = list(_Collective.apply(comm, COLLECTIVE_OPS[node.target], tuple(node.args[1:]), *xs))
+        elif node.op == "call_function" and node.target is fetched_product:
+            tensors, specs = node.args[:4], node.args[4:]
+            env[node] = lockstep_product(comm, *specs, *(env[n] for n in tensors))
         elif node.op == "call_function":
             env[node] = [
                 node.target(*map_arg(node.args, lambda n: env[n][r]), **map_arg(node.kwargs, lambda n: env[n][r]))
@@ -178,3 +182,22 @@ class SimulatedModule(nn.Module):
         """The local shard of parameter or buffer `name` on `rank`."""
         slot = next(s for s in self.program.slots if s.name == name)
         return state.get_tensor(self.ranks[rank], slot)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` of the unsharded model, exactly; returns the total norm.
+
+        The norm is taken over the full gradients (`full_grads()`), each
+        parameter once, and every rank's local gradient is scaled by the same
+        coefficient `min(1, max_norm / (total + 1e-6))`, as torch does.
+        `norm_type` may be `inf`. Use this method, not
+        `torch.nn.utils.clip_grad_norm_(sim.parameters(), ...)`: `parameters()`
+        yields every rank's shards, replicas included, so torch's function would
+        count a replicated block once per replica and sum shards as if they
+        were separate tensors.
+        """
+        grads = [grad for grad in self.full_grads().values() if grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach)
+        return total

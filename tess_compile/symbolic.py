@@ -232,7 +232,7 @@ def symbolic_costs(
         step = cost.node.meta.get("summa_step")
         repeat = sympy.Integer(1) if step is None else q if step == 0 else sympy.Integer(0)  # loops run q steps
         forward = shapes.bytes_of(cost.node.args[0], cost.forward_bytes, repeat)
-        backward = shapes.bytes_of(cost.node, cost.backward_bytes, repeat)
+        backward = shapes.bytes_of(cost.backward_value, cost.backward_bytes, repeat)
         if forward is not None or backward is not None:
             formulas.append(NodeFormula(cost, forward, backward))
     _check_totals(formulas, costs, mesh, sizes)

@@ -3,9 +3,12 @@
 Expectations are derived from the algorithms, not read off the library:
 
 - `Y = X @ W^T` by Tesseract's SUMMA: q steps, each a broadcast of the X
-  block along col and of the W block along row (forward). Their adjoints
-  are reduces: dX reduces along col, dW along row (backward, q each). W is
-  replicated over depth, so dW is then all-reduced along depth once.
+  block along col and of the W block along row (forward). Backward keeps
+  only the own blocks and broadcasts them again (dX needs W's blocks, dW
+  X's: q each along row and col), and the forward broadcasts' adjoints
+  are reduces: dX reduces along col, dW along row (q each). W is
+  replicated over depth, so dW is then all-reduced along depth once. With
+  `keep_blocks=True` the backward broadcasts are not made.
 - A bias (R R S(0)) is replicated over row and depth: its gradient is
   all-reduced along row and depth, once each.
 - LayerNorm over the col-split hidden dim: all-reduce along col of the sum
@@ -31,10 +34,10 @@ LINEAR_MESHES = [(2, 1), (2, 2), (3, 3), (4, 2)]
 SEQ = 3
 
 
-def run(model: nn.Module, q: int, d: int, hidden: int, *, input_grad: bool = True):
+def run(model: nn.Module, q: int, d: int, hidden: int, *, input_grad: bool = True, keep_blocks: bool = False):
     """Simulate `model` on a [d*q, SEQ, hidden] input, forward and backward; return the sim."""
     x = torch.randn(d * q, SEQ, hidden)
-    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), strict=True, verify=True)
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), strict=True, verify=True, keep_blocks=keep_blocks)
     assert sim.comm.records == [], "compiling must not communicate"
     out = sim(x.clone().requires_grad_(input_grad))
     forward_records = len(sim.comm.records)
@@ -62,16 +65,26 @@ def with_depth(counts: dict, d: int, num_depth_all_reduces: int) -> dict:
 def test_linear_no_bias_counts(q, d):
     hidden = 4 * q
     sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden)
-    assert sim.comm.counts("forward") == {("broadcast", "col"): q, ("broadcast", "row"): q}
-    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q}, d, 1)
+    fetches = {("broadcast", "col"): q, ("broadcast", "row"): q}
+    assert sim.comm.counts("forward") == fetches
+    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q, **fetches}, d, 1)
 
     local_batch = 1  # the input's batch is d*q
     activation = local_batch * SEQ * (hidden // q) * F32  # [b/(d*q), s, h/q]
     weight = (hidden // q) * (hidden // q) * F32  # [h/q, h/q]
-    assert bytes_by_key(sim, "forward") == {("broadcast", "col"): {activation}, ("broadcast", "row"): {weight}}
+    blocks = {("broadcast", "col"): {activation}, ("broadcast", "row"): {weight}}
+    assert bytes_by_key(sim, "forward") == blocks
     assert bytes_by_key(sim, "backward") == with_depth(
-        {("reduce", "col"): {activation}, ("reduce", "row"): {weight}}, d, {weight}
+        {("reduce", "col"): {activation}, ("reduce", "row"): {weight}, **blocks}, d, {weight}
     )
+
+
+@pytest.mark.parametrize("q, d", LINEAR_MESHES, ids=[mesh_id(q, d) for q, d in LINEAR_MESHES])
+def test_linear_keeping_blocks_skips_backward_broadcasts(q, d):
+    hidden = 4 * q
+    sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden, keep_blocks=True)
+    assert sim.comm.counts("forward") == {("broadcast", "col"): q, ("broadcast", "row"): q}
+    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q}, d, 1)
 
 
 @pytest.mark.parametrize("q, d", LINEAR_MESHES, ids=[mesh_id(q, d) for q, d in LINEAR_MESHES])
@@ -80,7 +93,8 @@ def test_linear_with_bias_counts(q, d):
     sim = run(nn.Linear(hidden, hidden, bias=True), q, d, hidden)
     assert sim.comm.counts("forward") == {("broadcast", "col"): q, ("broadcast", "row"): q}
     assert sim.comm.counts("backward") == with_depth(
-        {("reduce", "col"): q, ("reduce", "row"): q, ("all_reduce", "row"): 1}, d, 2
+        {("reduce", "col"): q, ("reduce", "row"): q, ("broadcast", "col"): q, ("broadcast", "row"): q,
+         ("all_reduce", "row"): 1}, d, 2
     )
     weight = (hidden // q) ** 2 * F32
     bias = (hidden // q) * F32
@@ -92,10 +106,11 @@ def test_linear_with_bias_counts(q, d):
 
 @pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (4, 2)], ids=["q2d1", "q2d2", "q4d2"])
 def test_linear_input_without_grad_skips_reduce_along_col(q, d):
-    """No gradient is asked of the input: dX (the reduces along col) is not computed."""
+    """No gradient is asked of the input: dX (the reduces along col, and W's blocks
+    fetched again along row) is not computed; dW fetches X's blocks along col."""
     hidden = 4 * q
     sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden, input_grad=False)
-    assert sim.comm.counts("backward") == with_depth({("reduce", "row"): q}, d, 1)
+    assert sim.comm.counts("backward") == with_depth({("reduce", "row"): q, ("broadcast", "col"): q}, d, 1)
 
 
 @pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (3, 3)], ids=["q2d1", "q2d2", "q3d3"])
@@ -164,6 +179,8 @@ def test_block_counts(kind, q, d):
         {
             ("reduce", "col"): num_linear * q,
             ("reduce", "row"): num_linear * q,
+            ("broadcast", "col"): num_linear * q,
+            ("broadcast", "row"): num_linear * q,
             ("all_reduce", "col"): num_norm_reduces,
             ("all_reduce", "row"): num_vectors,
         },

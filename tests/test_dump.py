@@ -22,11 +22,12 @@ GOLDEN_LINEAR_RANK0 = """\
 # tess-compile rewritten graph, mesh [q=2, q=2, d=2], 8 ranks
 # rank 0 at (k, i, j) = (0, 0, 0); peers along depth [0, 4], row [0, 2], col [0, 1]
 # parameter bytes on this rank: 24
-# bytes moved by this rank, inputs without grad: forward 64, backward 64
+# bytes moved by this rank, inputs without grad: forward 64, backward 96
 #   forward broadcast along col: 32
 #   forward broadcast along row: 32
 #   backward all_reduce along depth: 24
 #   backward all_reduce along row: 8
+#   backward broadcast along col: 32
 #   backward reduce along row: 32
 p_weight = param("weight")  # RS(1)S(0) local [2, 2] float32
 grad_sync = tess.grad_sync(p_weight, along="depth")  # RS(1)S(0) local [2, 2] float32 peers [0, 4] bytes 0; backward all_reduce bytes 16
@@ -39,11 +40,11 @@ shard_slice_1 = tess.shard_slice(shard_slice, along="row", parts=2, dim=0, group
 shard_slice_2 = tess.shard_slice(shard_slice_1, along="col", parts=2, dim=2, groups=1)  # S(0)S(0)S(2) local [1, 2, 2] float32 peers [0, 1] bytes 0
 broadcast = tess.broadcast(shard_slice_2, along="col", src=0)  # local [1, 2, 2] float32 peers [0, 1] bytes 16
 broadcast_1 = tess.broadcast(grad_sync, along="row", src=0)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
-linear = aten.linear(broadcast, broadcast_1)  # local [1, 2, 2] float32
+fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
 broadcast_2 = tess.broadcast(shard_slice_2, along="col", src=1)  # local [1, 2, 2] float32 peers [0, 1] bytes 16
 broadcast_3 = tess.broadcast(grad_sync, along="row", src=1)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
-linear_1 = aten.linear(broadcast_2, broadcast_3)  # local [1, 2, 2] float32
-add = aten.add.Tensor(linear, linear_1)  # local [1, 2, 2] float32
+fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
+add = aten.add.Tensor(fetched_product, fetched_product_1)  # local [1, 2, 2] float32
 add_1 = aten.add.Tensor(add, grad_sync_2)  # S(0)S(0)S(2) local [1, 2, 2] float32
 return (add_1,)
 """
@@ -52,11 +53,12 @@ GOLDEN_LINEAR_RANK5 = """\
 # tess-compile rewritten graph, mesh [q=2, q=2, d=2], 8 ranks
 # rank 5 at (k, i, j) = (1, 0, 1); peers along depth [1, 5], row [5, 7], col [4, 5]
 # parameter bytes on this rank: 24
-# bytes moved by this rank, inputs without grad: forward 64, backward 64
+# bytes moved by this rank, inputs without grad: forward 64, backward 96
 #   forward broadcast along col: 32
 #   forward broadcast along row: 32
 #   backward all_reduce along depth: 24
 #   backward all_reduce along row: 8
+#   backward broadcast along col: 32
 #   backward reduce along row: 32
 p_weight = param("weight")  # RS(1)S(0) local [2, 2] float32
 grad_sync = tess.grad_sync(p_weight, along="depth")  # RS(1)S(0) local [2, 2] float32 peers [1, 5] bytes 0; backward all_reduce bytes 16
@@ -69,11 +71,11 @@ shard_slice_1 = tess.shard_slice(shard_slice, along="row", parts=2, dim=0, group
 shard_slice_2 = tess.shard_slice(shard_slice_1, along="col", parts=2, dim=2, groups=1)  # S(0)S(0)S(2) local [1, 2, 2] float32 peers [4, 5] bytes 0
 broadcast = tess.broadcast(shard_slice_2, along="col", src=0)  # local [1, 2, 2] float32 peers [4, 5] bytes 16
 broadcast_1 = tess.broadcast(grad_sync, along="row", src=0)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
-linear = aten.linear(broadcast, broadcast_1)  # local [1, 2, 2] float32
+fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
 broadcast_2 = tess.broadcast(shard_slice_2, along="col", src=1)  # local [1, 2, 2] float32 peers [4, 5] bytes 16
 broadcast_3 = tess.broadcast(grad_sync, along="row", src=1)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
-linear_1 = aten.linear(broadcast_2, broadcast_3)  # local [1, 2, 2] float32
-add = aten.add.Tensor(linear, linear_1)  # local [1, 2, 2] float32
+fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
+add = aten.add.Tensor(fetched_product, fetched_product_1)  # local [1, 2, 2] float32
 add_1 = aten.add.Tensor(add, grad_sync_2)  # S(0)S(0)S(2) local [1, 2, 2] float32
 return (add_1,)
 """

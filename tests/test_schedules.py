@@ -15,6 +15,7 @@ from conftest import assert_matches_model
 from models import GPTBlock, TinyGPT, make_block, mesh_id
 from tess_compile import collectives as c
 from tess_compile.accounting import bytes_from_records, predict_bytes
+from tess_compile.products import fetched_product
 
 aten = torch.ops.aten
 MESHES = [(2, 1), (2, 2), (3, 3)]
@@ -57,7 +58,7 @@ def test_overlap_starts_next_step_before_this_product():
     gm = program.graph
     nodes = list(gm.graph.nodes)
     starts, waits = _positions(gm, c.broadcast_start), _positions(gm, c.wait)
-    products = _positions(gm, aten.linear.default)
+    products = _positions(gm, fetched_product)
     assert not _positions(gm, c.broadcast)
     assert len(starts) == len(waits) == 2 * q and len(products) == q
     assert sorted(nodes[w].args[0] for w in waits) == sorted(nodes[s] for s in starts)
@@ -70,7 +71,7 @@ def test_gather_is_one_product_per_linear():
     model = GPTBlock(8, 2)
     x = torch.randn(4, 4, 8)
     gm = tess_compile.simulate(model, 2, 2, example_inputs=(x,), summa="gather").program.graph
-    assert len(_positions(gm, aten.linear.default)) == 4
+    assert len(_positions(gm, fetched_product)) == 4
     assert len(_positions(gm, c.all_gather)) == 8
     assert not _positions(gm, c.broadcast)
 

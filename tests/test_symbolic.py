@@ -134,7 +134,8 @@ def test_megatron_closed_form(kind, replicated_params):
 def test_tesseract_closed_form_of_one_product():
     """C = X @ W^T, X [b, s, h] and W [f, h], on [q, q, d]: q broadcasts of X's block
     [b/(d*q), s, h/q] along col and of W's block [f/q, h/q] along row; backward
-    their reduces, and W's gradient all-reduced along depth."""
+    the same broadcasts again (the fetched blocks are not kept), their reduces,
+    and W's gradient all-reduced along depth."""
     f = sympy.Symbol("f", positive=True, integer=True)
     sizes = {"b": 8, "s": 5, "h": 6, "f": 14}
     x = torch.randn(sizes["b"], sizes["s"], sizes["h"])
@@ -143,6 +144,7 @@ def test_tesseract_closed_form_of_one_product():
     expected = {
         "forward": {("broadcast", "col"): b * s * h / (d * q), ("broadcast", "row"): f * h / q},
         "backward": {("reduce", "col"): b * s * h / (d * q), ("reduce", "row"): f * h / q,
+                     ("broadcast", "col"): b * s * h / (d * q), ("broadcast", "row"): f * h / q,
                      ("all_reduce", "depth"): f * h / q**2},
     }
     for phase, by_key in expected.items():
