@@ -108,9 +108,22 @@ def _sum_over(b: Builder, x: Node, dims, axes) -> Node:
     return total
 
 
+HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def _statistics_input(b: Builder, x: Node, dtype: torch.dtype) -> Node:
+    """`x` in the dtype that norm statistics are computed in: half types go up to
+    float32, as in torch's kernels; float32 and float64 stay as they are."""
+    return b.call(aten.to.dtype, x, torch.float32) if dtype in HALF_TYPES else x
+
+
+def _back_to_input_dtype(b: Builder, y: Node, x: Node, dtype: torch.dtype) -> Node:
+    return b.call(aten.type_as.default, y, x) if dtype in HALF_TYPES else y
+
+
 def lower_layer_norm(b: Builder, node: Node, args, kwargs):
     """LayerNorm over a split hidden dim: mean, then centred variance, each all-reduced
-    (in fp32 for half inputs, as torch's own kernel)."""
+    (in fp32 for half inputs, in the input's dtype otherwise, as torch's own kernel)."""
     x, shape = args[0], args[1]
     weight, bias = (list(args[2:4]) + [None, None])[:2]
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
@@ -120,9 +133,10 @@ def lower_layer_norm(b: Builder, node: Node, args, kwargs):
     if not axes:
         return lower_default(b, node, args, kwargs)
     count = math.prod(shape)
-    x32 = b.call(aten.to.dtype, x, torch.float32)  # statistics in fp32, as torch's kernel
-    mean = b.call(aten.div.Tensor, _sum_over(b, x32, dims, axes), count)
-    centred = b.call(aten.sub.Tensor, x32, mean)
+    dtype = node.args[0].meta["val"].dtype
+    xs = _statistics_input(b, x, dtype)
+    mean = b.call(aten.div.Tensor, _sum_over(b, xs, dims, axes), count)
+    centred = b.call(aten.sub.Tensor, xs, mean)
     squares = b.call(aten.mul.Tensor, centred, centred)
     var = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), count)
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, var, eps))
@@ -131,11 +145,12 @@ def lower_layer_norm(b: Builder, node: Node, args, kwargs):
         y = b.call(aten.mul.Tensor, y, weight)
     if bias is not None:
         y = b.call(aten.add.Tensor, y, bias)
-    return b.call(aten.type_as.default, y, x)
+    return _back_to_input_dtype(b, y, x, dtype)
 
 
 def lower_rms_norm(b: Builder, node: Node, args, kwargs):
-    """RMSNorm over a split hidden dim: the sum of squares is all-reduced."""
+    """RMSNorm over a split hidden dim: the sum of squares is all-reduced (in fp32 for
+    half inputs, in the input's dtype otherwise)."""
     x, shape = args[0], args[1]
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
     eps = args[3] if len(args) > 3 else kwargs.get("eps")
@@ -145,14 +160,14 @@ def lower_rms_norm(b: Builder, node: Node, args, kwargs):
     if not axes:
         return lower_default(b, node, args, kwargs)
     eps = torch.finfo(val.dtype).eps if eps is None else eps
-    x32 = b.call(aten.to.dtype, x, torch.float32)  # statistics in fp32, as torch's kernel
-    squares = b.call(aten.mul.Tensor, x32, x32)
+    xs = _statistics_input(b, x, val.dtype)
+    squares = b.call(aten.mul.Tensor, xs, xs)
     mean_square = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), math.prod(shape))
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, mean_square, eps))
-    y = b.call(aten.mul.Tensor, x32, rstd)
+    y = b.call(aten.mul.Tensor, xs, rstd)
     if weight is not None:
         y = b.call(aten.mul.Tensor, y, weight)
-    return b.call(aten.type_as.default, y, x)
+    return _back_to_input_dtype(b, y, x, val.dtype)
 
 
 def lower_dropout(b: Builder, node: Node, args, kwargs):
