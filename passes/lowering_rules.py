@@ -13,15 +13,17 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Node
+from torch.fx.node import has_side_effect, map_arg
 
 from passes.builder import Builder, aten
-from passes.placement_rules import cross_entropy_is_split, uses_summa, vocab_parallel
+from passes.placement_rules import cross_entropy_is_split, display_name, uses_summa, vocab_parallel
 from passes.summa import matmul
 from tess_compile import collectives as c
-from tess_compile.layout import Layout, Shard
+from tess_compile.layout import Layout, Partial, Shard
 
-__all__ = ["LOWERING_RULES", "lower_default", "masked_lookup"]
+__all__ = ["LOWERING_RULES", "check_in_range", "check_lookup_ids", "lower_default", "masked_lookup"]
 
 
 def lower_default(b: Builder, node: Node, args, kwargs):
@@ -196,11 +198,12 @@ def lower_cross_entropy(b: Builder, node: Node, args, kwargs):
     """-log softmax(x)[target] with the class dim split: per-rank log-sum-exps are
     gathered (q numbers a row) and combined; the target logit is a one-hot sum,
     all-reduced. Rows split over other axes are summed by all-reduce."""
+    reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
+    ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    _check_targets(b, node, args[1], ignore_index)
     if not cross_entropy_is_split(node):
         return lower_default(b, node, args, kwargs)
     x, target = args[0], args[1]
-    reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
-    ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
     layout = node.meta["arg_layouts"][node.args[0]]
     class_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 1]
     row_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 0]
@@ -233,7 +236,8 @@ def _sum_all(b: Builder, x: Node, axes) -> Node:
 
 def masked_lookup(b: Builder, table: Node, ids: Node, vocab: int, axis: str) -> Node:
     """Rows of this rank's vocab block (split over `axis`) for `ids`; ids outside the
-    block give zeros, so the sum over `axis` is the whole lookup."""
+    block give zeros, so the sum over `axis` is the whole lookup (ids outside the
+    table are refused before, by `check_lookup_ids`)."""
     parts = b.mesh.size(axis)
     block = b.split_op(c.shard_slice, b.call(arange_like, ids, vocab), axis, 0, 1)
     local = b.call(aten.sub.Tensor, ids, b.call(aten.select.int, block, 0, 0))
@@ -244,7 +248,9 @@ def masked_lookup(b: Builder, table: Node, ids: Node, vocab: int, axis: str) -> 
 
 def lower_embedding(b: Builder, node: Node, args, kwargs):
     """Vocab-parallel lookup: gather the row group's ids, look up those in this rank's
-    vocab block, reduce-scatter along row back to own rows."""
+    vocab block, reduce-scatter along row back to own rows. Every lookup checks its
+    ids first, as torch's embedding does (`check_lookup_ids`)."""
+    check_lookup_ids(b, node, args[1])
     weight_node = node.args[0]
     w_layout = node.meta["arg_layouts"][weight_node]
     if not vocab_parallel(node, w_layout) or b.mesh.size("row") == 1:
@@ -252,6 +258,159 @@ def lower_embedding(b: Builder, node: Node, args, kwargs):
     all_ids = b.split_op(c.all_gather, args[1], "row", 0, 1)
     rows = masked_lookup(b, args[0], all_ids, weight_node.meta["val"].shape[0], "row")
     return b.split_op(c.reduce_scatter, rows, "row", 0, 1)
+
+
+# ------------------------------------------------------- index range checks
+#
+# torch's embedding and cross entropy raise IndexError for an index outside
+# [0, size); a sharded lookup looks each id up in one block of the table, and
+# an id outside every block would give zeros. So the per-rank graph checks the
+# ids itself, on their global value, right after the placeholders: every rank
+# checks the same ids before any collective, so every rank raises and none
+# waits for peers that stopped.
+
+
+def _fake_or_meta(x: torch.Tensor) -> bool:
+    if x.is_meta or is_fake(x):
+        return True
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+@has_side_effect
+def check_in_range(values: torch.Tensor, size: int, noun: str, owner: str, ignore_index: int | None = None) -> None:
+    """IndexError if an element of `values` lies outside [0, size) (and is not
+    `ignore_index`). A graph target: skipped on fake and meta tensors (compile-time
+    runs); on CUDA an asynchronous assert, so that the check does not synchronise."""
+    if _fake_or_meta(values) or values.numel() == 0:
+        return
+    valid = (values >= 0) & (values < size)
+    if ignore_index is not None:
+        valid |= values == ignore_index
+    allowed = f"[0, {size})" + ("" if ignore_index is None else f" or equal ignore_index {ignore_index}")
+    if values.is_cuda:
+        torch._assert_async(valid.all(), f"a {noun} is out of range for {owner}: it must be in {allowed}")
+        return
+    if not bool(valid.all()):
+        bad = int(values[~valid].reshape(-1)[0])
+        raise IndexError(f"{noun} {bad} is out of range for {owner}: {noun}s must be in {allowed}")
+
+
+# Ops that a global index value is recomputed through on every rank (deterministic,
+# cheap on integer tensors); at most _MAX_REPLAYED of them per value.
+_MAX_REPLAYED = 16
+
+
+def _global_placeholder(b: Builder, node: Node) -> Node | None:
+    """The per-rank placeholder of `node` if it holds the whole (global) value: a user
+    input (inputs arrive whole), or a buffer or constant replicated on every axis."""
+    role = node.meta.get("role", (None,))[0]
+    layout = node.meta.get("layout")
+    whole = isinstance(layout, Layout) and not layout.axes_where(Shard, b.mesh) and not layout.axes_where(Partial, b.mesh)
+    if role != "input" and not (role in ("buffer", "constant") and whole):
+        return None
+    return next((n for n in b.graph.nodes if n.op == "placeholder" and n.target == node.name), None)
+
+
+def _replayable(node: Node) -> bool:
+    target = node.target
+    val = node.meta.get("val")
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and isinstance(val, torch.Tensor)
+        and not val.is_floating_point()
+        and not val.is_complex()
+    )
+
+
+def _replay_plan(node: Node, plan: list[Node]) -> bool:
+    """Append to `plan`, inputs first, the ops that recompute `node` from placeholders;
+    False if it cannot be recomputed on global values (see `_global_index_check`)."""
+    if node in plan:
+        return True
+    if node.op == "placeholder":
+        plan.append(node)
+        return True
+    if not _replayable(node) or len(plan) >= _MAX_REPLAYED:
+        return False
+    for arg in node.all_input_nodes:
+        if not _replay_plan(arg, plan):
+            return False
+    plan.append(node)
+    return True
+
+
+def _check_anchor(b: Builder) -> Node | None:
+    """Where global checks go: after the last placeholder and the checks there already."""
+    anchor = None
+    for node in b.graph.nodes:
+        if node.op == "placeholder":
+            anchor = node
+    while anchor is not None and anchor.next.meta.get("index_check"):
+        anchor = anchor.next
+    return anchor
+
+
+def _emit_after(b: Builder, anchor: Node, target, *args, **kwargs) -> Node:
+    """`target(*args, **kwargs)` right after `anchor`, marked as part of the checks."""
+    with b.graph.inserting_after(anchor):
+        out = b.call(target, *args, **kwargs)
+    out.meta["index_check"] = True
+    return out
+
+
+def _global_index_check(b: Builder, ids: Node, *check_args) -> bool:
+    """Emit `check_in_range(global ids, *check_args)` right after the placeholders if the
+    global value of the captured node `ids` can be recomputed there from whole
+    placeholders by deterministic integer ops (an input, its views and slices,
+    arange); False if not."""
+    plan: list[Node] = []
+    anchor = _check_anchor(b)
+    if anchor is None or not _replay_plan(ids, plan):
+        return False
+    local: dict[Node, Node] = {}
+    for node in plan:
+        if node.op == "placeholder":
+            local[node] = _global_placeholder(b, node)
+            if local[node] is None:
+                return False
+    for node in plan:
+        if node.op == "call_function":
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n: local[n])
+            local[node] = anchor = _emit_after(b, anchor, node.target, *args, **kwargs)
+    checked = local[ids]
+    for user in checked.users:
+        if user.target is check_in_range and user.args[1:] == check_args:
+            return True  # the same check on the same value, already there
+    _emit_after(b, anchor, check_in_range, checked, *check_args)
+    return True
+
+
+def _index_check(b: Builder, ids: Node, local_ids: Node, *check_args) -> None:
+    """Check the captured index node `ids` (per-rank value `local_ids`) on its global
+    value where that can be had without communication; otherwise on this rank's ids,
+    where the lookup is (ranks whose ids are in range then go on without the others)."""
+    if not _global_index_check(b, ids, *check_args):
+        b.call(check_in_range, local_ids, *check_args)
+
+
+def check_lookup_ids(b: Builder, node: Node, local_ids: Node) -> None:
+    """The range check of an embedding's ids (see `check_in_range`)."""
+    weight = node.args[0]
+    vocab = weight.meta["val"].shape[0]
+    owner = f"the embedding of vocabulary size {vocab} ({display_name(weight)})"
+    _index_check(b, node.args[1], local_ids, vocab, "token id", owner)
+
+
+def _check_targets(b: Builder, node: Node, local_target: Node, ignore_index: int) -> None:
+    x, target = node.args[0], node.args[1]
+    if target.meta["val"].is_floating_point():
+        return  # class probabilities, not indices
+    shape = x.meta["val"].shape
+    num_classes = shape[1] if len(shape) > 1 else shape[0]
+    owner = f"the cross entropy over {num_classes} classes ({node.name})"
+    _index_check(b, target, local_target, num_classes, "target", owner, ignore_index)
 
 
 def lower_nothing(b: Builder, node: Node, args, kwargs):

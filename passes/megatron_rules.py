@@ -9,7 +9,8 @@ its weight's in features are split, and each rank's product is a partial
 sum over col; the consumer that needs the whole value (the residual add)
 all-reduces it. Attention between the two runs on the heads of each rank.
 A free embedding table is split by vocab over col; each rank looks up the
-ids inside its block, and the partial sums are all-reduced by the consumer.
+ids inside its block, and the partial sums are all-reduced by the consumer
+(ids outside the table raise IndexError first, as in torch).
 
 Backward needs no rule of its own: the adjoint of the all-reduce is the
 all-reduce of the gradient (Megatron's "f" and "g" operators,
@@ -23,7 +24,7 @@ import warnings
 from torch.fx import Node
 
 from passes.builder import Builder, aten
-from passes.lowering_rules import LOWERING_RULES, lower_default, masked_lookup
+from passes.lowering_rules import LOWERING_RULES, check_lookup_ids, lower_default, masked_lookup
 from passes.placement_rules import (
     PLACEMENT_RULES,
     Decision,
@@ -139,6 +140,7 @@ def _bias_once(index: int):
 
 
 def lower_embedding_1d(b: Builder, node: Node, args, kwargs):
+    check_lookup_ids(b, node, args[1])
     if not _vocab_split(node.meta["arg_layouts"][node.args[0]]) or b.mesh.size("col") == 1:
         return lower_default(b, node, args, kwargs)
     vocab = node.args[0].meta["val"].shape[0]
