@@ -77,8 +77,113 @@ def test_call_with_other_number_of_inputs():
     model = GPTBlock(8, 2)
     x = torch.randn(4, 4, 8)
     sim = tess_compile.simulate(model, 2, 1, example_inputs=(x,), verify=True)
-    with pytest.raises(ValueError, match="example_inputs"):
+    with pytest.raises(ValueError) as info:
         sim(x, x)
+    assert str(info.value) == (
+        "called with 2 positional and keywords [], but compiled for 1 positional and keywords []: "
+        "call it with the same arguments as example_inputs"
+    )
+
+
+class TwoInputs(nn.Module):
+    """y = linear(x) + a * b, negated if `flip`; `pair` is a list [a, b]."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+
+    def forward(self, x, pair, flip=False, mask=None):
+        y = self.linear(x) + pair[0] * pair[1]
+        return -y if flip else y
+
+
+def two_inputs_sim(**example_kwargs):
+    torch.manual_seed(0)
+    model = TwoInputs(8)
+    x, pair = torch.randn(4, 3, 8), [torch.randn(8), torch.randn(8)]
+    example = {"x": x, "pair": pair, **example_kwargs} if example_kwargs else (x, pair)
+    return model, tess_compile.simulate(model, 2, 1, example_inputs=example, verify=True), x, pair
+
+
+def call_error(sim, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        sim(*args, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg and len(msg) < 300, f"not one readable line: {msg!r}"
+    return msg
+
+
+FIX = "call it with the same arguments as example_inputs"
+
+
+def test_call_with_other_structure():
+    """One line that says where the call and the compiled inputs part, never a TreeSpec."""
+    _, sim, x, pair = two_inputs_sim()
+    cases = [
+        ((x, pair), {"mask": x}, "called with 2 positional and keywords ['mask'], but compiled for 2 positional and keywords []"),
+        ((x,), {}, "called with 1 positional and keywords [], but compiled for 2 positional and keywords []"),
+        ((x, x), {}, "positional input 1 is a tensor of shape [4, 3, 8], but compiled for a list of 2"),
+        ((x, pair[:1]), {}, "positional input 1 is a list of 1, but compiled for a list of 2"),
+        ((x, [pair[0], [pair[1]]]), {}, "positional input 1[1] is a list of 1, but compiled for a tensor of shape [8]"),
+        ((x, tuple(pair)), {}, "positional input 1 is a tuple of 2, but compiled for a list of 2"),
+    ]
+    for args, kwargs, expected in cases:
+        assert call_error(sim, *args, **kwargs) == f"{expected}: {FIX}"
+
+
+def test_call_with_other_dtype():
+    _, sim, x, pair = two_inputs_sim()
+    assert call_error(sim, x.double(), pair) == (
+        "positional input 0 has dtype torch.float64, but the module was compiled for torch.float32: "
+        "cast it (.to(torch.float32)), or compile again with example_inputs of dtype torch.float64"
+    )
+    msg = call_error(sim, x, [pair[0], pair[1].half()])
+    assert msg.startswith("positional input 1[1] has dtype torch.float16, but the module was compiled for torch.float32"), msg
+
+
+def test_call_with_other_token_id_dtype():
+    """int32 ids where int64 were compiled: said before anything runs, not by torch mid-graph."""
+    from models import TinyGPT
+
+    model = TinyGPT(16, 8, 2, 1, 4)
+    ids = torch.randint(0, 16, (4, 4))
+    sim = tess_compile.simulate(model, 2, 2, example_inputs=(ids,))
+    msg = call_error(sim, ids.int())
+    assert "positional input 0" in msg and "torch.int32" in msg and "torch.int64" in msg, msg
+    assert ".to(torch.int64)" in msg, msg
+
+
+def test_keywords_in_any_order_and_by_name():
+    model, sim, x, pair = two_inputs_sim(flip=True)
+    assert_close_rel(sim(flip=True, pair=pair, x=x), model(x, pair, True), name="output")
+    assert call_error(sim, pair=pair, x=x.double(), flip=True).startswith(
+        "keyword input 'x' has dtype torch.float64"
+    )
+    assert call_error(sim, x, pair, True) == (
+        f"called with 3 positional and keywords [], but compiled for 0 positional and keywords "
+        f"['flip', 'pair', 'x']: {FIX}"
+    )
+
+
+def test_call_with_other_flag():
+    """Values that are not tensors are fixed at compile time: another value is refused,
+    not silently run with the compiled one."""
+    _, sim, x, pair = two_inputs_sim(flip=False)
+    assert call_error(sim, x=x, pair=pair, flip=True) == (
+        "keyword input 'flip' is True, but the module was compiled for False (values that are not tensors "
+        "are fixed at compile time): call it with False, or compile again with example_inputs that hold True"
+    )
+    assert call_error(sim, x=x, pair=pair, flip=torch.ones(1)) == (
+        f"keyword input 'flip' is a tensor, but compiled for the value False: {FIX}"
+    )
+
+
+def test_input_on_another_device():
+    """For a runtime that does not move inputs to its device."""
+    _, sim, x, pair = two_inputs_sim()
+    with pytest.raises(ValueError) as info:
+        sim.program.flatten_inputs((x, pair), {}, device="meta")
+    assert str(info.value) == "positional input 0 is on device cpu, but the module runs on meta: move it there (.to('meta'))"
 
 
 class FlipModel(nn.Module):
