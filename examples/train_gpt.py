@@ -3,9 +3,11 @@
 The model (pre-LN GPT: token and learned position embeddings, fused-QKV
 causal attention, GELU MLP, final LayerNorm, untied vocab head) is sharded
 with `tess_compile.shard` on a [q, q, d] Tesseract mesh of q*q*d local gloo
-processes and trained with AdamW on a synthetic "language". Every rank also
-trains an identical unsharded copy (the oracle) on the same batches, and
-rank 0 prints both losses per step: they agree to float32 rounding.
+processes and trained with AdamW on a synthetic "language", gradients
+clipped to a global norm of 1. Every rank also trains an identical
+unsharded copy (the oracle) on the same batches, and rank 0 prints both
+losses per step, then both losses of an evaluation on a held-out batch: they
+agree to float32 rounding.
 
     python3 examples/train_gpt.py                 # q=2, d=2: 8 processes
     python3 examples/train_gpt.py --simulate      # all 8 ranks in this process
@@ -38,6 +40,8 @@ log = logging.getLogger("train_gpt")
 # The synthetic language: the next token is (A * token + B) mod vocab, except
 # that with probability NOISE it is a uniformly random token.
 A, B, NOISE = 5, 3, 0.1
+# Gradients are clipped to this global norm (over the whole model, as unsharded).
+MAX_GRAD_NORM = 1.0
 
 
 # --------------------------------------------------------------------------- model
@@ -123,11 +127,19 @@ def build(args) -> tuple[GPT, GPT, Batches]:
     return model, oracle, Batches(args.vocab, args.seq, args.batch, args.seed + 1)
 
 
-def train(args, sharded: nn.Module, oracle: GPT, data: Batches, *, to_full, show: bool) -> list[tuple]:
-    """Run args.steps AdamW steps on both models; return rows (step, sharded, unsharded, diff).
+def held_out_batch(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch from another stream than the training batches."""
+    return Batches(args.vocab, args.seq, args.batch, args.seed + 2).next()
 
-    `to_full` turns the sharded module's output into the full logits tensor.
-    When `show` is set, print the table as it goes.
+
+def train(args, sharded: nn.Module, oracle: GPT, data: Batches, *, to_full, clip, show: bool) -> list[tuple]:
+    """Run args.steps AdamW steps (gradients clipped) on both models, then evaluate both
+    on a held-out batch; return rows (step, sharded, unsharded, diff).
+
+    `to_full` turns the sharded module's output into the full logits tensor;
+    `clip()` clips the sharded module's gradients to MAX_GRAD_NORM over the
+    whole model. When `show` is set, print the table as it goes and the
+    evaluation after it.
     """
     opt = torch.optim.AdamW(sharded.parameters(), lr=args.lr)
     opt_oracle = torch.optim.AdamW(oracle.parameters(), lr=args.lr)
@@ -141,18 +153,42 @@ def train(args, sharded: nn.Module, oracle: GPT, data: Batches, *, to_full, show
         logits = to_full(sharded(idx))
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
+        clip()
         opt.step()
 
         opt_oracle.zero_grad(set_to_none=True)
         loss_oracle = F.cross_entropy(oracle(idx).flatten(0, 1), targets.flatten())
         loss_oracle.backward()
+        torch.nn.utils.clip_grad_norm_(oracle.parameters(), MAX_GRAD_NORM)
         opt_oracle.step()
 
         row = (step, loss.item(), loss_oracle.item(), abs(loss.item() - loss_oracle.item()))
         rows.append(row)
         if show:
             print_row(row)
+
+    losses = evaluate(args, sharded, oracle, to_full=to_full)
+    if show:
+        print_eval(*losses)
     return rows
+
+
+def evaluate(args, sharded: nn.Module, oracle: GPT, *, to_full) -> tuple[float, float]:
+    """Both models' loss on a held-out batch, in eval mode and without gradients."""
+    idx, targets = held_out_batch(args)
+    sharded.eval()
+    oracle.eval()
+    with torch.no_grad():
+        loss = F.cross_entropy(to_full(sharded(idx)).flatten(0, 1), targets.flatten())
+        loss_oracle = F.cross_entropy(oracle(idx).flatten(0, 1), targets.flatten())
+    sharded.train()
+    oracle.train()
+    return loss.item(), loss_oracle.item()
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """Elements this rank stores of a parameter (a DTensor's local shard)."""
+    return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
 
 
 def rank_main(rank: int, world_size: int, args) -> list[tuple]:
@@ -164,8 +200,13 @@ def rank_main(rank: int, world_size: int, args) -> list[tuple]:
     log.info("compiling the model for mesh q=%d d=%d on %d ranks", args.q, args.d, world_size)
     sharded = tess_compile.shard(model, args.q, args.d, example_inputs=(idx,), mode=args.mode, timeout=120)
     log.info("compiled; rank 0 holds %d of the model's %d parameters",
-             sum(p.numel() for p in sharded.parameters()), sum(p.numel() for p in oracle.parameters()))
-    return train(args, sharded, oracle, data, to_full=lambda out: out.full_tensor(), show=rank == 0)
+             sum(local_numel(p) for p in sharded.parameters()), sum(p.numel() for p in oracle.parameters()))
+
+    def clip():
+        """The parameters are DTensors: torch's clipping takes the whole model's norm."""
+        return torch.nn.utils.clip_grad_norm_(sharded.parameters(), MAX_GRAD_NORM)
+
+    return train(args, sharded, oracle, data, to_full=lambda out: out.full_tensor(), clip=clip, show=rank == 0)
 
 
 def simulate_main(args) -> list[tuple]:
@@ -175,7 +216,13 @@ def simulate_main(args) -> list[tuple]:
     log.info("compiling the model for mesh q=%d d=%d (simulated, %d ranks)", args.q, args.d, args.q * args.q * args.d)
     sim = tess_compile.simulate(model, args.q, args.d, example_inputs=(idx,), mode=args.mode)
     log.info("compiled; training %d steps", args.steps)
-    return train(args, sim, oracle, data, to_full=lambda out: out, show=True)
+
+    def clip():
+        """sim.parameters() holds every rank's shards, replicas included: the simulator's
+        own method clips by the whole model's norm, each parameter taken once."""
+        return sim.clip_grad_norm_(MAX_GRAD_NORM)
+
+    return train(args, sim, oracle, data, to_full=lambda out: out, clip=clip, show=True)
 
 
 # --------------------------------------------------------------------------- output
@@ -191,6 +238,10 @@ def print_header() -> None:
 def print_row(row: tuple) -> None:
     step, loss, loss_oracle, diff = row
     print(f"{step:>5d}  {loss:>14.6f}  {loss_oracle:>14.6f}  {diff:>10.3e}", flush=True)
+
+
+def print_eval(loss: float, loss_oracle: float) -> None:
+    print(f"{'eval':>5}  {loss:>14.6f}  {loss_oracle:>14.6f}  {abs(loss - loss_oracle):>10.3e}  (held-out batch)", flush=True)
 
 
 # --------------------------------------------------------------------------- command line
