@@ -4,6 +4,11 @@ Non-strict export keeps high-level ops (linear, layer_norm,
 scaled_dot_product_attention, embedding) and lifts parameters, buffers and
 tensor constants to placeholders.
 
+Calls of `torch.utils.checkpoint.checkpoint` in the model (reentrant or
+not) are traced as plain ops, each call's nodes marked
+`meta["recompute"] = "checkpoint N"`: the runtimes recompute that region in
+backward (`tess_compile.regions`).
+
 Writes `node.meta["role"]` on every placeholder: `("param", fqn)`,
 `("buffer", fqn)` (persistent buffers), `("constant", name)` (tensor
 constants and non-persistent buffers), `("alias", fqn)` (a second name of a
@@ -15,11 +20,15 @@ inputs and outputs), `gm.meta["tensors"]` (the lifted tensors by name) and
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import time
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.traceback import annotate, preserve_node_meta
 
 __all__ = ["capture"]
 
@@ -40,7 +49,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     placeholders get `meta["weight_input"] = name`.
     """
     start = time.perf_counter()
-    ep = torch.export.export(model, args, kwargs or {}, strict=False)
+    with preserve_node_meta(), _traced_checkpoints():
+        ep = torch.export.export(model, args, kwargs or {}, strict=False)
     _check_outputs(ep)
     gm = ep.graph_module
     specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
@@ -65,12 +75,65 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
     _merge_tied(gm, tensors)
     _inline_grad_mode_wrappers(gm)
+    _mark_checkpoints(gm)
     gm.meta["in_spec"] = ep.call_spec.in_spec
     gm.meta["out_spec"] = ep.call_spec.out_spec
     gm.meta["tensors"] = tensors
     gm.meta["state_keys"] = list(model.state_dict(keep_vars=True))
     log.info("capture: %d nodes in %.2fs", len(gm.graph.nodes), time.perf_counter() - start)
     return gm
+
+
+_REGION_KEY = "tess_recompute"
+
+
+@contextlib.contextmanager
+def _traced_checkpoints():
+    """Trace `torch.utils.checkpoint.checkpoint` calls as their plain ops, each call's
+    nodes annotated with its number (the outermost call's, when nested).
+
+    Both of checkpoint's paths are replaced while tracing: the non-reentrant one's
+    context generator, and the reentrant one's autograd function, whose forward
+    would run without grad (its outputs traced detached). The per-rank program
+    recomputes the region the same way whichever path the model asked for.
+    """
+    numbers, depth = itertools.count(), [0]
+
+    @contextlib.contextmanager
+    def region():
+        if depth[0]:
+            yield
+            return
+        depth[0] += 1
+        try:
+            with annotate({_REGION_KEY: next(numbers)}):
+                yield
+        finally:
+            depth[0] -= 1
+
+    def without_reentrant(function, preserve_rng_state, context_fn, *args, **kwargs):
+        with region():
+            yield
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            with region():
+                return function(*args)
+
+    saved = torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction
+    torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction = without_reentrant, Reentrant
+    try:
+        yield
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction = saved
+
+
+def _mark_checkpoints(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        number = (node.meta.get("custom") or {}).get(_REGION_KEY)
+        if number is not None and node.op == "call_function":
+            node.meta["recompute"] = f"checkpoint {number}"
 
 
 def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:

@@ -22,6 +22,7 @@ from passes.placement_rules import cross_entropy_is_split, display_name, uses_su
 from passes.summa import matmul
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Partial, Shard
+from tess_compile.norms import split_norm
 
 __all__ = ["LOWERING_RULES", "check_in_range", "check_lookup_ids", "lower_default", "masked_lookup"]
 
@@ -119,13 +120,10 @@ def _statistics_input(b: Builder, x: Node, dtype: torch.dtype) -> Node:
     return b.call(aten.to.dtype, x, torch.float32) if dtype in HALF_TYPES else x
 
 
-def _back_to_input_dtype(b: Builder, y: Node, x: Node, dtype: torch.dtype) -> Node:
-    return b.call(aten.type_as.default, y, x) if dtype in HALF_TYPES else y
-
-
 def lower_layer_norm(b: Builder, node: Node, args, kwargs):
     """LayerNorm over a split hidden dim: mean, then centred variance, each all-reduced
-    (in fp32 for half inputs, in the input's dtype otherwise, as torch's own kernel)."""
+    (in fp32 for half inputs, in the input's dtype otherwise, as torch's own kernel),
+    on the detached input; `split_norm` normalises and keeps only x and the statistics."""
     x, shape = args[0], args[1]
     weight, bias = (list(args[2:4]) + [None, None])[:2]
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
@@ -135,24 +133,19 @@ def lower_layer_norm(b: Builder, node: Node, args, kwargs):
     if not axes:
         return lower_default(b, node, args, kwargs)
     count = math.prod(shape)
-    dtype = node.args[0].meta["val"].dtype
-    xs = _statistics_input(b, x, dtype)
+    xs = _statistics_input(b, b.call(aten.detach.default, x), node.args[0].meta["val"].dtype)
     mean = b.call(aten.div.Tensor, _sum_over(b, xs, dims, axes), count)
     centred = b.call(aten.sub.Tensor, xs, mean)
     squares = b.call(aten.mul.Tensor, centred, centred)
     var = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), count)
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, var, eps))
-    y = b.call(aten.mul.Tensor, centred, rstd)
-    if weight is not None:
-        y = b.call(aten.mul.Tensor, y, weight)
-    if bias is not None:
-        y = b.call(aten.add.Tensor, y, bias)
-    return _back_to_input_dtype(b, y, x, dtype)
+    return b.call(split_norm, x, mean, rstd, weight, bias, tuple(axes), dims, count)
 
 
 def lower_rms_norm(b: Builder, node: Node, args, kwargs):
     """RMSNorm over a split hidden dim: the sum of squares is all-reduced (in fp32 for
-    half inputs, in the input's dtype otherwise)."""
+    half inputs, in the input's dtype otherwise) on the detached input; `split_norm`
+    normalises and keeps only x and the statistic."""
     x, shape = args[0], args[1]
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
     eps = args[3] if len(args) > 3 else kwargs.get("eps")
@@ -162,14 +155,12 @@ def lower_rms_norm(b: Builder, node: Node, args, kwargs):
     if not axes:
         return lower_default(b, node, args, kwargs)
     eps = torch.finfo(val.dtype).eps if eps is None else eps
-    xs = _statistics_input(b, x, val.dtype)
+    count = math.prod(shape)
+    xs = _statistics_input(b, b.call(aten.detach.default, x), val.dtype)
     squares = b.call(aten.mul.Tensor, xs, xs)
-    mean_square = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), math.prod(shape))
+    mean_square = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), count)
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, mean_square, eps))
-    y = b.call(aten.mul.Tensor, xs, rstd)
-    if weight is not None:
-        y = b.call(aten.mul.Tensor, y, weight)
-    return _back_to_input_dtype(b, y, x, val.dtype)
+    return b.call(split_norm, x, None, rstd, weight, None, tuple(axes), dims, count)
 
 
 def lower_dropout(b: Builder, node: Node, args, kwargs):

@@ -1,13 +1,14 @@
 """Stage 3, rewrite: the placed global graph becomes one SPMD per-rank graph.
 
-Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["role"]` and
-`meta["val"]`. Emits a new GraphModule whose placeholders are, in the
+Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["role"]`,
+`meta["val"]` and `meta["recompute"]`. Emits a new GraphModule whose placeholders are, in the
 captured order, the local shards of parameters, buffers and constants and
 the global user inputs; each op runs on local tensors (`LOWERING_RULES`),
 with the collectives of `redistribute` wherever a value's layout differs
 from the layout its consumer needs. Writes `meta["layout"]`,
 `meta["global_shape"]` and `meta["replicated"]` on the node that holds each
-original value.
+original value, and `meta["recompute"]` on every node emitted for a node
+of a recompute region.
 
 Replicated parameters pass through `grad_sync` over their replica axes;
 outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
@@ -65,9 +66,11 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             env[node] = _placeholder(b, node)
         elif node.op == "call_function":
             needed = node.meta["arg_layouts"]
+            last = _last_node(b)
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n)))
             out = rules.get(node.target, lower_default)(b, node, args, kwargs)
             _annotate(out, node)
+            _mark_region(b, last, node.meta.get("recompute"))
             env[node] = out
         elif node.op == "output":
             needed = node.meta["arg_layouts"]
@@ -78,6 +81,21 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
     out.meta.update(gm.meta)
     log.info("rewrite: %d -> %d nodes in %.2fs", len(gm.graph.nodes), len(out.graph.nodes), time.perf_counter() - start)
     return out
+
+
+def _last_node(b: Builder) -> Node:
+    return next(reversed(b.graph.nodes))
+
+
+def _mark_region(b: Builder, last: Node, region: str | None) -> None:
+    """Every node emitted after `last` (one captured node's conversions and kernels)
+    belongs to the captured node's recompute region, if it has one."""
+    if region is None:
+        return
+    node = last.next
+    while node.op != "root":
+        node.meta["recompute"] = region
+        node = node.next
 
 
 def _placeholder(b: Builder, node: Node) -> Node:

@@ -91,7 +91,7 @@ def _accumulate_steps(b: Builder, fetch, use) -> Node:
         if more and b.summa == "overlap":
             pending = fetch(t + 1)
         y = use(t, blocks)
-        acc = y if acc is None else b.call(aten.add.Tensor, acc, y)
+        acc = y if acc is None else _mark_step(b.call(aten.add.Tensor, acc, y), y, t)
         if more and b.summa != "overlap":
             pending = fetch(t + 1)
     return acc

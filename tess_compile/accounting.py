@@ -13,7 +13,12 @@ grad. Then, per collective that sends bytes:
 
 A `fetched_product` (`tess_compile.products`) fetches its operands again in
 backward: each fetch whose block the backward needs counts in backward, with
-the bytes of the own block it sends.
+the bytes of the own block it sends. A `split_norm` (`tess_compile.norms`)
+all-reduces its backward statistics when x's gradient is needed.
+
+A recompute region (`tess_compile.regions`) that backward reaches runs
+again there: its collectives count in backward once more, with their
+forward bytes.
 
 `grad_sync` (identity forward, all-reduce backward) counts in backward only;
 `shard_slice`, `seed_once` and their adjoints send nothing. Every output
@@ -38,7 +43,9 @@ from passes.verify import local_placeholder
 from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
 from tess_compile.compiler import Program
 from tess_compile.mesh import Mesh
+from tess_compile.norms import split_norm
 from tess_compile.products import fetched_product
+from tess_compile.regions import region_runs
 
 __all__ = [
     "PHASES",
@@ -144,8 +151,8 @@ def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool =
     reached = _reached_by_backward(gm, values)
     costs = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is fetched_product:
-            costs.extend(_fetch_costs(node, values, reached))
+        if node.op == "call_function" and node.target in _BACKWARD_COSTS:
+            costs.extend(_BACKWARD_COSTS[node.target](node, values, reached))
         op = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
         if op is None:
             continue
@@ -154,7 +161,23 @@ def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool =
         runs = adjoint in COMMUNICATING and values[node].grad_fn in reached
         backward = tensor_bytes(values[node]) if runs else None
         costs.append(CollectiveCost(node, op, node.args[1], forward, adjoint, backward))
-    return costs
+    return costs + _recompute_costs(gm, values, reached, costs)
+
+
+def _recompute_costs(gm: GraphModule, values: dict[Node, object], reached: set, costs: list[CollectiveCost]) -> list[CollectiveCost]:
+    """The forward collectives of every recompute region that backward reaches, once more in backward."""
+    forward = {cost.node: cost for cost in costs if cost.forward_bytes is not None}
+    again = []
+    for _, nodes in region_runs(gm.graph):
+        grads = [fn for node in nodes for fn in _grad_fns(values[node])]
+        if any(fn in reached for fn in grads):
+            again += [CollectiveCost(n, forward[n].op, forward[n].axis, None, forward[n].op, forward[n].forward_bytes,
+                                     backward_of=n.args[0]) for n in nodes if n in forward]
+    return again
+
+
+def _grad_fns(value) -> list:
+    return [t.grad_fn for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
 
 def _fetch_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
@@ -169,6 +192,22 @@ def _fetch_costs(node: Node, values: dict[Node, object], reached: set) -> list[C
             op, axis = fetch[:2]
             costs.append(CollectiveCost(node, op, axis, None, op, tensor_bytes(values[own]), backward_of=own))
     return costs
+
+
+def _norm_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
+    """The backward all-reduces of a `split_norm` node: one (RMSNorm) or two (LayerNorm)
+    statistics a row, per axis, when x's gradient is needed."""
+    x, mean, rstd, _, _, axes, _, _ = node.args
+    if values[node].grad_fn not in reached or not values[x].requires_grad:
+        return []
+    num_sums = 1 if mean is None else 2
+    num_bytes = tensor_bytes(values[rstd])
+    return [CollectiveCost(node, "all_reduce", axis, None, "all_reduce", num_bytes, backward_of=rstd)
+            for _ in range(num_sums) for axis in axes]
+
+
+# Graph targets that communicate in backward only, by the function that gives those costs.
+_BACKWARD_COSTS = {fetched_product: _fetch_costs, split_norm: _norm_costs}
 
 
 def transfers(costs: Iterable[CollectiveCost]) -> Iterator[tuple[str, str, str, int]]:

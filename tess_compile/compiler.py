@@ -9,6 +9,7 @@ placeholders, what feeds it.
 from __future__ import annotations
 
 import functools
+import functools
 import logging
 import os
 import time
@@ -19,8 +20,10 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from passes import capture, place, rewrite, verify_placed, verify_rewritten
+from passes.recompute import CHECKPOINTS, mark_blocks, mark_selective
 from tess_compile.layout import Layout, local_block
 from tess_compile.mesh import Mesh
+from tess_compile.regions import outline_regions
 
 __all__ = ["INPUT_ROLES", "Program", "Slot", "compile_model", "pipeline", "split_example_inputs"]
 
@@ -31,12 +34,20 @@ log = logging.getLogger("tess_compile")
 
 
 def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False, summa: str = "broadcast",
-             keep_blocks: bool = False):
+             keep_blocks: bool = False, checkpoint: str = "none"):
     """The passes after capture, options bound: (name, fn(gm, mesh) -> gm)."""
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(
+            f"checkpoint={checkpoint!r} is not a checkpointing option: use one of {', '.join(map(repr, CHECKPOINTS))}"
+        )
     stages = [("place", lambda gm, mesh: place(gm, mesh, strict=strict, replicate_outputs=replicate_outputs))]
     if verify:
         stages.append(("verify placed", verify_placed))
+    if checkpoint == "blocks":
+        stages.append(("recompute blocks", mark_blocks))
     stages.append(("rewrite", lambda gm, mesh: rewrite(gm, mesh, summa=summa, keep_blocks=keep_blocks)))
+    if checkpoint == "selective":
+        stages.append(("recompute selective", mark_selective))
     if verify:
         stages.append(("verify rewritten", verify_rewritten))
     return stages
@@ -71,6 +82,12 @@ class Program:
     @property
     def params(self) -> list[Slot]:
         return [s for s in self.slots if s.role == "param"]
+
+    @functools.cached_property
+    def runnable(self) -> GraphModule:
+        """The per-rank graph as the runtimes run it: recompute regions outlined
+        (`tess_compile.regions`); the graph itself when it has none."""
+        return outline_regions(self.graph)
 
     def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:
         """The block of a parameter/buffer/constant that `rank` holds (a copy, on `device`).
@@ -269,6 +286,7 @@ def compile_model(
     replicate_outputs: bool = False,
     summa: str = "broadcast",
     keep_blocks: bool = False,
+    checkpoint: str = "none",
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
 
@@ -277,7 +295,10 @@ def compile_model(
     `summa` schedules the matrix products' steps: "broadcast" (one after
     another), "overlap" (next step's broadcasts in flight) or "gather";
     `keep_blocks` keeps their fetched blocks for backward instead of fetching
-    again (less communication, q times the saved bytes).
+    again (less communication, q times the saved bytes). `checkpoint`
+    recomputes in backward, beside the model's own `torch.utils.checkpoint`
+    regions: "none", "blocks" (each repeated block) or "selective" (cheap
+    local ops; see `passes.recompute`).
     """
     if verify is None:
         verify = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
@@ -287,7 +308,7 @@ def compile_model(
     dumper = _StageDumper.from_env(mesh)
     dumper.write("capture", None, gm)
     placed = gm
-    for name, stage in pipeline(strict, verify, replicate_outputs, summa, keep_blocks):
+    for name, stage in pipeline(strict, verify, replicate_outputs, summa, keep_blocks, checkpoint):
         before = len(gm.graph.nodes)
         try:
             gm = stage(gm, mesh)

@@ -77,7 +77,7 @@ def _refetch(comm: Comm, own: list[torch.Tensor], fetch: tuple | None) -> list[t
         return comm.run_all(op, [x.contiguous() for x in own], axis, *args)
 
 
-def lockstep_product(comm: Comm, product: str, a_fetch, w_fetch, a_used, w_used, a_own, w_own) -> list[torch.Tensor]:
+def lockstep_product(comm: Comm, a_used, w_used, a_own, w_own, product: str, a_fetch, w_fetch) -> list[torch.Tensor]:
     """`fetched_product` over lists of per-rank tensors (the simulator's lockstep)."""
     n = len(a_used)
     return list(_FetchedProduct.apply(comm, product, a_fetch, w_fetch, n, *a_used, *w_used, *a_own, *w_own))
@@ -86,7 +86,7 @@ def lockstep_product(comm: Comm, product: str, a_fetch, w_fetch, a_used, w_used,
 def fetched_product(a_used, w_used, a_own, w_own, product: str, a_fetch, w_fetch) -> torch.Tensor:
     """`product(a_used, w_used)` on this rank (a graph target); backward keeps `a_own` and
     `w_own` and fetches the used blocks again as `a_fetch` / `w_fetch` say."""
-    return lockstep_product(active_comm(), product, a_fetch, w_fetch, [a_used], [w_used], [a_own], [w_own])[0]
+    return lockstep_product(active_comm(), [a_used], [w_used], [a_own], [w_own], product, a_fetch, w_fetch)[0]
 
 
 fetched_product._opname = "fetched_product"

@@ -22,7 +22,9 @@ from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, Comm, use_comm
 from tess_compile.compiler import Program
 from tess_compile.layout import assemble, put_blocks, take_block
 from tess_compile.mesh import Mesh
+from tess_compile.norms import lockstep_norm, split_norm
 from tess_compile.products import fetched_product, lockstep_product
+from tess_compile.regions import checkpointed
 
 __all__ = ["SimComm", "SimulatedModule", "run_lockstep"]
 
@@ -104,6 +106,10 @@ class _Collective(torch.autograd.Function):
         return (None, None, None, *out)
 
 
+# Graph targets that communicate in backward, by their versions over every rank's tensors.
+_LOCKSTEP = {fetched_product: lockstep_product, split_norm: lockstep_norm}
+
+
 def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> list:
     """Run the per-rank `graph` for every rank at once; return each rank's outputs."""
     num_ranks = comm.mesh.num_ranks
@@ -116,9 +122,11 @@ def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> 
         elif node.op == "call_function" and node.target in COLLECTIVE_OPS:
             xs = env[node.args[0]]
             env[node] = list(_Collective.apply(comm, COLLECTIVE_OPS[node.target], tuple(node.args[1:]), *xs))
-        elif node.op == "call_function" and node.target is fetched_product:
-            tensors, specs = node.args[:4], node.args[4:]
-            env[node] = lockstep_product(comm, *specs, *(env[n] for n in tensors))
+        elif node.op == "call_function" and node.target in _LOCKSTEP:
+            env[node] = _LOCKSTEP[node.target](comm, *map_arg(node.args, lambda n: env[n]))
+        elif node.op == "call_module":
+            region = graph.get_submodule(node.target)
+            env[node] = _run_region(region.graph_module, comm, [env[n] for n in node.args])
         elif node.op == "call_function":
             env[node] = [
                 node.target(*map_arg(node.args, lambda n: env[n][r]), **map_arg(node.kwargs, lambda n: env[n][r]))
@@ -127,6 +135,20 @@ def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> 
         elif node.op == "output":
             return [map_arg(node.args[0], lambda n: env[n][r]) for r in range(num_ranks)]
     raise AssertionError("graph has no output")
+
+
+def _run_region(region: GraphModule, comm: SimComm, inputs: list[list]) -> list:
+    """A recompute region of every rank, checkpointed as one (`tess_compile.regions`)."""
+    num_ranks, num_inputs = comm.mesh.num_ranks, len(inputs)
+
+    def run(*flat):
+        rank_inputs = [[flat[i * num_ranks + r] for i in range(num_inputs)] for r in range(num_ranks)]
+        outs = run_lockstep(region, comm, rank_inputs)
+        return tuple(outs[r][k] for k in range(len(outs[0])) for r in range(num_ranks))
+
+    flat_out = checkpointed(run, *(x for values in inputs for x in values))
+    num_outputs = len(flat_out) // num_ranks
+    return [tuple(flat_out[k * num_ranks + r] for k in range(num_outputs)) for r in range(num_ranks)]
 
 
 class SimulatedModule(nn.Module):
@@ -151,7 +173,7 @@ class SimulatedModule(nn.Module):
         flat = self.program.flatten_inputs(args, kwargs)
         rank_inputs = [state.graph_inputs(self.program, module, flat) for module in self.ranks]
         with use_comm(self.comm):
-            outs = run_lockstep(self.program.graph, self.comm, rank_inputs)
+            outs = run_lockstep(self.program.runnable, self.comm, rank_inputs)
         flat_out = [
             assemble([outs[r][i] for r in range(len(outs))], layout, self.mesh) if layout is not None else outs[0][i]
             for i, layout in enumerate(self.program.output_layouts)
