@@ -9,7 +9,6 @@ placeholders, what feeds it.
 from __future__ import annotations
 
 import functools
-import functools
 import logging
 import os
 import time
