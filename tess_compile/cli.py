@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 import tess_compile
+from passes.recompute import CHECKPOINTS
 from passes.summa import SCHEDULES
 from tess_compile.compiler import split_example_inputs
 from tess_compile.launch import run_local
@@ -162,7 +163,7 @@ def cmd_dump(args) -> int:
     check_mesh(args.q, args.d, args.mode)
     try:
         text = dump(model, args.q, args.d, example_inputs=inputs, mode=args.mode, rank=args.rank,
-                    stage=args.stage, format=args.format, strict=args.strict)
+                    stage=args.stage, format=args.format, strict=args.strict, **memory_options(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if not text.endswith("\n"):
@@ -190,7 +191,8 @@ def cmd_run(args) -> int:
     start = time.perf_counter()
     if args.simulate:
         print(f"simulating {world} ranks in this process", file=sys.stderr, flush=True)
-        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, args.q, args.d, mode=args.mode)
+        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, args.q, args.d, mode=args.mode,
+                                           **memory_options(args))
         rows = train(sim, oracle, inputs, args.steps, args.lr, show=True)
         mode = "simulated"
     else:
@@ -214,7 +216,7 @@ def compile_pair(compile_fn, path: str, name: str, q: int, d: int, **options):
 def launch(path: str, name: str, args) -> list[tuple]:
     """Run rank_main on q*q*d local gloo processes; return rank 0's rows."""
     world = args.q * args.q * args.d
-    job = (path, name, args.q, args.d, args.mode, args.steps, args.lr, args.timeout)
+    job = (path, name, args.q, args.d, args.mode, args.steps, args.lr, args.timeout, memory_options(args))
     try:
         rows, error = run_local(rank_main, world, args=job, timeout_s=args.timeout,
                                 collective_timeout_s=args.timeout)[0]
@@ -227,10 +229,11 @@ def launch(path: str, name: str, args) -> list[tuple]:
     return rows
 
 
-def rank_main(rank: int, world_size: int, path, name, q, d, mode, steps, lr, timeout) -> tuple:
+def rank_main(rank: int, world_size: int, path, name, q, d, mode, steps, lr, timeout, options) -> tuple:
     """One process of `run`: (rows, None), or (None, message) for a user error."""
     try:
-        sharded, oracle, inputs = compile_pair(tess_compile.shard, path, name, q, d, mode=mode, timeout=timeout)
+        sharded, oracle, inputs = compile_pair(tess_compile.shard, path, name, q, d, mode=mode, timeout=timeout,
+                                               **options)
     except CliError as exc:  # the same on every rank: compiling needs no peer
         return None, str(exc)
     return train(sharded, oracle, inputs, steps, lr, show=rank == 0), None
@@ -331,7 +334,7 @@ def cmd_plan(args) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         rows = plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap,
-                    summa=args.summa)
+                    summa=args.summa, keep_blocks=KEEP_BLOCKS[args.keep_blocks], checkpoint=args.checkpoint)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {args.intra_bandwidth:g} GB/s, "
@@ -458,6 +461,11 @@ def add_plan(commands) -> None:
                       help=f"collective algorithm (default {paper.algorithm})")
     plan.add_argument("--summa", choices=("auto", *SCHEDULES), default="auto",
                       help="schedule of the matrix products to price; auto (default) prices each, keeps the fastest")
+    plan.add_argument("--keep-blocks", choices=tuple(KEEP_BLOCKS), default="auto",
+                      help="keep the fetched blocks of the matrix products for backward: auto (where memory "
+                           "allows and it is faster), on or off (default auto)")
+    plan.add_argument("--checkpoint", choices=CHECKPOINTS, default="none",
+                      help="recompute in backward: none, blocks (each repeated block) or selective (default none)")
     plan.add_argument("--overlap", action="store_true",
                       help="assume compute and communication overlap (max instead of sum per phase)")
     plan.add_argument("-v", "--verbose", action="store_true", help="log each mesh as it compiles")
@@ -473,6 +481,20 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="2.5d",
                         help="2.5d (Tesseract, default), 2d (Optimus, d=1), 3d (d=q), "
                              "1d (Megatron-LM over q*q*d ranks, e.g. --q 1 --d 8)")
+    parser.add_argument("--keep-blocks", action="store_true",
+                        help="keep the fetched blocks of the matrix products for backward (less communication, "
+                             "q times the saved bytes) instead of fetching them again")
+    parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="none",
+                        help="recompute in backward: none, blocks (each repeated block) or selective (default none)")
+
+
+# --keep-blocks of plan -> the planner's keep_blocks.
+KEEP_BLOCKS = {"auto": "auto", "on": True, "off": False}
+
+
+def memory_options(args) -> dict:
+    """The compile options of dump and run that trade memory for work."""
+    return {"keep_blocks": args.keep_blocks, "checkpoint": args.checkpoint}
 
 
 def main(argv=None) -> int:

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tess_compile.accounting import PHASES, CollectiveCost, collective_costs, fake_run, forward_flops, transfers
+from tess_compile.accounting import PHASES, CollectiveCost, collective_costs, fake_run, forward_flops, tensor_bytes, transfers
+from tess_compile.collectives import broadcast_start
 from tess_compile.compiler import Program
 from tess_compile.mesh import AXES, Mesh
+from tess_compile.products import fetched_product
 
 __all__ = [
     "ALGORITHMS",
@@ -249,16 +251,18 @@ def predict_time(program: Program, cluster: Cluster, *, overlap: bool | str = Fa
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at the start of backward, by kind."""
+    """Bytes one rank holds at the start of backward, by kind, and the largest
+    transient buffers of its collectives (fetched blocks in flight)."""
 
     params: int
     grads: int
     optimizer: int
     activations: int
+    transient: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
 
 
 def _local_numel(program: Program) -> list[tuple[int, int]]:
@@ -282,8 +286,9 @@ def activation_bytes(program: Program) -> int:
 
     Counted by storage (views of one tensor count once) from a fake run;
     the weights' own storages are left out (they count as parameters).
-    Collective results saved by a matmul (a broadcast weight block) count,
-    and so does a saved model input.
+    Collective results saved by a matmul (a broadcast weight block, with
+    `keep_blocks`) count, and so does a saved model input; a recompute
+    region counts its inputs only.
     """
     saved: list[torch.Tensor] = []
 
@@ -292,15 +297,31 @@ def activation_bytes(program: Program) -> int:
         return tensor
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-    values = fake_run(program.graph, program.mesh, within=hooks)
+    graph = program.runnable  # recompute regions save their inputs only
+    values = fake_run(graph, program.mesh, within=hooks)
     # `_cdata` is the address of the storage itself: the same for every view of it
-    weights = {values[node].untyped_storage()._cdata for node in program.graph.graph.nodes if _is_weight(node)}
+    weights = {values[node].untyped_storage()._cdata for node in graph.graph.nodes if _is_weight(node)}
     storages: dict[int, int] = {}
     for tensor in saved:
         storage = tensor.untyped_storage()
         if storage._cdata not in weights:
             storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
+
+
+def collective_buffer_bytes(program: Program) -> int:
+    """The largest bytes of fetched blocks one product holds at once: its operands
+    fetched from other ranks, twice when the next step's are in flight (overlap)."""
+    gm = program.graph
+    values = fake_run(gm, program.mesh)
+    in_flight = 2 if any(n.target is broadcast_start for n in gm.graph.nodes) else 1
+    largest = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is fetched_product:
+            a_used, w_used, _, _, _, a_fetch, w_fetch = node.args
+            fetched = [value for value, fetch in ((a_used, a_fetch), (w_used, w_fetch)) if fetch is not None]
+            largest = max(largest, in_flight * sum(tensor_bytes(values[v]) for v in fetched))
+    return largest
 
 
 def predict_memory(program: Program) -> MemoryEstimate:
@@ -317,4 +338,5 @@ def predict_memory(program: Program) -> MemoryEstimate:
         grads=param_bytes,
         optimizer=OPTIMIZER_BYTES_PER_PARAM * sum(numel for numel, _ in shards),
         activations=activation_bytes(program),
+        transient=collective_buffer_bytes(program),
     )

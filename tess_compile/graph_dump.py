@@ -31,6 +31,7 @@ from passes import capture, place
 from tess_compile.accounting import PHASES, CollectiveCost, bytes_by_phase, check_rank, collective_costs, fake_run
 from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
 from tess_compile.compiler import Program, compile_model, split_example_inputs
+from tess_compile.cost_model import predict_memory
 from tess_compile.layout import Layout
 from tess_compile.mesh import AXES, Mesh
 from tess_compile.norms import split_norm
@@ -61,6 +62,8 @@ def dump(
     format: str = "text",
     strict: bool = False,
     sizes: dict[str, int] | None = None,
+    keep_blocks: bool = False,
+    checkpoint: str = "none",
 ) -> str:
     """Compile `model` for the `[q, q, d]` mesh in `mode` and render `stage` for `rank` in `format`.
 
@@ -71,7 +74,7 @@ def dump(
     mesh = Mesh(q, d, mode)
     _check_options(stage, format, rank, mesh, sizes)
     if stage == "rewritten":
-        program = compile_model(model, mesh, example_inputs, strict=strict)
+        program = compile_model(model, mesh, example_inputs, strict=strict, keep_blocks=keep_blocks, checkpoint=checkpoint)
         return dump_program(program, rank=rank, format=format, sizes=sizes)
     args, kwargs = split_example_inputs(example_inputs)
     gm = capture(model, args, kwargs)
@@ -83,19 +86,29 @@ def dump(
 def dump_program(
     program: Program, *, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None
 ) -> str:
-    """The rewritten stage of a compiled `Program`: rank `rank`'s per-rank graph (`sizes`: see `dump`)."""
-    return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format, sizes=sizes)
+    """The rewritten stage of a compiled `Program`: rank `rank`'s per-rank graph, with the
+    rank's predicted memory in the header (`sizes`: see `dump`)."""
+    _check_options("rewritten", format, rank, program.mesh, sizes)
+    memory = predict_memory(program)
+    notes = [
+        f"memory per rank (bytes): parameters {memory.params}, gradients {memory.grads}, AdamW state "
+        f"{memory.optimizer}, saved for backward {memory.activations}, collective buffers {memory.transient}"
+    ]
+    return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format, sizes=sizes, notes=notes)
 
 
 def dump_graph(
-    gm: GraphModule, mesh: Mesh, *, stage: str, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None
+    gm: GraphModule, mesh: Mesh, *, stage: str, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None,
+    notes: list[str] = (),
 ) -> str:
-    """Render `gm`, the output of `stage` ("captured", "placed" or "rewritten"; `sizes`: see `dump`)."""
+    """Render `gm`, the output of `stage` ("captured", "placed" or "rewritten"; `sizes`: see `dump`);
+    `notes` are more header lines."""
     _check_options(stage, format, rank, mesh, sizes)
     if sizes is None:
         header, lines = _STAGE_VIEWS[stage](gm, mesh, rank)
     else:
         header, lines = _rewritten_view(gm, mesh, rank, sizes)
+    header = header[:3] + list(notes) + header[3:]
     if format == "text":
         return _text(header, lines)
     dot = _dot(stage, header, lines)
@@ -293,6 +306,8 @@ def _rewritten_view(gm: GraphModule, mesh: Mesh, rank: int, sizes: dict[str, int
         val = values[node] if node.op != "output" else None
         parts = [_layout_text(layout), _each(val, lambda v, _: f"local {list(v.shape)} {_dtype(v.dtype)}")]
         parts += [_collective_text(cost, mesh, rank) for cost in by_node.get(node, [])]
+        if "recompute" in node.meta:
+            parts.append(f"recomputed in backward ({node.meta['recompute']})")
         shape = _each(val, lambda v, _: str(list(v.shape)))
         collective = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" and node in by_node else None
         lines.append(_Line(node, _code(node), " ".join(p for p in parts if p), _layout_text(layout), shape, collective=collective))

@@ -45,6 +45,7 @@ class PlanRow:
     note: str = ""
     fits: bool = False  # compiled, and within the memory budget
     summa: str = "broadcast"  # the schedule of the matrix products it was priced in
+    keep_blocks: bool = False  # whether its products keep their fetched blocks for backward
 
     @property
     def mode(self) -> str:
@@ -127,31 +128,45 @@ def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
 
 
 def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
-              overlap: bool, summa: str, strict: bool) -> PlanRow:
-    """Compile `model` for `mesh` and price it; a row with the reason if it fails or does not fit."""
-    schedules = _schedules(mesh, summa)
-    priced = []  # (step seconds, schedule, StepTime, Program)
-    for schedule in schedules:
-        if schedule == "overlap" and "broadcast" in schedules:  # the same collectives: priced, not compiled again
-            program = next(item[3] for item in priced if item[1] == "broadcast")
-        else:
-            try:
-                program = compile_model(model, mesh, inputs, strict=strict, summa=schedule)
-            except (ValueError, RuntimeError) as exc:
-                log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
-                return PlanRow(mesh, note=f"does not compile: {exc}")
-        time = predict_time(program, cluster, overlap=overlap or ("forward" if schedule == "overlap" else False))
-        priced.append((time.step_s, schedule, time, program))
-    _, schedule, time, program = min(priced, key=lambda item: item[0])
-    memory = predict_memory(program)
-    if memory.total > budget:
+              overlap: bool, summa: str, strict: bool, keep_blocks: bool | str = False,
+              checkpoint: str = "none") -> PlanRow:
+    """Compile `model` for `mesh` in each schedule (and, with keep_blocks="auto", with and
+    without keeping the fetched blocks) and price it: the fastest option that fits the
+    budget, or the fastest with the reason if none fits or it fails to compile."""
+    priced = []  # (step seconds, schedule, keep, StepTime, MemoryEstimate)
+    compiled = {}
+    for schedule in _schedules(mesh, summa):
+        for keep in _keep_options(mesh, keep_blocks):
+            # overlap sends what broadcast sends: priced, not compiled again
+            key = ("broadcast" if schedule == "overlap" else schedule, keep)
+            if key not in compiled:
+                try:
+                    program = compile_model(model, mesh, inputs, strict=strict, summa=key[0], keep_blocks=keep,
+                                            checkpoint=checkpoint)
+                except (ValueError, RuntimeError) as exc:
+                    log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
+                    return PlanRow(mesh, note=f"does not compile: {exc}")
+                compiled[key] = (program, predict_memory(program))
+            program, memory = compiled[key]
+            time = predict_time(program, cluster, overlap=overlap or ("forward" if schedule == "overlap" else False))
+            priced.append((time.step_s, schedule, keep, time, memory))
+    fitting = [item for item in priced if item[4].total <= budget]
+    _, schedule, keep, time, memory = min(fitting or priced, key=lambda item: item[0])
+    if not fitting:
         note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
-        return PlanRow(mesh, time, memory, note, summa=schedule)
+        return PlanRow(mesh, time, memory, note, summa=schedule, keep_blocks=keep)
     inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
     note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
-    if len(schedules) > 1:
-        note = f"summa={schedule}; {note}"
-    return PlanRow(mesh, time, memory, note, fits=True, summa=schedule)
+    if len(priced) > 1:
+        note = f"summa={schedule}{', keep_blocks' if keep else ''}; {note}"
+    return PlanRow(mesh, time, memory, note, fits=True, summa=schedule, keep_blocks=keep)
+
+
+def _keep_options(mesh: Mesh, keep_blocks: bool | str) -> tuple[bool, ...]:
+    """Whether to keep fetched blocks: both where products fetch blocks and keep_blocks is "auto"."""
+    if keep_blocks != "auto":
+        return (bool(keep_blocks),)
+    return (False,) if mesh.mode == "1d" or mesh.q == 1 else (False, True)
 
 
 def _schedules(mesh: Mesh, summa: str) -> tuple[str, ...]:
@@ -178,6 +193,8 @@ def plan(
     example_inputs=None,
     overlap: bool = False,
     summa: str = "auto",
+    keep_blocks: bool | str = "auto",
+    checkpoint: str = "none",
     strict: bool = False,
 ) -> list[PlanRow]:
     """Every mesh of `gpus` ranks in `modes`, priced on `cluster`, fastest first.
@@ -190,7 +207,10 @@ def plan(
     time, then those over budget, then those that did not compile; `note`
     says why a row was dropped. `overlap`: see `cost_model.predict_time`.
     `summa`: a schedule of the matrix products, or "auto" to price each and
-    keep the fastest per mesh (`PlanRow.summa`). `strict` goes to `compile_model`.
+    keep the fastest per mesh (`PlanRow.summa`). `keep_blocks`: True, False, or
+    "auto" to price both and keep the fastest that fits the memory budget
+    (`PlanRow.keep_blocks`). `checkpoint` ("none", "blocks", "selective") and
+    `strict` go to `compile_model`.
     """
     if gpus_per_node is not None:
         cluster = replace(cluster, gpus_per_node=gpus_per_node)
@@ -203,14 +223,15 @@ def plan(
     for number, mesh in enumerate(meshes, 1):
         log.info("plan: compiling %s for %s %s (%d of %d)", type(model).__name__, mesh.mode,
                  mesh_label(mesh), number, len(meshes))
-        row = _evaluate(model, inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict)
+        row = _evaluate(model, inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
+                        keep_blocks=keep_blocks, checkpoint=checkpoint)
         rows.append(row)
     return sorted(rows, key=_sort_key)
 
 
 # --------------------------------------------------------------------------- the table
 
-HEADER = ("mode", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "memory GB/rank", "note")
+HEADER = ("mode", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "saved GB/rank", "memory GB/rank", "note")
 
 
 def format_table(rows: Sequence[PlanRow]) -> str:
@@ -227,9 +248,9 @@ def format_table(rows: Sequence[PlanRow]) -> str:
 
 def _cells(row: PlanRow) -> tuple[str, ...]:
     if row.time is None:
-        return (row.mode, mesh_label(row.mesh), "-", "-", "-", "-", "-", row.note)
+        return (row.mode, mesh_label(row.mesh), "-", "-", "-", "-", "-", "-", row.note)
     numbers = (row.time.forward_s, row.time.backward_s, row.time.step_s, row.time.comm_bytes / 1e6,
-               row.memory.total / GB)
+               row.memory.activations / GB, row.memory.total / GB)
     return (row.mode, mesh_label(row.mesh), *map(_number, numbers), row.note)
 
 

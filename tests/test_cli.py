@@ -157,7 +157,7 @@ def make_mlp():
     return model, torch.randn(16, 4, 64)
 '''
 # mode, mesh, forward s, backward s, step s, comm MB/rank, memory GB/rank, note
-PLAN_ROW = re.compile(r"^(1d|2d|2\.5d|3d)\s+(\[[\d, ]+\])\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
+PLAN_ROW = re.compile(r"^(1d|2d|2\.5d|3d)\s+(\[[\d, ]+\])\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
 
 
 @pytest.fixture
@@ -207,7 +207,7 @@ def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
     assert out.startswith("# 8 GPUs, 8 per node; intra-node 200 GB/s, 2 us; inter-node 12.5 GB/s, 5 us; "
                           "100 TFLOP/s and 80 GB per GPU; tree collectives; compute and communication "
                           "overlapped\n"), out
-    assert [(row[0], row[1], row[7]) for row in plan_rows(out)] == [("1d", "[8]", "within one node")], out
+    assert [(row[0], row[1], row[8]) for row in plan_rows(out)] == [("1d", "[8]", "within one node")], out
 
 
 def test_plan_over_the_memory_budget_exits_1(plan_dir, monkeypatch, capsys):

@@ -22,6 +22,7 @@ GOLDEN_LINEAR_RANK0 = """\
 # tess-compile rewritten graph, mesh [q=2, q=2, d=2], 8 ranks
 # rank 0 at (k, i, j) = (0, 0, 0); peers along depth [0, 4], row [0, 2], col [0, 1]
 # parameter bytes on this rank: 24
+# memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 32
 # bytes moved by this rank, inputs without grad: forward 64, backward 96
 #   forward broadcast along col: 32
 #   forward broadcast along row: 32
@@ -53,6 +54,7 @@ GOLDEN_LINEAR_RANK5 = """\
 # tess-compile rewritten graph, mesh [q=2, q=2, d=2], 8 ranks
 # rank 5 at (k, i, j) = (1, 0, 1); peers along depth [1, 5], row [5, 7], col [4, 5]
 # parameter bytes on this rank: 24
+# memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 32
 # bytes moved by this rank, inputs without grad: forward 64, backward 96
 #   forward broadcast along col: 32
 #   forward broadcast along row: 32

@@ -95,17 +95,18 @@ def test_plan_prices_every_mesh_fastest_first(gpus, caplog):
 
 
 def test_the_paper_mesh_crosses_nodes_on_row_and_depth():
-    rows = plan(make_mlp, 64, gpus_per_node=4, modes=("2.5d",), summa="broadcast")
+    rows = plan(make_mlp, 64, gpus_per_node=4, modes=("2.5d",), summa="broadcast", keep_blocks=False)
     notes = {mesh_label(row.mesh): row.note for row in rows}
     assert notes == {"[4, 4, 4]": "inter-node: depth, row", "[8, 8, 1]": "inter-node: row, col"}
-    one_node = plan(make_mlp, 8, gpus_per_node=8, summa="broadcast")
+    one_node = plan(make_mlp, 8, gpus_per_node=8, summa="broadcast", keep_blocks=False)
     assert {row.note for row in one_node} == {"within one node"}
 
 
 def test_auto_prices_every_schedule_and_keeps_the_fastest():
     rows = plan(make_mlp, 8, gpus_per_node=4, modes=("2.5d",))
     (row,) = rows
-    assert row.summa in ("broadcast", "overlap", "gather") and row.note.startswith(f"summa={row.summa}; ")
+    assert row.summa in ("broadcast", "overlap", "gather") and row.note.startswith(f"summa={row.summa}")
+    assert ("keep_blocks" in row.note) == row.keep_blocks
     each = {s: plan(make_mlp, 8, gpus_per_node=4, modes=("2.5d",), summa=s)[0].time.step_s
             for s in ("broadcast", "gather")}
     each["overlap"] = plan(make_mlp, 8, gpus_per_node=4, modes=("2.5d",), summa="overlap")[0].time.step_s
@@ -121,10 +122,10 @@ def test_the_paper_ranking_on_64_gpus():
 
 
 def test_memory_budget_drops_the_meshes_over_it():
-    rows = plan(make_mlp, 64)
+    rows = plan(make_mlp, 64, keep_blocks=False)
     totals = sorted(row.memory.total for row in rows)
     budget = (totals[0] + totals[1]) / 2  # only the leanest mesh fits
-    limited = plan(make_mlp, 64, memory_budget=budget)
+    limited = plan(make_mlp, 64, memory_budget=budget, keep_blocks=False)
     assert [row.fits for row in limited] == [True, False, False]
     assert limited[0].memory.total == totals[0]
     for row in limited[1:]:
@@ -133,7 +134,21 @@ def test_memory_budget_drops_the_meshes_over_it():
     assert limited[1].time.step_s <= limited[2].time.step_s
     # the cluster's memory is the default budget
     small = replace(PAPER_CLUSTER, memory=budget)
-    assert [row.fits for row in plan(make_mlp, 64, cluster=small)] == [True, False, False]
+    assert [row.fits for row in plan(make_mlp, 64, cluster=small, keep_blocks=False)] == [True, False, False]
+
+
+def test_keeping_blocks_is_chosen_only_where_memory_allows():
+    """keep_blocks="auto": keeping the fetched blocks saves 2q backward broadcasts per
+    product but holds q times the saved bytes; under a budget between the two the
+    planner keeps the lean backward."""
+    mesh_rows = {keep: plan(make_mlp, 8, modes=("2.5d",), summa="broadcast", keep_blocks=keep)[0] for keep in (False, True)}
+    lean, keeping = mesh_rows[False], mesh_rows[True]
+    assert keeping.memory.activations > lean.memory.activations
+    assert keeping.time.step_s < lean.time.step_s
+    assert plan(make_mlp, 8, modes=("2.5d",), summa="broadcast")[0].keep_blocks
+    budget = (lean.memory.total + keeping.memory.total) / 2
+    (row,) = plan(make_mlp, 8, modes=("2.5d",), summa="broadcast", memory_budget=budget)
+    assert row.fits and not row.keep_blocks and row.memory == lean.memory
 
 
 def test_a_mesh_that_does_not_compile_says_why():
@@ -184,7 +199,7 @@ def test_format_table():
     text = format_table(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["mode", "mesh", "forward", "s", "backward", "s", "step", "s", "comm",
-                                "MB/rank", "memory", "GB/rank", "note"]
+                                "MB/rank", "saved", "GB/rank", "memory", "GB/rank", "note"]
     assert len(lines) == 1 + len(rows)
     assert lines[-1].startswith("1d    [64]")
     assert "does not compile" in lines[-1]
