@@ -7,12 +7,15 @@ calls, marked by `passes.capture`) keep theirs.
 - `mark_blocks` (the placed graph): each repeated block of the model, an
   element of a ModuleList or Sequential with two or more elements of one
   class (a transformer's layers), is one region. Reads `meta["nn_module_stack"]`.
-- `mark_selective` (the per-rank graph): each run of two or more
-  consecutive cheap local ops (pointwise, views, the local parts of norms,
-  softmax) is one region; matrix products, attention and collectives are
-  saved, as torch's selective activation checkpointing policies save
-  matmul outputs. A region without collectives recomputes without
-  communicating.
+- `mark_selective` (the per-rank graph): a run of two or more consecutive
+  cheap local ops (pointwise, views, the local parts of norms, softmax)
+  is one region where that saves memory; matrix products, attention and
+  collectives are saved, as torch's selective activation checkpointing
+  policies save matmul outputs, so a region recomputes without
+  communicating. A region saves its inputs and frees what its own ops
+  would save; a fake run of the graph prices both, and a run is kept only
+  where it frees more than it adds. (With the memory-lean products and
+  norms a transformer block keeps little that such runs free.)
 
 `tess_compile.regions` runs the regions under `torch.utils.checkpoint`.
 """
@@ -20,8 +23,11 @@ calls, marked by `passes.capture`) keep theirs.
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule, Node
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils import _pytree as pytree
 
+from passes.verify import local_placeholder
 from tess_compile.collectives import COLLECTIVE_OPS, wait
 from tess_compile.mesh import Mesh
 from tess_compile.products import fetched_product
@@ -78,14 +84,63 @@ def _recomputable(node: Node) -> bool:
 
 
 def mark_selective(gm: GraphModule, mesh: Mesh) -> GraphModule:
-    """Each run of two or more consecutive recomputable nodes becomes a region."""
+    """Each run of two or more consecutive recomputable nodes that frees more saved
+    bytes than it adds becomes a region."""
     runs: list[list[Node]] = [[]]
     for node in gm.graph.nodes:
         if _recomputable(node):
             runs[-1].append(node)
         elif runs[-1]:
             runs.append([])
-    for number, run in enumerate(r for r in runs if len(r) > 1):
+    saves = _SavedBy.of(gm, mesh)
+    for number, run in enumerate(r for r in runs if len(r) > 1 and saves.frees_more_than_it_adds(r)):
         for node in run:
             node.meta["recompute"] = f"selective {number}"
     return gm
+
+
+class _SavedBy(Interpreter):
+    """A fake run of the per-rank graph that notes which nodes save which storages."""
+
+    def __init__(self, gm: GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.current: Node | None = None
+        self.saved_by: dict[int, set[Node]] = {}
+        self.nbytes: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, gm: GraphModule, mesh: Mesh) -> _SavedBy:
+        from tess_compile.accounting import requires_grad  # the accounting imports the compiler
+
+        run = cls(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            inputs = [local_placeholder(n, mesh, requires_grad(n, False)) for n in placeholders]
+            with torch.autograd.graph.saved_tensors_hooks(run._pack, lambda tensor: tensor):
+                run.run(*inputs)
+        return run
+
+    def run_node(self, node: Node):
+        self.current = node
+        return super().run_node(node)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self.saved_by.setdefault(storage._cdata, set()).add(self.current)
+        self.nbytes[storage._cdata] = storage.nbytes()
+        return tensor
+
+    def _storage_bytes(self, node: Node) -> dict[int, int]:
+        tensors = [t for t in pytree.tree_leaves(self.env.get(node)) if isinstance(t, torch.Tensor)]
+        return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+
+    def frees_more_than_it_adds(self, run: list[Node]) -> bool:
+        """Whether recomputing `run` frees more saved bytes (what only its own nodes save,
+        its inputs aside) than it adds (its inputs that nothing saved)."""
+        members = set(run)
+        inputs: dict[int, int] = {}
+        for arg in dict.fromkeys(a for node in run for a in node.all_input_nodes if a not in members):
+            inputs.update(self._storage_bytes(arg))
+        freed = sum(self.nbytes[s] for s, savers in self.saved_by.items() if s not in inputs and savers <= members)
+        added = sum(num_bytes for s, num_bytes in inputs.items() if s not in self.saved_by)
+        return freed > added

@@ -57,6 +57,7 @@ __all__ = [
     "fake_run",
     "forward_flops",
     "predict_bytes",
+    "requires_grad",
     "tensor_bytes",
     "transfers",
 ]
@@ -78,7 +79,7 @@ def tensor_bytes(value) -> int:
     return value.numel() * value.element_size()
 
 
-def _requires_grad(node: Node, inputs_require_grad: bool) -> bool:
+def requires_grad(node: Node, inputs_require_grad: bool) -> bool:
     """Parameters (weights given as inputs included) and, if asked, floating user inputs."""
     if "constant_value" in node.meta:  # a flag or number
         return False
@@ -99,7 +100,7 @@ def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False, 
     interpreter = Interpreter(gm, garbage_collect_values=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        inputs = [local_placeholder(n, mesh, _requires_grad(n, inputs_require_grad)) for n in placeholders]
+        inputs = [local_placeholder(n, mesh, requires_grad(n, inputs_require_grad)) for n in placeholders]
         with within or contextlib.nullcontext():
             interpreter.run(*inputs)
     return interpreter.env

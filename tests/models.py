@@ -144,3 +144,22 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class GPTStack(nn.Module):
+    """Pre-LN GPT blocks and a final LayerNorm on hidden states; `checkpoint` wraps each
+    block in torch.utils.checkpoint ("reentrant" or "non-reentrant"), as training scripts do."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, checkpoint: str | None = None):
+        super().__init__()
+        self.blocks = nn.ModuleList([GPTBlock(hidden, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(hidden)
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpoint is None:
+                x = block(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
+        return self.ln_f(x)
