@@ -29,7 +29,7 @@ __all__ = ["backend", "tesseract"]
 
 log = logging.getLogger("tess_compile")
 
-_OPTIONS = ("q", "d", "mode", "summa", "simulate", "strict", "timeout")
+_OPTIONS = ("q", "d", "mode", "summa", "keep_blocks", "checkpoint", "simulate", "strict", "timeout")
 
 
 def backend(
@@ -38,16 +38,20 @@ def backend(
     *,
     mode: str = "2.5d",
     summa: str = "broadcast",
+    keep_blocks: bool = False,
+    checkpoint: str = "none",
     simulate: bool = False,
     strict: bool = False,
     timeout: float | None = None,
 ) -> Callable:
     """A torch.compile backend that runs each graph on the `[q, q, d]` mesh in `mode`,
-    the matrix products in schedule `summa` (see docs/modes.md)."""
+    the matrix products in schedule `summa` (see docs/modes.md); `keep_blocks` and
+    `checkpoint` trade memory for work as in `tess_compile.simulate` (docs/memory.md)."""
     mesh = Mesh(q, d, mode)
+    options = {"summa": summa, "keep_blocks": keep_blocks, "checkpoint": checkpoint}
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-        return _compile(gm, list(example_inputs), mesh, summa=summa, simulate=simulate, strict=strict, timeout=timeout)
+        return _compile(gm, list(example_inputs), mesh, simulate=simulate, strict=strict, timeout=timeout, **options)
 
     return compile_graph
 
@@ -65,7 +69,7 @@ def tesseract(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict 
     return backend(q, d, **options)(gm, example_inputs)
 
 
-def _compile(gm, example_inputs: list, mesh: Mesh, *, summa: str, simulate: bool, strict: bool, timeout) -> Callable:
+def _compile(gm, example_inputs: list, mesh: Mesh, *, simulate: bool, strict: bool, timeout, **options) -> Callable:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if not isinstance(value, torch.Tensor):
@@ -78,8 +82,9 @@ def _compile(gm, example_inputs: list, mesh: Mesh, *, summa: str, simulate: bool
         for index, (node, value) in enumerate(zip(placeholders, example_inputs))
         if isinstance(value, nn.Parameter) or "_buffers_" in node.target
     }
+    _untag_checkpoints(gm)
     program = compile_model(
-        gm, mesh, tuple(example_inputs), strict=strict, weight_inputs=weights, replicate_outputs=True, summa=summa
+        gm, mesh, tuple(example_inputs), strict=strict, weight_inputs=weights, replicate_outputs=True, **options
     )
     log.info("torch.compile backend: graph of %d nodes on mesh %s", len(gm.graph.nodes), mesh)
     if simulate:
@@ -87,6 +92,22 @@ def _compile(gm, example_inputs: list, mesh: Mesh, *, summa: str, simulate: bool
     from tess_compile import shard_program
 
     return shard_program(program, timeout=timeout, wrap_outputs=False)
+
+
+def _checkpointed_body(body, *args):
+    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False)
+
+
+def _untag_checkpoints(gm: torch.fx.GraphModule) -> None:
+    """Dynamo traces `torch.utils.checkpoint` into a `tag_activation_checkpoint` operator,
+    which export cannot trace again: call the checkpoint itself on its body instead, so
+    that capture marks the region as it does in a model's forward."""
+    tagged = torch.ops.higher_order.tag_activation_checkpoint
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is tagged]
+    for node in nodes:
+        node.target, node.kwargs = _checkpointed_body, {}
+    if nodes:
+        gm.recompile()
 
 
 def _weight_name(target: str) -> str:

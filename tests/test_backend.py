@@ -83,3 +83,26 @@ def test_gloo_backend_parity(q, d):
     results = run_local(_gloo_worker, q * q * d, args=(q, d), timeout_s=240)
     for rank, result in enumerate(results):
         assert result == {"gpt": "ok", "graph-break": "ok"}, f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("options", [{"checkpoint": "blocks"}, {"keep_blocks": True}], ids=["blocks", "keep"])
+def test_backend_memory_options(options):
+    """A stack of blocks through Dynamo, recomputed per block or keeping fetched blocks."""
+    from models import GPTStack
+
+    torch._dynamo.reset()
+    model = GPTStack(8, 2, 2)
+    oracle = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="tesseract", options={"q": 2, "d": 2, "simulate": True, **options})
+    _check(compiled, model, oracle, torch.randn(4, 3, 8), str(options))
+
+
+def test_backend_with_the_model_s_own_checkpoint():
+    """Dynamo traces torch.utils.checkpoint into its own operator; the graph still runs exactly."""
+    from models import GPTStack
+
+    torch._dynamo.reset()
+    model = GPTStack(8, 2, 2, checkpoint="non-reentrant")
+    oracle = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=tess_compile.backend(2, 2, simulate=True))
+    _check(compiled, model, oracle, torch.randn(4, 3, 8), "checkpointed model")
