@@ -77,6 +77,7 @@ class Program:
     out_spec: pytree.TreeSpec
     tensors: dict[str, torch.Tensor]  # the model's parameters, buffers, constants
     state_keys: list[str]  # the model's state-dict keys, in its order
+    training: bool = True  # the model's mode when it was captured
 
     @property
     def params(self) -> list[Slot]:
@@ -328,6 +329,7 @@ def compile_model(
         out_spec=gm.meta["out_spec"],
         tensors=gm.meta["tensors"],
         state_keys=gm.meta["state_keys"],
+        training=model.training,
     )
 
 

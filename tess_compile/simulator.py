@@ -25,6 +25,7 @@ from tess_compile.mesh import Mesh
 from tess_compile.norms import lockstep_norm, split_norm
 from tess_compile.products import fetched_product, lockstep_product
 from tess_compile.regions import checkpointed
+from tess_compile.train_eval import ProgramsByMode
 
 __all__ = ["SimComm", "SimulatedModule", "run_lockstep"]
 
@@ -157,13 +158,24 @@ class SimulatedModule(nn.Module):
     `parameters()` yields every rank's shards, so an optimizer steps them all.
     Of a model built on the meta device the shards are uninitialised, on the
     default device, until a checkpoint is loaded (`tess_compile.checkpoint`).
+    It starts in the model's mode; after `train()` / `eval()` it runs the
+    program of that mode, compiled by `recompile(training)` on first use
+    (`tess_compile.train_eval`).
     """
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, recompile=None):
         super().__init__()
-        self.program = program = state.off_meta(program, torch.get_default_device())
+        device = torch.get_default_device()
+        program = state.off_meta(program, device)
+        self.programs = ProgramsByMode(program, recompile, lambda other: state.off_meta(other, device))
         self.comm = SimComm(program.mesh)
         self.ranks = nn.ModuleList([state.add_local_tensors(nn.Module(), program, r) for r in range(program.mesh.num_ranks)])
+        self.train(program.training)
+
+    @property
+    def program(self) -> Program:
+        """The program of the mode this module is in."""
+        return self.programs.get(self.training)
 
     @property
     def mesh(self) -> Mesh:
