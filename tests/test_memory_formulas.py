@@ -5,7 +5,7 @@ one rank holds under Tesseract, a*b/p + b*c*d/p + a*c/p, and eq. 9-10 under
 Megatron-LM, a*b + b*c/p + a*c/p. Both are checked on the per-rank graph of
 a bias-free nn.Linear (which stores B^T as its weight [c, b]): numerically
 from a fake run, and as formulas (`tess_compile.symbolic`) that equal the
-paper's. FLOPs: no rank repeats another's matmul work in any mode.
+paper's. What autograd saves for backward is A's share, a*b/p (Megatron: a*b). FLOPs: no rank repeats another's matmul work in any mode.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from models import make_block
 from tess_compile.accounting import fake_run, forward_flops
 from tess_compile.collectives import COLLECTIVE_OPS
 from tess_compile.compiler import compile_model
+from tess_compile.cost_model import activation_bytes
 from tess_compile.mesh import Mesh
 from tess_compile.symbolic import symbolic_parameter_bytes, symbolic_shapes
 
@@ -98,6 +99,12 @@ def test_memory_of_one_product(mode, qq, dd, three_dims):
     weight_bytes = symbolic_parameter_bytes(program, sizes).bytes
     weight_elements = b * c / p if mode == "1d" else (b * c * d / p).subs(p, q**2 * d)
     assert sympy.simplify(weight_bytes - FP32 * weight_elements) == 0
+
+    # Saved for backward (dW = A^T dC): this rank's own block of A, a*b/p elements under
+    # Tesseract (no fetched block kept), the whole A under Megatron's column parallelism.
+    saved = activation_bytes(program)
+    saved_elements = rows * sizes["b"] if mode == "1d" else rows * sizes["b"] // mesh.num_ranks
+    assert saved == FP32 * saved_elements
 
 
 # (mode, q, d): every mode; 1-D over p = 2, 4, 8 ranks.
