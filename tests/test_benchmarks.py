@@ -40,3 +40,10 @@ def test_paper_times_benchmark_runs(capsys):
     assert bench.main(["--table", "1", "--no-plan"]) == 0
     out = capsys.readouterr().out
     assert "Tesseract [4,4,4] over Tesseract [8,8,1]" in out and "fastest first" in out
+
+
+def test_memory_benchmark_runs(capsys):
+    bench = _load("memory")
+    assert bench.main(["--layers", "2", "--hidden", "32", "--heads", "8", "--batch", "8", "--seq", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "2.5d  [4,4,2]" in out and "none+keep" in out and "selective" in out
