@@ -38,6 +38,14 @@ def _sleep(rank, world_size):
     time.sleep(60)
 
 
+def _hang_on_rank_1(rank, world_size):
+    """Rank 1 hangs outside any collective; rank 0 waits for it in one."""
+    dist.barrier()  # both started
+    if rank == 1:
+        time.sleep(60)
+    dist.all_reduce(torch.zeros(1))
+
+
 def test_results_in_rank_order_and_collective_works():
     n = 3
     results = run_local(_all_reduce_rank, n, args=(2,), timeout_s=60)
@@ -49,6 +57,7 @@ def test_raising_rank_gives_runtime_error():
         run_local(_raise_on_rank_1, 2, timeout_s=60, collective_timeout_s=30)
     msg = str(info.value)
     assert msg.startswith("rank(s) [1")
+    assert "rank 1 stopped first: ValueError: boom from rank 1" in msg
     assert "--- rank 1 ---\nTraceback" in msg
     assert "ValueError: boom from rank 1" in msg
 
@@ -65,6 +74,16 @@ def test_dead_rank_ends_with_error_in_bounded_time():
 def test_overall_timeout_gives_timeout_error():
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\].*timeout_s=5"):
         run_local(_sleep, 1, timeout_s=5)
+
+
+def test_hung_rank_is_named_with_its_stack():
+    with pytest.raises(TimeoutError) as info:
+        run_local(_hang_on_rank_1, 2, timeout_s=12, collective_timeout_s=60)
+    msg = str(info.value)
+    assert "rank(s) [1] outside any torch.distributed call: where the run hung" in msg, msg
+    assert "rank(s) [0] inside torch.distributed calls" in msg, msg
+    hung = msg.split("--- rank 1 (still running")[1]
+    assert "in _hang_on_rank_1" in hung, msg
 
 
 @pytest.mark.parametrize("fn, world_size, match", [
