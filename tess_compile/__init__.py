@@ -21,7 +21,10 @@ from tess_compile.mesh import Mesh
 __all__ = [
     "Mesh",
     "backend",
+    "clip_grad_norm_",
     "dump",
+    "for_dcp",
+    "full_tensor",
     "load_pretrained_shards",
     "load_shards_from",
     "plan",
@@ -36,7 +39,10 @@ __all__ = [
 # who imports `passes` first; the checkpoint loaders pull in torch.distributed.checkpoint.
 _LAZY = {
     "backend": "tess_compile.dynamo_backend",
+    "clip_grad_norm_": "tess_compile.training",
     "dump": "tess_compile.graph_dump",
+    "for_dcp": "tess_compile.checkpoint",
+    "full_tensor": "tess_compile.distributed",
     "load_shards_from": "tess_compile.checkpoint",
     "load_pretrained_shards": "tess_compile.checkpoint",
     "plan": "tess_compile.planner",
@@ -94,11 +100,14 @@ def shard(
 ):
     """Compile `model` for the `[q, q, d]` mesh in `mode`; call on every rank of a world of `q*q*d`.
 
-    Returns a module holding this rank's shards as its parameters; it takes
-    the model's global inputs and returns DTensors on the mesh (plain tensors
-    for scalars). `device` defaults to the current CUDA device under NCCL and
-    the CPU otherwise; a collective whose peers do not arrive within `timeout`
-    (seconds or a timedelta; default 10 minutes) fails with a message.
+    Every rank must pass the same model weights and example inputs (a
+    ValueError on every rank names the ranks and tensors that differ).
+    Returns a module whose parameters are DTensors holding this rank's shards;
+    it takes the model's global inputs (the same batch on every rank) and
+    returns DTensors on the mesh (plain tensors for scalars). `device`
+    defaults to the current CUDA device under NCCL and the CPU otherwise; a
+    collective whose peers do not arrive within `timeout` (seconds or a
+    timedelta; default 10 minutes) fails with a message.
     """
     from tess_compile.compiler import compile_model
 

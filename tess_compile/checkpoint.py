@@ -16,6 +16,10 @@ A rank's block is one box of the full tensor per dim range (`state.pieces`):
 one box for plain splits, `g` boxes for `Shard(dim, groups=g)`. With a model
 built on the meta device nothing of full size is allocated. Tied weights are
 loaded once, from whichever of their names the checkpoint stores.
+
+`for_dcp` readies other state for torch.distributed.checkpoint: a DTensor of
+a grouped split (a parameter, or optimizer state shaped like one) becomes the
+DTensor of the boxes this rank holds, as `ShardedModule.state_dict()` gives.
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils import _pytree as pytree
 
 from tess_compile import state
 from tess_compile.compiler import Program
-from tess_compile.distributed import ShardedModule
+from tess_compile.distributed import ShardedModule, layout_of, tess_mesh
 from tess_compile.simulator import SimulatedModule
 
-__all__ = ["load_dcp_shards", "load_pretrained_shards", "load_shards_from", "load_torch_file_shards"]
+__all__ = ["for_dcp", "load_dcp_shards", "load_pretrained_shards", "load_shards_from", "load_torch_file_shards"]
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -156,6 +164,33 @@ def load_dcp_shards(module: nn.Module, path: str | os.PathLike) -> None:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(boxes, checkpoint_id=path, planner=_BoxesLoadPlanner(), no_dist=True)
+
+
+def for_dcp(state_dict):
+    """`state_dict` (nested dicts and lists, e.g. `get_optimizer_state_dict(module, optimizer)`)
+    ready for torch.distributed.checkpoint, on this rank.
+
+    DCP addresses a DTensor by one box of the full tensor per rank; a grouped
+    split (`_StridedShard`, the fused QKV layout) holds several. Each such
+    DTensor on a sharded module's mesh becomes a DTensor of the same value
+    whose local tensor is a `LocalShardsWrapper` of views into its own local
+    tensor, so `dcp.save` writes the boxes and `dcp.load` fills them in place
+    (then the original state dict holds what was loaded). Other values stay.
+    """
+    return pytree.tree_map_only(DTensor, _boxes_of, state_dict)
+
+
+def _boxes_of(value: DTensor) -> DTensor:
+    mesh = tess_mesh(value.device_mesh)
+    if mesh is None or not any(isinstance(p, _StridedShard) for p in value.placements):
+        return value
+    with torch.no_grad():
+        local = value.to_local()  # the very storage (no autograd view)
+    if isinstance(local, LocalShardsWrapper):
+        return value
+    rank = mesh.rank(*value.device_mesh.get_coordinate())
+    boxes = state.boxes_wrapper(local, layout_of(value.placements), value.shape, mesh, rank)
+    return DTensor.from_local(boxes, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
 
 
 def _shards_of(module: nn.Module) -> tuple[Program, dict[int, nn.Module]]:

@@ -1,15 +1,24 @@
 """The distributed runtime: one rank of a compiled program on torch.distributed.
 
 Groups come from a DeviceMesh of shape `(d, q, q)` named
-`("depth", "row", "col")`. gloo on CPU, NCCL on CUDA. A collective that
-cannot complete (a peer stopped, or took another path) fails after the
-process group's timeout with a message that names the op, the axis, this
-rank and its peers.
+`("depth", "row", "col")`, with flattened meshes over `(depth, row)`,
+`(row, col)` and all ranks, so that DTensor gathers and reduces over two
+axes in one collective. gloo on CPU, NCCL on CUDA. A collective that cannot
+complete (a peer stopped, or took another path) fails after the module's
+timeout with a message that names the op, the axis, this rank and its peers.
+
+Parameters are DTensors whose placements are their layouts; the per-rank
+program takes their local tensors. At construction every rank checks that
+all ranks hold the same weights and example-input shapes;
+`TESS_COMPILE_DEBUG=1` also checks every call's inputs.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -26,10 +35,20 @@ from torch.utils import _pytree as pytree
 from tess_compile import state
 from tess_compile.collectives import Comm, use_comm
 from tess_compile.compiler import INPUT_ROLES, Program, Slot
-from tess_compile.layout import Layout, Partial, Shard, assemble, put_blocks, take_block
+from tess_compile.layout import Layout, Partial, Replicate, Shard, assemble, local_block, put_blocks, take_block
 from tess_compile.mesh import AXES, Mesh
 
-__all__ = ["DEFAULT_TIMEOUT", "DistComm", "ShardedModule", "check_world"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DistComm",
+    "ShardedModule",
+    "World",
+    "check_world",
+    "fingerprint",
+    "full_tensor",
+    "layout_of",
+    "tess_mesh",
+]
 
 # How long a collective waits for its peers before it fails.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -128,13 +147,70 @@ class DistComm(Comm):
         return put_blocks([x if t == coord else torch.zeros_like(x) for t in range(parts)], dim, groups)
 
 
+@dataclass(frozen=True, eq=False)
+class World:
+    """Every rank of the mesh in one process group whose collectives time out after
+    `timeout`; a failure is told with the op, this rank and the timeout."""
+
+    mesh: Mesh
+    group: dist.ProcessGroup
+    timeout: timedelta
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def all_gather(self, x: torch.Tensor, op: str) -> list[torch.Tensor]:
+        blocks = [torch.empty_like(x) for _ in range(self.mesh.num_ranks)]
+        self._guard(op, dist.all_gather, blocks, x.contiguous(), group=self.group)
+        return blocks
+
+    def all_gather_object(self, value, op: str) -> list:
+        values = [None] * self.mesh.num_ranks
+        self._guard(op, dist.all_gather_object, values, value, group=self.group)
+        return values
+
+    def all_reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        total = x.contiguous().clone()
+        self._guard(op, dist.all_reduce, total, group=self.group)
+        return total
+
+    def _guard(self, op: str, call, *args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"tess {op} over all {self.mesh.num_ranks} ranks failed on rank {self.rank} "
+                f"{self.mesh.coords(self.rank)} of mesh {self.mesh}: a peer rank stopped, or did not reach the "
+                f"same call within {self.timeout.total_seconds():g}s (tess_compile.shard(..., timeout=...)). "
+                f"Cause: {err}"
+            ) from err
+
+
+# id(DeviceMesh) -> (that mesh, its World): what `full_tensor` gathers a DTensor over.
+_WORLDS: dict[int, tuple] = {}
+
+
 @functools.cache
 def _device_mesh(device_type: str, mesh: Mesh, timeout: timedelta):
-    """The (d, q, q) DeviceMesh, its groups timing out after `timeout`."""
+    """The (d, q, q) DeviceMesh and its World, every group timing out after `timeout`.
+
+    Flattened `(depth, row)` and `(row, col)` meshes let DTensor gather an
+    activation split over depth and row, or reduce a norm over row and col,
+    in one collective (otherwise it runs one per axis and logs a warning on
+    every rank); the flattened mesh of all ranks is the World.
+    """
     backend = dist.get_backend()
-    options = Backend.Options(backend, timeout)
-    overrides = {axis: (backend, options) for axis in AXES}
-    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES, backend_override=overrides)
+    override = (backend, Backend.Options(backend, timeout))
+    device_mesh = init_device_mesh(
+        device_type, mesh.shape, mesh_dim_names=AXES, backend_override={axis: override for axis in AXES}
+    )
+    for pair in (("depth", "row"), ("row", "col")):
+        if all(mesh.size(axis) > 1 for axis in pair):
+            device_mesh[pair]._flatten("_".join(pair), backend_override=override)
+    world = World(mesh, device_mesh._flatten("world", backend_override=override).get_group(), timeout)
+    _WORLDS[id(device_mesh)] = (device_mesh, world)
+    return device_mesh, world
 
 
 class _SumGradOverWorld(torch.autograd.Function):
@@ -146,14 +222,27 @@ class _SumGradOverWorld(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight):
+    def forward(ctx, weight, world):
+        ctx.world = world
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        total = grad.contiguous().clone()
-        dist.all_reduce(total)
-        return total
+        return ctx.world.all_reduce(grad, "gradient sum of an input"), None
+
+
+def _wait_for_every_rank(mesh: Mesh) -> None:
+    """A barrier on the default group (and its timeout): ranks reach a new module at different
+    times (compiling takes longer on some), which the module's own, possibly short, timeout
+    should not count."""
+    try:
+        dist.barrier()
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"tess_compile.shard on rank {dist.get_rank()} of mesh {mesh}: the other ranks did not all reach "
+            "it within the default process group's timeout (init_process_group(timeout=...)): a rank stopped "
+            f"or took another path. Cause: {err}"
+        ) from err
 
 
 def _default_device() -> torch.device:
@@ -165,9 +254,12 @@ def _default_device() -> torch.device:
 class ShardedModule(nn.Module):
     """This rank's part of a compiled model: its shards are its parameters.
 
-    Takes the model's global inputs; returns DTensors on the mesh (plain
-    tensors for scalars such as a loss). `named_parameters()` gives the local
-    shards; `state_dict()` gives DTensors, for torch.distributed.checkpoint.
+    Takes the model's global inputs, the same on every rank; returns DTensors
+    on the mesh (plain tensors for scalars such as a loss). Parameters are
+    DTensors of the model's global shapes whose placements are their layouts
+    (this rank's shard is `to_local()`), so torch's own tools see the whole
+    model: `torch.nn.utils.clip_grad_norm_`, optimizers, DCP. Buffers are
+    this rank's local tensors. `state_dict()` gives DTensors that DCP saves.
     Of a model built on the meta device the shards are uninitialised until a
     checkpoint is loaded (`tess_compile.checkpoint`).
     """
@@ -185,10 +277,12 @@ class ShardedModule(nn.Module):
         mesh = program.mesh
         self.device = torch.device(device) if device is not None else _default_device()
         self.program = state.off_meta(program, self.device)
-        self.device_mesh = _device_mesh(self.device.type, mesh, timeout)
+        _wait_for_every_rank(mesh)
+        self.device_mesh, self.world = _device_mesh(self.device.type, mesh, timeout)
         self.comm = DistComm(mesh, self.device_mesh, timeout)
-        state.add_local_tensors(self, self.program, dist.get_rank(), device=self.device)
-        self.to(self.device)
+        _check_same_model(self.program, self.world)
+        self.check_inputs = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
+        state.add_local_tensors(self, self.program, dist.get_rank(), device=self.device, wrap_param=self._as_dtensor)
 
     @property
     def mesh(self) -> Mesh:
@@ -197,12 +291,14 @@ class ShardedModule(nn.Module):
     def forward(self, *args, **kwargs):
         flat = self.program.flatten_inputs(args, kwargs)
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat]
+        if self.check_inputs:
+            _check_same_inputs(self.program, flat, self.world)
         for slot in self.program.slots:
             value = flat[int(slot.name)] if slot.role in INPUT_ROLES else None
             if isinstance(value, torch.Tensor) and value.requires_grad:
-                flat[int(slot.name)] = _SumGradOverWorld.apply(value)
+                flat[int(slot.name)] = _SumGradOverWorld.apply(value, self.world)
         with use_comm(self.comm):
-            outs = self.program.graph(*state.graph_inputs(self.program, self, flat))
+            outs = self.program.runnable(*state.graph_inputs(self.program, self, flat))
         wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
         return pytree.tree_unflatten(wrapped, self.program.out_spec)
 
@@ -211,11 +307,29 @@ class ShardedModule(nn.Module):
             return out
         return DTensor.from_local(out, self.device_mesh, layout.to_dtensor(), run_check=False)
 
+    def _as_dtensor(self, slot: Slot, local: torch.Tensor) -> nn.Parameter:
+        """A parameter's local tensor as the DTensor of the model's global shape, placed by its layout."""
+        shape = torch.Size(slot.shape)
+        value = DTensor.from_local(
+            local, self.device_mesh, _placements(slot.layout), run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        )
+        return nn.Parameter(value)
+
     def _gather(self, slot: Slot) -> torch.Tensor:
-        local = state.get_tensor(self, slot).detach().contiguous()
-        blocks = [torch.empty_like(local) for _ in range(self.mesh.num_ranks)]
-        dist.all_gather(blocks, local)
-        return assemble(blocks, slot.layout, self.mesh)
+        local = state.get_tensor(self, slot).detach()
+        return assemble(self.world.all_gather(local, f"gather of {slot.name!r}"), slot.layout, self.mesh)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """Scale the gradients so that their norm over the whole model is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` does on the unsharded model (replicas counted once).
+
+        Returns the total norm before clipping, a plain tensor, the same on every rank.
+        `norm_type` may be `inf`.
+        """
+        total = torch.nn.utils.clip_grad_norm_(
+            self.parameters(), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        )
+        return total.full_tensor() if isinstance(total, DTensor) else total
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict, gathered on every rank."""
@@ -232,7 +346,8 @@ class ShardedModule(nn.Module):
         layout's placements; a grouped split (`Shard(dim, groups=g)`: g boxes)
         is a DTensor whose local tensor is a `LocalShardsWrapper` of its boxes,
         which torch.distributed.checkpoint saves and reshards box by box
-        (see docs/checkpoints.md). The local tensors are this module's own.
+        (see docs/checkpoints.md). The local tensors are this module's own,
+        so DCP loads into them in place. `get_model_state_dict(module)` gives the same.
         """
         out = {} if destination is None else destination
         for slot in state.state_slots(self.program):
@@ -240,22 +355,27 @@ class ShardedModule(nn.Module):
         return out
 
     def _dtensor(self, slot: Slot, keep_vars: bool) -> DTensor:
+        rank = dist.get_rank()
+        grouped = len(state.pieces(slot, self.mesh, rank)) > 1
+        if keep_vars and not grouped and isinstance(state.get_attribute(self, slot), DTensor):
+            return state.get_attribute(self, slot)
         local = state.get_tensor(self, slot)
         local = local if keep_vars else local.detach()
-        rank = dist.get_rank()
-        if len(state.pieces(slot, self.mesh, rank)) > 1:
+        if grouped:
             local = state.pieces_wrapper(local, slot, self.mesh, rank)
         shape = torch.Size(slot.shape)
         return DTensor.from_local(
             local, self.device_mesh, _placements(slot.layout), run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
 
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load what `state_dict()` gives (DTensors with this rank's boxes), or this rank's local tensors.
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load what `state_dict()` gives (DTensors with this rank's boxes), DTensors placed like the
+        parameters, or this rank's local tensors.
 
-        DCP loads in place into `state_dict()`'s tensors; this copies. A
-        DTensor of other boxes (another mesh) is refused: load such a
-        checkpoint with `torch.distributed.checkpoint.load(module.state_dict(), ...)`.
+        DCP loads in place into `state_dict()`'s tensors; this copies (also
+        with `assign=True`: the shards stay this module's own). A DTensor of
+        other boxes (another mesh) is refused: load such a checkpoint with
+        `torch.distributed.checkpoint.load(module.state_dict(), ...)`.
         """
         slots = state.state_slots(self.program)
         names = [s.name for s in slots]
@@ -283,6 +403,10 @@ class ShardedModule(nn.Module):
                 )
             local.copy_(value)
             return
+        if value.device_mesh is self.device_mesh and tuple(value.placements) == _placements(slot.layout):
+            if value.shape == torch.Size(slot.shape) and not isinstance(value.to_local(), LocalShardsWrapper):
+                local.copy_(value.to_local())  # a parameter-like DTensor (grouped splits as _StridedShard)
+                return
         boxes = state.pieces(slot, self.mesh, dist.get_rank())
         theirs = [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
         if value.shape != torch.Size(slot.shape) or theirs != [(p.offsets, p.sizes) for p in boxes]:
@@ -317,3 +441,161 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         out.append(stride)
         stride *= max(size, 1)
     return tuple(reversed(out))
+
+
+def layout_of(placements) -> Layout:
+    """The Layout of DTensor placements on the (depth, row, col) mesh (inverse of `_placements`)."""
+
+    def convert(placement):
+        if isinstance(placement, _StridedShard):
+            return Shard(placement.dim, groups=placement.split_factor)
+        if isinstance(placement, dt.Shard):
+            return Shard(placement.dim)
+        return Partial() if placement.is_partial() else Replicate()
+
+    return Layout(*(convert(p) for p in placements))
+
+
+def tess_mesh(device_mesh) -> Mesh | None:
+    """The Mesh of a sharded module's DeviceMesh; None for any other DeviceMesh."""
+    known = _WORLDS.get(id(device_mesh))
+    return known[1].mesh if known is not None and known[0] is device_mesh else None
+
+
+def full_tensor(x):
+    """The global value of `x`, a DTensor output of a sharded module, on every rank.
+
+    One all-gather over all ranks, under the module's timeout (a failure names
+    the op and this rank), where `x.full_tensor()` runs one per split dim (on a
+    mesh without the flattened axes, one per axis, and torch logs a warning on
+    every rank). Differentiable like `x.full_tensor()`: each rank's gradient is
+    its block of the (replicated) gradient. A DTensor on another mesh goes
+    through `x.full_tensor()`; other values come back as they are.
+    """
+    if not isinstance(x, DTensor):
+        return x
+    known = _WORLDS.get(id(x.device_mesh))
+    if known is None or known[0] is not x.device_mesh:
+        return x.full_tensor()
+    return _GatherFull.apply(x.to_local(), known[1], layout_of(x.placements))
+
+
+class _GatherFull(torch.autograd.Function):
+    """Every rank's local tensor gathered and assembled; backward: this rank's block."""
+
+    @staticmethod
+    def forward(ctx, local, world, layout):
+        ctx.world, ctx.layout = world, layout
+        return assemble(world.all_gather(local, "full_tensor"), layout, world.mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = [Replicate() if isinstance(p, Partial) else p for p in ctx.layout.placements]
+        return local_block(grad, Layout(*summed), ctx.world.mesh, ctx.world.rank).contiguous(), None, None
+
+
+# ---------------------------------------------------------------------------
+# Rank consistency: every rank must start from the same model and take the same inputs.
+# ---------------------------------------------------------------------------
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 24  # elements at a time off an accelerator
+
+
+def fingerprint(tensor: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes: equal bits give equal values on every machine, and a
+    changed element changes it (but for a 2**-32 chance). Reads a CPU tensor in place."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    ints = flat.contiguous().view(_INT_OF_SIZE[flat.element_size()])
+    crc = 0
+    for start in range(0, ints.numel(), _CHUNK):
+        crc = zlib.crc32(ints[start : start + _CHUNK].cpu().numpy(), crc)
+    return crc
+
+
+def _input_names(program: Program) -> list[str]:
+    """Readable names of the flat inputs: "positional input 0", "keyword input 'mask'", then any index inside."""
+    numbered = pytree.tree_unflatten(list(range(program.in_spec.num_leaves)), program.in_spec)
+    names = []
+    for path, _ in pytree.tree_flatten_with_path(numbered)[0]:
+        top, key, *inside = path
+        name = f"positional input {key.idx}" if top.idx == 0 else f"keyword input {key.key!r}"
+        names.append(name + "".join(str(k) for k in inside))
+    return names
+
+
+def _differences(per_rank: list[dict], show_values: bool = False) -> list[str]:
+    """One line per key whose value is not the same on every rank: which ranks differ
+    from the largest group (with `show_values`: each value and the ranks that hold it)."""
+    lines = []
+    keys = list(dict.fromkeys(key for values in per_rank for key in values))
+    for key in keys:
+        holders: dict = {}
+        for rank, values in enumerate(per_rank):
+            holders.setdefault(values.get(key, "missing"), []).append(rank)
+        if len(holders) == 1:
+            continue
+        groups = sorted(holders.items(), key=lambda item: (-len(item[1]), item[1][0]))
+        if show_values:
+            lines.append(f"{key}: " + ", ".join(f"{value} on rank(s) {ranks}" for value, ranks in groups))
+        else:
+            odd = sorted(rank for _, ranks in groups[1:] for rank in ranks)
+            lines.append(f"{key}: rank(s) {odd} differ from rank(s) {groups[0][1]}")
+    return lines
+
+
+def _describe(lines: list[str], limit: int = 8) -> str:
+    more = f"; and {len(lines) - limit} more" if len(lines) > limit else ""
+    return "; ".join(lines[:limit]) + more
+
+
+def _check_same_model(program: Program, world: World) -> None:
+    """ValueError on every rank unless all ranks compiled the same weights and example-input shapes.
+
+    Weights are compared by `fingerprint` (a meta tensor, of a model built on
+    the meta device, has nothing to compare); example inputs by shape and dtype.
+    """
+    names = _input_names(program)
+    weights, inputs = {}, {}
+    for slot in program.slots:
+        if slot.role in INPUT_ROLES:
+            inputs[f"example {names[int(slot.name)]}"] = f"shape {list(slot.shape)} {slot.dtype}"
+        elif slot.role != "alias" and not program.tensors[slot.name].is_meta:
+            tensor = program.tensors[slot.name]
+            weights[f"{slot.name!r} {list(slot.shape)}"] = (str(tensor.dtype), fingerprint(tensor))
+    gathered = world.all_gather_object((weights, inputs), "check that every rank holds the same model")
+    weight_lines = _differences([w for w, _ in gathered])
+    input_lines = _differences([i for _, i in gathered], show_values=True)
+    problems = []
+    if weight_lines:
+        problems.append(
+            f"the ranks hold different weights: {_describe(weight_lines)}. Every rank must start from the "
+            "same model: seed before building the model (torch.manual_seed), or load one checkpoint on every rank"
+        )
+    if input_lines:
+        problems.append(
+            f"the ranks passed different example inputs: {_describe(input_lines)}. Pass the same "
+            "example_inputs (the global batch's shape) on every rank"
+        )
+    if problems:
+        raise ValueError(f"tess_compile.shard on mesh {program.mesh}, rank {world.rank}: " + "; ".join(problems))
+
+
+def _check_same_inputs(program: Program, flat: list, world: World) -> None:
+    """(TESS_COMPILE_DEBUG=1) ValueError on every rank unless every rank got the same inputs."""
+    names = _input_names(program)
+    values = {
+        f"{names[index]} {list(value.shape)}": fingerprint(value)
+        for index, value in enumerate(flat)
+        if isinstance(value, torch.Tensor)
+    }
+    lines = _differences(world.all_gather_object(values, "check that every rank got the same inputs"))
+    if lines:
+        raise ValueError(
+            f"the ranks called the sharded module (mesh {program.mesh}) with different inputs: {_describe(lines)} "
+            f"(checked on rank {world.rank} because TESS_COMPILE_DEBUG=1). The module takes the global batch "
+            "on every rank: pass the same batch on every rank (load or draw it identically, e.g. seeded), "
+            "not a per-rank slice"
+        )

@@ -15,17 +15,21 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from tess_compile.compiler import INPUT_ROLES, Program, Slot
-from tess_compile.layout import Shard, local_block, take_block
+from tess_compile.layout import Layout, Shard, local_block, take_block
 from tess_compile.mesh import AXES, Mesh
 
 __all__ = [
     "Piece",
     "add_local_tensors",
+    "boxes",
+    "boxes_wrapper",
     "check_state_dict",
     "full_tensors",
+    "get_attribute",
     "get_tensor",
     "graph_inputs",
     "load_shards",
@@ -53,9 +57,17 @@ def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> 
         module.register_buffer(leaf, tensor, persistent=role == "buffer")
 
 
-def add_local_tensors(root: nn.Module, program: Program, rank: int, device=None) -> nn.Module:
+def add_local_tensors(
+    root: nn.Module,
+    program: Program,
+    rank: int,
+    device=None,
+    wrap_param: Callable[[Slot, torch.Tensor], torch.Tensor] | None = None,
+) -> nn.Module:
     """Give `root` the shards that `rank` holds, under the model's own names.
 
+    `wrap_param(slot, local)` makes a parameter's registered value (the
+    distributed runtime's DTensors); tied names register that very object.
     Of a model built on the meta device the shards are uninitialised, of local
     size, on `device`, until a checkpoint is loaded (`tess_compile.checkpoint`).
     """
@@ -68,11 +80,14 @@ def add_local_tensors(root: nn.Module, program: Program, rank: int, device=None)
                 "`torch.device('meta')`"
             )
         if slot.role not in INPUT_ROLES and slot.role != "alias":
-            _set_tensor(root, slot.name, program.local_tensor(slot, rank, device=device), slot.role)
+            local = program.local_tensor(slot, rank, device=device)
+            if slot.role == "param" and wrap_param is not None:
+                local = wrap_param(slot, local)
+            _set_tensor(root, slot.name, local, slot.role)
     roles = {s.name: s.role for s in program.slots}
     for slot in program.slots:
         if slot.role == "alias":  # tied: the very same tensor under a second name
-            _set_tensor(root, slot.name, get_tensor(root, slot.alias_of), roles[slot.alias_of])
+            _set_tensor(root, slot.name, get_attribute(root, slot.alias_of), roles[slot.alias_of])
     return root
 
 
@@ -95,15 +110,27 @@ def _devices(node: torch.fx.Node) -> list[torch.device]:
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.device)]
 
 
-def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
-    """The parameter or buffer of `module` at the slot's (or a) dotted name."""
+def get_attribute(module: nn.Module, slot: Slot | str) -> torch.Tensor:
+    """The parameter or buffer of `module` at the slot's (or a) dotted name, as registered."""
     name = slot if isinstance(slot, str) else slot.name
     owner, _, leaf = name.rpartition(".")
     return getattr(module.get_submodule(owner), leaf)
 
 
+def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
+    """This rank's local tensor of the parameter or buffer at the slot's (or a) dotted name.
+
+    Of a DTensor parameter: its local tensor, connected to the parameter by
+    autograd where grad mode is on (`DTensor.to_local`); under `torch.no_grad()`
+    the very storage, so copying into it loads the parameter.
+    """
+    tensor = get_attribute(module, slot)
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> list:
-    """The per-rank graph's placeholder values, in order."""
+    """The per-rank graph's placeholder values, in order: DTensor parameters as their
+    local tensors, whose gradients arrive on the parameters as DTensors of the same placements."""
     return [flat_inputs[int(s.name)] if s.role in INPUT_ROLES else get_tensor(module, s) for s in program.slots]
 
 
@@ -191,18 +218,23 @@ class Piece:
 
 def pieces(slot: Slot, mesh: Mesh, rank: int) -> list[Piece]:
     """The boxes of the full tensor that `rank` holds under the slot's layout, in local order."""
-    runs = [_runs(_held_indices(slot, mesh, rank, dim)) for dim in range(len(slot.shape))]
+    return boxes(slot.layout, slot.shape, mesh, rank)
+
+
+def boxes(layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int) -> list[Piece]:
+    """The boxes of a full tensor of `shape` that `rank` holds under `layout`, in local order."""
+    runs = [_runs(_held_indices(layout, shape, mesh, rank, dim)) for dim in range(len(shape))]
     return [
         Piece(tuple(slice(at, at + n) for at, _, n in box), tuple(o for _, o, _ in box), tuple(n for *_, n in box))
         for box in itertools.product(*runs)
     ]
 
 
-def _held_indices(slot: Slot, mesh: Mesh, rank: int, dim: int) -> torch.Tensor:
+def _held_indices(layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int, dim: int) -> torch.Tensor:
     """Indices along `dim` of the full tensor that `rank` holds, in local order (splits left to right)."""
-    index = torch.arange(slot.shape[dim])
+    index = torch.arange(shape[dim])
     for axis in AXES:
-        placement = slot.layout.on(axis)
+        placement = layout.on(axis)
         if isinstance(placement, Shard) and placement.dim == dim and mesh.size(axis) > 1:
             index = take_block(index, 0, placement.groups, mesh.size(axis), mesh.coord(rank, axis))
     return index
@@ -220,7 +252,12 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
 def pieces_wrapper(local: torch.Tensor, slot: Slot, mesh: Mesh, rank: int):
     """`local` as the pieces torch.distributed.checkpoint addresses: a `LocalShardsWrapper` of
     views into `local` at their offsets in the full tensor (loading writes into `local`)."""
+    return boxes_wrapper(local, slot.layout, slot.shape, mesh, rank)
+
+
+def boxes_wrapper(local: torch.Tensor, layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int):
+    """`local`, of a tensor of `shape` laid out by `layout`, as its boxes (see `pieces_wrapper`)."""
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-    boxes = pieces(slot, mesh, rank)
-    return LocalShardsWrapper([local[p.local] for p in boxes], [p.offsets for p in boxes])
+    held = boxes(layout, shape, mesh, rank)
+    return LocalShardsWrapper([local[p.local] for p in held], [p.offsets for p in held])

@@ -131,9 +131,9 @@ class AllocationRecorder(TorchDispatchMode):
 
 
 def _differing_shards(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
-    """Names of the local shards that differ between two modules of one program."""
+    """Names of the local shards (of the DTensor parameters) that differ between two modules of one program."""
     bp = dict(b.named_parameters())
-    return [name for name, p in a.named_parameters() if not torch.equal(p, bp[name])]
+    return [name for name, p in a.named_parameters() if not torch.equal(p.to_local(), bp[name].to_local())]
 
 
 def _q2d2_worker(rank, world_size, paths):
@@ -155,7 +155,7 @@ def _q2d2_worker(rank, world_size, paths):
             problems.append(f"state_dict()[{name!r}] is {type(value).__name__} {list(value.shape)}")
     if not any(isinstance(p, _StridedShard) for p in sd[QKV].placements):
         problems.append(f"{QKV} placements {sd[QKV].placements} have no _StridedShard")
-    if sd["transformer.wpe.weight"].to_local().data_ptr() != sm.transformer.wpe.weight.data_ptr():
+    if sd["transformer.wpe.weight"].to_local().data_ptr() != sm.transformer.wpe.weight.to_local().data_ptr():
         problems.append("state_dict() does not share the local shards' storage")
     dcp.save(sd, checkpoint_id=paths["dcp"])
 

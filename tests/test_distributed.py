@@ -7,9 +7,9 @@ that the parent asserts on.
 
 Every rank builds the same model from the same seed, so the unsharded model
 (the oracle) is available on every rank: a rank compares the global output
-(`DTensor.full_tensor()`) with the oracle's, and each of its own parameter
-shards' gradients with the block of the oracle's gradient that the slot's
-layout gives it (`local_block`).
+(`DTensor.full_tensor()`) with the oracle's, and the local tensor of each of
+its parameters' gradients (DTensors, like the parameters) with the block of
+the oracle's gradient that the slot's layout gives it (`local_block`).
 
 Precision (as in test_training.py): the GPT block with biases trains in
 float64, because its key bias has an exactly-zero gradient whose fp32
@@ -111,7 +111,7 @@ def _parity_worker(rank, world_size, q, d, mode, summa):
             out["problems"].append(f"{label}: sm.mesh {sm.mesh} != {mesh}")
         for slot in sm.program.params:
             block = local_block(initial[slot.name], slot.layout, mesh, rank)
-            if not torch.equal(params[slot.name].detach(), block):
+            if not torch.equal(params[slot.name].to_local(), block):
                 out["problems"].append(f"{label}: initial shard of {slot.name} is not this rank's block")
         start_state = sm.full_state_dict()
         for name, value in initial.items():
@@ -133,7 +133,7 @@ def _parity_worker(rank, world_size, q, d, mode, summa):
                 out["problems"].append(f"{label}: gradient of {slot.name} is None on rank {rank}")
                 continue
             oracle = local_block(dict(reference.named_parameters())[slot.name].grad, slot.layout, mesh, rank)
-            errors[f"grad {slot.name}"] = rel_err(grad, oracle)
+            errors[f"grad {slot.name}"] = rel_err(grad.to_local(), oracle)
         out["counts"][label] = (sm.comm.counts("forward"), sm.comm.counts("backward"))
         first_output = expected.detach().clone()
 
@@ -159,7 +159,7 @@ def _parity_worker(rank, world_size, q, d, mode, summa):
             errors[f"state {name}"] = rel_err(state.get(name), value)
             if torch.equal(value, initial[name]):
                 out["problems"].append(f"{label}: {name} did not move in {STEPS} steps: the check would be blind")
-        out["shards"][label] = {name: p.detach().clone() for name, p in params.items()}
+        out["shards"][label] = {name: p.to_local().detach().clone() for name, p in params.items()}
         # Which block a rank holds: its coordinates on the axes where the layout splits.
         out["keys"][label] = {
             s.name: tuple(mesh.coord(rank, a) if isinstance(s.layout.on(a), Shard) else None for a in ("depth", "row", "col"))

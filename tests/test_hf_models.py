@@ -220,7 +220,7 @@ def _dist_worker(rank, world_size, q, d):
                 out["problems"].append(f"{label}: gradient of {slot.name} is None on rank {rank}")
                 continue
             block = local_block(oracle_params[slot.name].grad, slot.layout, sm.mesh, rank)
-            errors[f"grad {slot.name}"] = grad_error(grad, block, global_max)
+            errors[f"grad {slot.name}"] = grad_error(grad.to_local(), block, global_max)  # a DTensor's shard
     return out
 
 
