@@ -13,9 +13,11 @@ calls, marked by `passes.capture`) keep theirs.
   collectives are saved, as torch's selective activation checkpointing
   policies save matmul outputs, so a region recomputes without
   communicating. A region saves its inputs and frees what its own ops
-  would save; a fake run of the graph prices both, and a run is kept only
-  where it frees more than it adds. (With the memory-lean products and
-  norms a transformer block keeps little that such runs free.)
+  would save inside it; a fake run of the graph prices both, a run is kept
+  only where it frees more than it adds, and the runs kept are dropped
+  again if together they do not lower the bytes saved. (With the
+  memory-lean products and norms a transformer block keeps little that
+  such runs free.)
 
 `tess_compile.regions` runs the regions under `torch.utils.checkpoint`.
 """
@@ -31,6 +33,7 @@ from passes.verify import local_placeholder
 from tess_compile.collectives import COLLECTIVE_OPS, wait
 from tess_compile.mesh import Mesh
 from tess_compile.products import fetched_product
+from tess_compile.regions import outline_regions
 
 __all__ = ["CHECKPOINTS", "mark_blocks", "mark_selective"]
 
@@ -93,9 +96,13 @@ def mark_selective(gm: GraphModule, mesh: Mesh) -> GraphModule:
         elif runs[-1]:
             runs.append([])
     saves = _SavedBy.of(gm, mesh)
-    for number, run in enumerate(r for r in runs if len(r) > 1 and saves.frees_more_than_it_adds(r)):
+    chosen = [run for run in runs if len(run) > 1 and saves.frees_more_than_it_adds(run)]
+    for number, run in enumerate(chosen):
         for node in run:
             node.meta["recompute"] = f"selective {number}"
+    if chosen and _SavedBy.of(outline_regions(gm), mesh).total() >= saves.total():
+        for node in (n for run in chosen for n in run):  # together they free nothing: keep the graph as it was
+            del node.meta["recompute"]
     return gm
 
 
@@ -134,13 +141,20 @@ class _SavedBy(Interpreter):
         tensors = [t for t in pytree.tree_leaves(self.env.get(node)) if isinstance(t, torch.Tensor)]
         return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
+    def total(self) -> int:
+        """Bytes of every storage the run saved (parameters included)."""
+        return sum(self.nbytes.values())
+
     def frees_more_than_it_adds(self, run: list[Node]) -> bool:
         """Whether recomputing `run` frees more saved bytes (what only its own nodes save,
-        its inputs aside) than it adds (its inputs that nothing saved)."""
+        its inputs and its outputs aside: a later consumer, or a later region, may save
+        those) than it adds (its inputs that nothing saved)."""
         members = set(run)
         inputs: dict[int, int] = {}
         for arg in dict.fromkeys(a for node in run for a in node.all_input_nodes if a not in members):
             inputs.update(self._storage_bytes(arg))
-        freed = sum(self.nbytes[s] for s, savers in self.saved_by.items() if s not in inputs and savers <= members)
+        outputs = {s for node in run if any(u not in members for u in node.users) for s in self._storage_bytes(node)}
+        freed = sum(self.nbytes[s] for s, savers in self.saved_by.items()
+                    if s not in inputs and s not in outputs and savers <= members)
         added = sum(num_bytes for s, num_bytes in inputs.items() if s not in self.saved_by)
         return freed > added

@@ -94,9 +94,10 @@ def test_selective_recomputes_only_where_it_frees_memory():
     chain_none = measure(PointwiseChain(HIDDEN), 2, 2, "2.5d")
     chain_selective = measure(PointwiseChain(HIDDEN), 2, 2, "2.5d", checkpoint="selective")
     assert chain_selective[1] < chain_none[1] and chain_selective[1] == chain_selective[2]
-    stack_none = measure(GPTStack(HIDDEN, HEADS, LAYERS), 2, 2, "2.5d")
-    stack_selective = measure(GPTStack(HIDDEN, HEADS, LAYERS), 2, 2, "2.5d", checkpoint="selective")
-    assert stack_selective[1] <= stack_none[1]
+    for q, d, mode in ((2, 2, "2.5d"), (1, 4, "1d"), (1, 1, "2.5d")):
+        stack_none = measure(GPTStack(HIDDEN, HEADS, LAYERS), q, d, mode)
+        stack_selective = measure(GPTStack(HIDDEN, HEADS, LAYERS), q, d, mode, checkpoint="selective")
+        assert stack_selective[2] <= stack_none[2], (mode, q, d)
 
 
 # (label, model checkpoint, compiler checkpoint)
