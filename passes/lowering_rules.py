@@ -18,7 +18,10 @@ from torch.fx import Node
 from torch.fx.node import has_side_effect, map_arg
 
 from passes.builder import Builder, aten
-from passes.placement_rules import cross_entropy_is_split, display_name, uses_summa, vocab_parallel
+from passes.rules.common import display_name
+from passes.rules.embeddings import vocab_parallel
+from passes.rules.losses import cross_entropy_is_split
+from passes.rules.products import uses_summa
 from passes.summa import matmul
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Partial, Shard

@@ -25,18 +25,9 @@ from torch.fx import Node
 
 from passes.builder import Builder, aten
 from passes.lowering_rules import LOWERING_RULES, check_lookup_ids, lower_default, masked_lookup
-from passes.placement_rules import (
-    PLACEMENT_RULES,
-    Decision,
-    _arg,
-    _check_divisible,
-    _is_narrow_projection,
-    _layout,
-    _no_partial,
-    _shape,
-    display_name,
-    weight_product_rules,
-)
+from passes.placement_rules import PLACEMENT_RULES
+from passes.rules.common import Decision, check_divisible, display_name, get_arg, layout_of, shape_of, without_partial
+from passes.rules.products import is_narrow_projection, weight_product_rules
 from tess_compile import collectives as c
 from tess_compile.layout import Layout, Partial, Replicate, Shard
 
@@ -55,8 +46,8 @@ def _split_last(layout: Layout, ndim: int) -> Shard | None:
 def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
     """x @ W row-parallel if x's features are split over col (or W's in features
     already are), else column-parallel; see the module docstring."""
-    ndim = len(_shape(x))
-    x_split = _split_last(_no_partial(_layout(ctx, x)), ndim)
+    ndim = len(shape_of(x))
+    x_split = _split_last(without_partial(layout_of(ctx, x)), ndim)
     w_layout = ctx.layout(w)
     parts = ctx.mesh.size("col")
     fix = f"use sizes that are multiples of p={parts} (hidden size, heads, MLP width), or another p"
@@ -66,7 +57,7 @@ def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None,
         row_parallel = x_split is not None
     if row_parallel:
         groups = w_layout.col.groups if w_layout is not None else x_split.groups
-        _check_divisible("in features", w, _shape(w)[w_in], parts * groups, ctx, fix)
+        check_divisible("in features", w, shape_of(w)[w_in], parts * groups, ctx, fix)
         args = {x: Layout(R, R, Shard(ndim - 1, groups)), w: w_layout or Layout(R, R, Shard(w_in, groups))}
         if bias is not None:
             args[bias] = WHOLE
@@ -75,15 +66,15 @@ def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None,
 
 
 def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, w_layout, fix: str) -> Decision:
-    ndim = len(_shape(x))
+    ndim = len(shape_of(x))
     parts = ctx.mesh.size("col")
     groups = w_layout.col.groups if w_layout is not None and isinstance(w_layout.col, Shard) else ctx.hints.get(node, 1)
-    out_features = _shape(w)[w_out]
-    whole_weight = w_layout == WHOLE or (w_layout is None and out_features % (parts * groups) and _is_narrow_projection(node))
+    out_features = shape_of(w)[w_out]
+    whole_weight = w_layout == WHOLE or (w_layout is None and out_features % (parts * groups) and is_narrow_projection(node))
     if whole_weight:
         if w_layout is None:
             warnings.warn(
-                f"{node.target} with weight {display_name(w)!r} of shape {list(_shape(w))}: out features "
+                f"{node.target} with weight {display_name(w)!r} of shape {list(shape_of(w))}: out features "
                 f"{out_features} do not divide by p={parts} on mesh {ctx.mesh}, so it runs whole on every rank",
                 stacklevel=2,
             )
@@ -91,7 +82,7 @@ def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, 
         if bias is not None:
             args[bias] = WHOLE
         return Decision(args, WHOLE)
-    _check_divisible("out features", w, out_features, parts * groups, ctx, fix)
+    check_divisible("out features", w, out_features, parts * groups, ctx, fix)
     args = {x: WHOLE, w: Layout(R, R, Shard(w_out, groups))}
     if bias is not None:
         args[bias] = Layout(R, R, Shard(0, groups))
@@ -107,8 +98,8 @@ def place_embedding_1d(node: Node, ctx) -> Decision:
     the lookup gives partial sums. Otherwise the table is whole."""
     weight, ids = node.args[:2]
     w_layout = ctx.layout(weight)
-    vocab = _shape(weight)[0]
-    plain = _arg(node, 2, "padding_idx", -1) == -1 and not _arg(node, 3, "scale_grad_by_freq", False)
+    vocab = shape_of(weight)[0]
+    plain = get_arg(node, 2, "padding_idx", -1) == -1 and not get_arg(node, 3, "scale_grad_by_freq", False)
     free = w_layout is None and vocab % ctx.mesh.size("col") == 0
     if plain and (free or _vocab_split(w_layout)):
         return Decision({weight: Layout(R, R, Shard(0)), ids: WHOLE}, Layout(R, R, P))

@@ -28,7 +28,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from passes.megatron_rules import PLACEMENT_RULES_1D
-from passes.placement_rules import PLACEMENT_RULES, Decision, place_replicated
+from passes.placement_rules import PLACEMENT_RULES
+from passes.rules.common import Decision, place_replicated
 from tess_compile.layout import Layout, Replicate, Shard
 from tess_compile.mesh import Mesh
 

@@ -1,0 +1,125 @@
+"""What the placement rules share: the `Decision` a rule returns, helpers for
+arguments, shapes and layouts, and the rules that run an op replicated or
+dims-local.
+
+A rule is `rule(node, ctx) -> Decision`. `ctx` is the placement pass's
+`PlacementContext` (layouts so far, global shapes, the mesh, hints). A
+`None` layout is a free parameter or buffer: the rule's requirement becomes
+its layout. Rules never touch the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from tess_compile.layout import Layout, Partial, Replicate, Shard
+
+__all__ = [
+    "Decision",
+    "P",
+    "R",
+    "aten",
+    "check_divisible",
+    "dim_arg",
+    "dims_local",
+    "display_name",
+    "get_arg",
+    "is_param",
+    "layout_of",
+    "normalize_dim",
+    "place_replicated",
+    "shape_of",
+    "tensor_inputs",
+    "without_partial",
+]
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+@dataclass
+class Decision:
+    """Layouts an op needs of its tensor inputs, and the layout of its output."""
+
+    args: dict[Node, Layout]
+    out: object  # Layout, or a tuple of Layouts for multi-output ops
+
+
+def tensor_inputs(node: Node) -> list[Node]:
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def shape_of(node: Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def layout_of(ctx, node: Node) -> Layout:
+    """The node's layout; a free tensor counts as replicated."""
+    return ctx.layout(node) or Layout.replicated()
+
+
+def without_partial(layout: Layout) -> Layout:
+    return Layout(*(R if isinstance(p, Partial) else p for p in layout.placements))
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def get_arg(node: Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def is_param(node: Node) -> bool:
+    return node.op == "placeholder" and node.meta.get("role", ("",))[0] == "param"
+
+
+def display_name(node: Node) -> str:
+    """The model's name for a parameter, buffer or input; the node's name otherwise."""
+    role = node.meta.get("role")
+    if role and role[0] != "input":
+        return role[1]
+    return node.meta.get("weight_input", node.name)
+
+
+def check_divisible(what: str, node: Node, size: int, parts: int, ctx, fix: str) -> None:
+    if size % parts:
+        raise ValueError(
+            f"{what} of {display_name(node)!r} (shape {list(shape_of(node))}) is {size}, not divisible by {parts} "
+            f"on mesh {ctx.mesh}: {fix}"
+        )
+
+
+def place_replicated(node: Node, ctx) -> Decision:
+    """The fallback: every input whole on every rank, the op run as is."""
+    args = {t: Layout.replicated() for t in tensor_inputs(node)}
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return Decision(args, tuple(Layout.replicated() for _ in val))
+    return Decision(args, Layout.replicated() if isinstance(val, torch.Tensor) else None)
+
+
+def dims_local(dims_of):
+    """Rule for an op that works across some dims: those dims must be whole."""
+
+    def rule(node: Node, ctx) -> Decision:
+        x = node.args[0]
+        ndim = len(shape_of(x))
+        dims = [normalize_dim(d, ndim) for d in dims_of(node)]
+        layout = without_partial(layout_of(ctx, x))
+        needed = Layout(*(R if isinstance(p, Shard) and p.dim in dims else p for p in layout.placements))
+        out = needed
+        if node.target is aten.select.int:
+            out = Layout(*(Shard(p.dim - (p.dim > dims[0]), p.groups) if isinstance(p, Shard) else p for p in needed.placements))
+        return Decision({x: needed}, out)
+
+    return rule
+
+
+def dim_arg(node: Node) -> list[int]:
+    return [get_arg(node, 1, "dim", 0)]

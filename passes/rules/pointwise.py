@@ -1,0 +1,141 @@
+"""Placement rules of elementwise ops: inputs broadcast-aligned, splits kept.
+
+Each mesh axis keeps one input's split if it lands on an output dim of the
+same size; the other inputs are split alike where they have that dim and
+replicated where they broadcast. Partial sums pass through the ops that are
+linear in them (`_LINEARITY`). `align` serves the other families too.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from passes.rules.common import P, R, Decision, aten, get_arg, layout_of, shape_of, tensor_inputs
+from tess_compile.layout import Layout, Partial, Placement, Replicate, Shard
+from tess_compile.mesh import AXES
+
+__all__ = ["POINTWISE_RULES", "align"]
+
+
+# How an op treats partial sums: "sum" (every tensor may be partial),
+# "scale" (one partial tensor times replicated ones), "unary" (passes through).
+_LINEARITY = {
+    aten.add.Tensor: "sum",
+    aten.sub.Tensor: "sum",
+    aten.mul.Tensor: "scale",
+    aten.div.Tensor: "scale",
+    aten.neg.default: "unary",
+    aten.clone.default: "unary",
+    aten.alias.default: "unary",
+    aten._to_copy.default: "unary",
+    aten.to.dtype: "unary",
+    aten.to.dtype_layout: "unary",
+    aten.to.device: "unary",
+    aten.contiguous.default: "unary",
+    aten.detach.default: "unary",
+    aten.mul.Scalar: "unary",
+    aten.div.Scalar: "unary",
+}
+
+
+def _partial_stays(node: Node, tensors: list[Node], placements: dict) -> bool:
+    kind = _LINEARITY.get(node.target)
+    partial = [t for t in tensors if isinstance(placements[t], Partial)]
+    if not partial or kind is None:
+        return False
+    if kind == "unary":
+        return True
+    if kind == "sum":
+        numbers = [a for a in node.args if isinstance(a, (int, float))]
+        return len(partial) == len(tensors) and not numbers
+    others_replicated = all(isinstance(placements[t], Replicate) or placements[t] is None for t in tensors if t not in partial)
+    is_divisor = node.target is aten.div.Tensor and tensors[0] not in partial
+    return len(partial) == 1 and others_replicated and not is_divisor
+
+
+def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=()) -> tuple[dict, list]:
+    """Broadcast-align the splits of `tensors` to `out_shape`, per axis.
+
+    Out dims in `frozen` stay unsplit. Returns (required layouts, output placements).
+    """
+    n_out = len(out_shape)
+    tensors = list(dict.fromkeys(tensors))  # a tensor may come twice (cat([x, x]))
+    required = {t: [] for t in tensors}
+    out: list[Placement] = []
+    for axis in AXES:
+        placements = {t: (ctx.layout(t).on(axis) if ctx.layout(t) else None) for t in tensors}
+        if _partial_stays(node, tensors, placements):
+            for t in tensors:
+                required[t].append(placements[t] or R)
+            out.append(P)
+            continue
+        chosen = None
+        for t in tensors:
+            p = placements[t]
+            if isinstance(p, Shard):
+                od = p.dim + n_out - len(shape_of(t))
+                if od not in frozen and shape_of(t)[p.dim] == out_shape[od]:
+                    chosen = Shard(od, p.groups)
+                    break
+        for t in tensors:
+            required[t].append(_aligned(chosen, shape_of(t), out_shape))
+        out.append(chosen or R)
+    return {t: Layout(*ps) for t, ps in required.items()}, out
+
+
+def _aligned(chosen, shape, out_shape) -> Placement:
+    if chosen is None:
+        return R
+    dim = chosen.dim - (len(out_shape) - len(shape))
+    if dim >= 0 and shape[dim] == out_shape[chosen.dim]:
+        return Shard(dim, chosen.groups)
+    return R
+
+
+def place_pointwise(node: Node, ctx) -> Decision:
+    tensors = tensor_inputs(node)
+    required, out = align(ctx, node, tensors, shape_of(node))
+    return Decision(required, Layout(*out))
+
+
+def place_type_as(node: Node, ctx) -> Decision:
+    """type_as(x, other): other gives only a dtype; x keeps its layout."""
+    x = node.args[0]
+    return Decision({x: layout_of(ctx, x)}, layout_of(ctx, x))
+
+
+def place_dropout(node: Node, ctx) -> Decision:
+    decision = place_pointwise(node, ctx)
+    p, train = get_arg(node, 1, "p"), get_arg(node, 2, "train")
+    replicated = decision.out.axes_where(Replicate, ctx.mesh)
+    if train and p > 0 and replicated:
+        raise ValueError(
+            f"dropout(p={p}) on {node.args[0].name!r} of shape {list(shape_of(node))} is replicated along "
+            f"{replicated} on mesh {ctx.mesh}: replicas would draw different masks; apply dropout "
+            "to split activations only, or use p=0"
+        )
+    return decision
+
+
+_POINTWISE = [
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar,
+    aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.pow.Tensor_Scalar,
+    aten.pow.Tensor_Tensor, aten.neg.default, aten.exp.default, aten.log.default, aten.sqrt.default,
+    aten.rsqrt.default, aten.abs.default, aten.tanh.default, aten.sigmoid.default, aten.relu.default,
+    aten.gelu.default, aten.silu.default, aten.erf.default, aten.sin.default, aten.cos.default,
+    aten.clone.default, aten.alias.default, aten._to_copy.default, aten.to.dtype,
+    aten.to.dtype_layout, aten.to.device, aten.ge.Scalar, aten.le.Scalar, aten.ge.Tensor,
+    aten.le.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
+    aten.contiguous.default, aten.detach.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default, aten.clamp.default,
+    aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
+    aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
+    aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.square.default, aten.reciprocal.default,
+]
+
+
+POINTWISE_RULES = {
+    **{op: place_pointwise for op in _POINTWISE},
+    aten.dropout.default: place_dropout,
+    aten.type_as.default: place_type_as,
+}

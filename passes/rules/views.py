@@ -1,0 +1,208 @@
+"""Placement rules of views and data movement: view/reshape, expand, permute,
+slice/select, split and cat.
+
+A view keeps a split where the split dim's outer factor survives (a hidden
+dim `h` split over col becomes heads `[n, h/n]` split on `n`); a split
+inside a head's own dim is refused. A fused projection seen through `split`
+or a grouped view asks its producer for a grouped layout (`S(dim,g=3)`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from torch.fx import Node
+
+from passes.rules.common import R, Decision, aten, dim_arg, dims_local, display_name, get_arg, layout_of, normalize_dim, shape_of
+from passes.rules.pointwise import align
+from passes.rules.products import is_narrow_projection
+from tess_compile.layout import Layout, Shard
+from tess_compile.mesh import AXES
+
+__all__ = ["VIEW_RULES"]
+
+
+def _segment(in_shape, out_shape, dim):
+    """The in dims [a, b) and out dims [c, e) that a view maps onto each other around `dim`."""
+    i = o = 0
+    while i < len(in_shape) or o < len(out_shape):
+        a, c = i, o
+        pin = in_shape[i] if i < len(in_shape) else 1
+        pout = out_shape[o] if o < len(out_shape) else 1
+        i, o = i + 1, o + 1
+        while pin != pout:
+            if pin < pout:
+                pin *= in_shape[i]
+                i += 1
+            else:
+                pout *= out_shape[o]
+                o += 1
+        if a <= dim < i:
+            return a, i, c, o
+    raise AssertionError("dim outside shape")
+
+
+def _view_error(node, x, in_shape, out_shape, dim, axis, parts, ctx):
+    a, b, c, e = _segment(in_shape, out_shape, dim)
+    factors = list(out_shape[c:e])
+    return ValueError(
+        f"{node.target} of {display_name(x)!r} from {list(shape_of(x))} to {list(shape_of(node))} splits dim {dim} "
+        f"(split over {axis} in {parts} parts on mesh {ctx.mesh}) into {factors}: the outer factor "
+        f"{factors[0]} is not divisible by {parts}. For attention this is a head count not divisible "
+        f"by {parts}: use a head count (and hidden size) that is a multiple of {parts}, or another mesh"
+    )
+
+
+def place_view(node: Node, ctx) -> Decision:
+    x = node.args[0]
+    layout = layout_of(ctx, x)
+    cur_in, cur_out = list(shape_of(x)), list(shape_of(node))
+    needed, out = [], []
+    for axis, p in zip(AXES, layout.placements):
+        parts = ctx.mesh.size(axis)
+        if not isinstance(p, Shard):
+            needed.append(p)
+            out.append(p)
+            continue
+        mapped = _map_view_split(cur_in, cur_out, p, parts)
+        if mapped is None:
+            if not _ask_groups(ctx, x, cur_in, cur_out, p, parts):
+                error = _view_error(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
+                if not is_narrow_projection(x):
+                    raise error
+                warnings.warn(f"{error.args[0].split(': use')[0]}: key/value heads run replicated over {axis}", stacklevel=2)
+            needed.append(R)  # provisional if groups were asked for; else replicated heads
+            out.append(R)
+            continue
+        o, groups = mapped
+        needed.append(p)
+        out.append(Shard(o, groups))
+        cur_in[p.dim] //= parts
+        cur_out[o] //= parts
+    return Decision({x: Layout(*needed)}, Layout(*out))
+
+
+def _map_view_split(in_shape, out_shape, p: Shard, parts):
+    """Where the split `p` of an input dim lands after a view: (out dim, groups), or None.
+
+    Splitting inside the innermost new dim (a head's own dim) is refused.
+    """
+    a, _, c, e = _segment(in_shape, out_shape, p.dim)
+    outer = math.prod(in_shape[a : p.dim]) * p.groups
+    prefix = 1
+    for o in range(c, e):
+        size = out_shape[o]
+        if outer % prefix == 0 and size % ((outer // prefix) * parts) == 0:
+            if parts > 1 and e - c > 1 and o == e - 1 and in_shape[p.dim] == math.prod(out_shape[c:e]):
+                return None
+            return o, outer // prefix
+        prefix *= size
+    return None
+
+
+def _ask_groups(ctx, x, in_shape, out_shape, p: Shard, parts) -> bool:
+    """Ask x's producer for a grouped split that this view could keep."""
+    if p.dim != len(in_shape) - 1:
+        return False
+    for groups in range(2, in_shape[p.dim] // parts + 1):
+        if in_shape[p.dim] % (groups * parts) == 0 and _map_view_split(in_shape, out_shape, Shard(p.dim, groups), parts):
+            return ctx.want_groups(x, groups)
+    return False
+
+
+def place_expand(node: Node, ctx) -> Decision:
+    x = node.args[0]
+    layout = layout_of(ctx, x)
+    shift = len(shape_of(node)) - len(shape_of(x))
+    out = [Shard(p.dim + shift, p.groups) if isinstance(p, Shard) else p for p in layout.placements]
+    return Decision({x: layout}, Layout(*out))
+
+
+def _permutation(node: Node) -> list[int]:
+    ndim = len(shape_of(node.args[0]))
+    if node.target is aten.permute.default:
+        return [normalize_dim(d, ndim) for d in node.args[1]]
+    order = list(range(ndim))
+    if node.target is aten.transpose.int:
+        d0, d1 = (normalize_dim(d, ndim) for d in node.args[1:3])
+        order[d0], order[d1] = order[d1], order[d0]
+    else:  # aten.t
+        order.reverse()
+    return order
+
+
+def place_permute(node: Node, ctx) -> Decision:
+    x = node.args[0]
+    layout = layout_of(ctx, x)
+    order = _permutation(node)
+    out = [Shard(order.index(p.dim), p.groups) if isinstance(p, Shard) else p for p in layout.placements]
+    return Decision({x: layout}, Layout(*out))
+
+
+def _split_sizes(node: Node) -> list[int]:
+    x, size_or_sizes = node.args[0], node.args[1]
+    dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
+    if isinstance(size_or_sizes, int):
+        total = shape_of(x)[dim]
+        return [min(size_or_sizes, total - s) for s in range(0, total, size_or_sizes)]
+    return list(size_or_sizes)
+
+
+def place_split(node: Node, ctx) -> Decision:
+    x = node.args[0]
+    dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
+    sizes = _split_sizes(node)
+    chunks, equal = len(sizes), len(set(sizes)) == 1
+    layout = layout_of(ctx, x)
+    needed, out = [], []
+    for p in layout.placements:
+        if not (isinstance(p, Shard) and p.dim == dim):
+            needed.append(p)
+            out.append(p)
+        elif equal and p.groups % chunks == 0:
+            needed.append(p)
+            out.append(Shard(dim, p.groups // chunks))
+        else:
+            if equal and dim == len(shape_of(x)) - 1:
+                ctx.want_groups(x, chunks)
+            needed.append(R)
+            out.append(R)
+    return Decision({x: Layout(*needed)}, tuple(Layout(*out) for _ in sizes))
+
+
+def place_cat(node: Node, ctx) -> Decision:
+    tensors = list(node.args[0])
+    ndim = len(shape_of(tensors[0]))
+    dim = normalize_dim(get_arg(node, 1, "dim", 0), ndim)
+    required, out = align(ctx, node, tensors, shape_of(node), frozen=(dim,))
+    sizes = {shape_of(t)[dim] for t in tensors}
+    for index, axis in enumerate(AXES):
+        own = [ctx.layout(t).on(axis) if ctx.layout(t) else None for t in tensors]
+        first = own[0]
+        if isinstance(first, Shard) and first.dim == dim and len(sizes) == 1 and all(p == first for p in own):
+            for t in tensors:
+                required[t] = required[t].with_axis(axis, first)
+            out[index] = Shard(dim, first.groups * len(tensors))
+    return Decision(required, Layout(*out))
+
+
+_VIEWS = [
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
+    aten.unflatten.int,
+]
+
+
+VIEW_RULES = {
+    **{op: place_view for op in _VIEWS},
+    aten.slice.Tensor: dims_local(dim_arg),
+    aten.select.int: dims_local(dim_arg),
+    aten.expand.default: place_expand,
+    aten.transpose.int: place_permute,
+    aten.permute.default: place_permute,
+    aten.t.default: place_permute,
+    aten.split.Tensor: place_split,
+    aten.split_with_sizes.default: place_split,
+    aten.cat.default: place_cat,
+}
