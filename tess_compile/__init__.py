@@ -67,6 +67,7 @@ def simulate(
     mode: str = "2.5d",
     summa: str = "broadcast",
     keep_blocks: bool = False,
+    checkpoint: str = "none",
     strict: bool = False,
     verify: bool | None = None,
 ):
@@ -76,12 +77,12 @@ def simulate(
     After `backward()`, `full_grads()` gives every parameter's full gradient.
     Returns a `tess_compile.simulator.SimulatedModule`.
     """
-    from tess_compile.compiler import compile_model
     from tess_compile.simulator import SimulatedModule
+    from tess_compile.train_eval import mode_compiler
 
-    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
-                             keep_blocks=keep_blocks)
-    return SimulatedModule(program)
+    compile_in = mode_compiler(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
+                               keep_blocks=keep_blocks, checkpoint=checkpoint)
+    return SimulatedModule(compile_in(model.training), recompile=compile_in)
 
 
 def shard(
@@ -93,6 +94,7 @@ def shard(
     mode: str = "2.5d",
     summa: str = "broadcast",
     keep_blocks: bool = False,
+    checkpoint: str = "none",
     strict: bool = False,
     verify: bool | None = None,
     device=None,
@@ -109,15 +111,17 @@ def shard(
     collective whose peers do not arrive within `timeout` (seconds or a
     timedelta; default 10 minutes) fails with a message.
     """
-    from tess_compile.compiler import compile_model
+    from tess_compile.train_eval import mode_compiler
 
-    program = compile_model(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
-                             keep_blocks=keep_blocks)
-    return shard_program(program, device=device, timeout=timeout)
+    compile_in = mode_compiler(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
+                               keep_blocks=keep_blocks, checkpoint=checkpoint)
+    return shard_program(compile_in(model.training), device=device, timeout=timeout, recompile=compile_in)
 
 
-def shard_program(program, *, device=None, timeout: float | timedelta | None = None, wrap_outputs: bool = True):
-    """This rank's module of an already compiled `Program` (see `shard`)."""
+def shard_program(program, *, device=None, timeout: float | timedelta | None = None, wrap_outputs: bool = True,
+                  recompile=None):
+    """This rank's module of an already compiled `Program` (see `shard`); `recompile(training)`
+    compiles the program of the other mode on first use (`tess_compile.train_eval`)."""
     from tess_compile.distributed import DEFAULT_TIMEOUT, ShardedModule, check_world
 
     check_world(program.mesh)
@@ -125,4 +129,4 @@ def shard_program(program, *, device=None, timeout: float | timedelta | None = N
         timeout = DEFAULT_TIMEOUT
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
-    return ShardedModule(program, device=device, timeout=timeout, wrap_outputs=wrap_outputs)
+    return ShardedModule(program, device=device, timeout=timeout, wrap_outputs=wrap_outputs, recompile=recompile)

@@ -37,6 +37,7 @@ from tess_compile.collectives import Comm, use_comm
 from tess_compile.compiler import INPUT_ROLES, Program, Slot
 from tess_compile.layout import Layout, Partial, Replicate, Shard, assemble, local_block, put_blocks, take_block
 from tess_compile.mesh import AXES, Mesh
+from tess_compile.train_eval import ProgramsByMode
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -261,7 +262,9 @@ class ShardedModule(nn.Module):
     model: `torch.nn.utils.clip_grad_norm_`, optimizers, DCP. Buffers are
     this rank's local tensors. `state_dict()` gives DTensors that DCP saves.
     Of a model built on the meta device the shards are uninitialised until a
-    checkpoint is loaded (`tess_compile.checkpoint`).
+    checkpoint is loaded (`tess_compile.checkpoint`). It starts in the model's
+    mode; after `train()` / `eval()` it runs the program of that mode, compiled
+    by `recompile(training)` on first use (`tess_compile.train_eval`).
     """
 
     def __init__(
@@ -271,18 +274,27 @@ class ShardedModule(nn.Module):
         device: torch.device | str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         wrap_outputs: bool = True,
+        recompile=None,
     ):
         super().__init__()
         self.wrap_outputs = wrap_outputs
         mesh = program.mesh
         self.device = torch.device(device) if device is not None else _default_device()
-        self.program = state.off_meta(program, self.device)
+        prepare = functools.partial(state.off_meta, device=self.device)
+        self.programs = ProgramsByMode(prepare(program), recompile, prepare)
+        self.training = program.training  # `program` is this mode's until train() / eval()
         _wait_for_every_rank(mesh)
         self.device_mesh, self.world = _device_mesh(self.device.type, mesh, timeout)
         self.comm = DistComm(mesh, self.device_mesh, timeout)
         _check_same_model(self.program, self.world)
         self.check_inputs = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
         state.add_local_tensors(self, self.program, dist.get_rank(), device=self.device, wrap_param=self._as_dtensor)
+        self.train(program.training)
+
+    @property
+    def program(self) -> Program:
+        """The program of the mode this module is in."""
+        return self.programs.get(self.training)
 
     @property
     def mesh(self) -> Mesh:

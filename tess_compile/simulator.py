@@ -168,6 +168,7 @@ class SimulatedModule(nn.Module):
         device = torch.get_default_device()
         program = state.off_meta(program, device)
         self.programs = ProgramsByMode(program, recompile, lambda other: state.off_meta(other, device))
+        self.training = program.training  # `program` is this mode's until train() / eval()
         self.comm = SimComm(program.mesh)
         self.ranks = nn.ModuleList([state.add_local_tensors(nn.Module(), program, r) for r in range(program.mesh.num_ranks)])
         self.train(program.training)

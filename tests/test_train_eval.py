@@ -69,3 +69,32 @@ def test_batch_norm_follows_the_mode(q, d, compiled_in):
     state = sim.full_state_dict()
     for name in ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked"):
         assert_close_rel(state[name], oracle.state_dict()[name], 1e-12, name)
+
+
+def _modes_worker(rank, world_size):
+    """Over gloo at [2,2,2]: BatchNorm and dropout models switched between modes after
+    compiling; returns the largest relative error against the oracle and whether dropout dropped."""
+    torch.set_num_threads(1)
+    errors, dropped = [], None
+    for cls in (BatchNormMLP, DropoutMLP):
+        torch.manual_seed(2)
+        model = cls().double()
+        oracle = copy.deepcopy(model)
+        x = torch.randn(8, 8, dtype=torch.float64)
+        sharded = tess_compile.shard(model, 2, 2, example_inputs=(x,), timeout=60)
+        for training in ((True, False, True, False) if cls is BatchNormMLP else (False,)):
+            sharded.train(training)
+            oracle.train(training)
+            got, expected = tess_compile.full_tensor(sharded(x + training)), oracle(x + training)
+            errors.append(((got - expected).abs().max() / expected.abs().max()).item())
+        if cls is DropoutMLP:
+            sharded.train()
+            dropped = (tess_compile.full_tensor(sharded(x)) - oracle.eval()(x)).abs().max().item() > 1e-3
+    return max(errors), dropped
+
+
+def test_modes_over_gloo():
+    from tess_compile.launch import run_local
+
+    for error, dropped in run_local(_modes_worker, 8, timeout_s=300):
+        assert error <= 1e-12 and dropped
