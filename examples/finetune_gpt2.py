@@ -44,7 +44,6 @@ import copy
 import logging
 import math
 import os
-import re
 import sys
 import time
 import warnings
@@ -139,32 +138,19 @@ def build(args):
     return vocab, model, oracle, Windows(tokens, args.seq, args.batch, args.seed + 1), example
 
 
-REPLICATED = re.compile(r"op (\S+) at (.*) has no sharding rule")
-
-
-def _not_replicated_message(record: logging.LogRecord) -> bool:
-    return not REPLICATED.match(record.getMessage())
-
-
 def compile_quietly(fn, *fn_args, **kwargs):
-    """Call tess_compile.shard / simulate, summing up its "op runs replicated" messages in one line.
+    """Call tess_compile.shard / simulate, logging its one "ops run replicated" warning at INFO
+    (so on rank 0 only).
 
     GPT-2 has a few small ops without a sharding rule (the `aten.index` of its attention mask);
-    they run replicated on every rank, and each would otherwise print its own warning on every rank.
+    they run replicated on every rank, and every rank's compile reports them.
     """
-    passes_log = logging.getLogger("tess_compile.passes")
-    passes_log.addFilter(_not_replicated_message)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            result = fn(*fn_args, **kwargs)
-    finally:
-        passes_log.removeFilter(_not_replicated_message)
-    ops = [m.group(1) + " (" + m.group(2).rsplit("/", 1)[-1] + ")"
-           for m in (REPLICATED.match(str(w.message)) for w in caught) if m]
-    if ops:
-        counted = ", ".join(f"{op} x{ops.count(op)}" for op in dict.fromkeys(ops))
-        log.info("ops without a sharding rule, run replicated: %s", counted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = fn(*fn_args, **kwargs)
+    for warning in caught:
+        if "no sharding rule" in str(warning.message):
+            log.info("%s", warning.message)
     return result
 
 
@@ -248,7 +234,7 @@ def rank_main(rank: int, world_size: int, args) -> dict | None:
                               example_inputs={"input_ids": example, "labels": example, "use_cache": False},
                               timeout=120)
     log.info("compiled; rank 0 holds %d of the model's %d parameters",
-             sum(p.numel() for p in sharded.parameters()), sum(p.numel() for p in oracle.parameters()))
+             sum(p.to_local().numel() for p in sharded.parameters()), sum(p.numel() for p in oracle.parameters()))
     before = describe(args, vocab, oracle) if rank == 0 else None  # the oracle still has the initial weights
     rows = train(args, sharded, oracle, data, show=rank == 0)
     full_state = sharded.full_state_dict()  # a collective: every rank takes part
