@@ -5,14 +5,16 @@ Reads `node.meta["val"]` (global fake tensors from capture) and
 tuple for ops that return several tensors) and `node.meta["arg_layouts"]`
 (`{input node: layout the op needs it in}`); the rewrite inserts the
 collectives that convert one into the other. Ops that run replicated get
-`node.meta["replicated"]` (the model's source line).
+`node.meta["replicated"]` (the op's own line of model code, `source_line`).
 
 User inputs start in their home layout (batch split over depth and row,
 last dim over col; whole in mode "1d"). Parameters, buffers, constants and weights that arrive
 as inputs (`meta["weight_input"]`) are free until their first consumer
 fixes their layout. Ops are looked up in `PLACEMENT_RULES` (mode "1d":
 `PLACEMENT_RULES_1D`);
-an op with no rule runs replicated with a warning (`strict=True`: error).
+an op with no rule runs replicated (`strict=True`: a ValueError), and one
+warning per call lists them all: a line per op and source line, with the
+number of such nodes and the input bytes a rank gathers to run them whole.
 
 A rule may ask for a producer's output to be laid out with groups (a fused
 QKV projection feeding `split`); the pass then runs once more with that hint.
@@ -20,7 +22,7 @@ QKV projection feeding `split`); the pass then runs once more with that hint.
 
 from __future__ import annotations
 
-import logging
+import math
 import operator
 import warnings
 
@@ -29,13 +31,11 @@ from torch.fx import GraphModule, Node
 
 from passes.megatron_rules import PLACEMENT_RULES_1D
 from passes.placement_rules import PLACEMENT_RULES
-from passes.rules.common import Decision, place_replicated
-from tess_compile.layout import Layout, Replicate, Shard
+from passes.rules.common import Decision, place_replicated, tensor_inputs
+from tess_compile.layout import Layout, Partial, Replicate, Shard
 from tess_compile.mesh import Mesh
 
 __all__ = ["PlacementContext", "home_layout", "place", "source_line"]
-
-log = logging.getLogger("tess_compile.passes")
 
 _MAX_ROUNDS = 4
 # Ops whose output layout may take groups on its last dim for free.
@@ -100,15 +100,27 @@ def home_layout(node: Node, mesh: Mesh) -> Layout | None:
     return Layout(Shard(0), Shard(0), col)
 
 
+def _is_library(path: str) -> bool:
+    """Code of torch, or of Hugging Face's layers and helpers outside `transformers/models/`."""
+    path = path.replace("\\", "/")
+    return "/torch/" in path or ("/transformers/" in path and "/transformers/models/" not in path)
+
+
 def _model_frame(node: Node) -> tuple[str, int] | None:
-    """(file, line) of the model code that made `node`, from its stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    for line in trace.splitlines():
+    """(file, line) of the innermost model code that made `node`, from its stack trace.
+
+    torch.export records only the frames of `forward` methods, so a helper
+    function's op shows at the forward line that calls it. Library frames
+    are skipped, unless there is no other.
+    """
+    frames = []
+    for line in (node.meta.get("stack_trace") or "").splitlines():
         line = line.strip()
-        if line.startswith("File ") and "/torch/" not in line:
+        if line.startswith("File "):
             path, _, rest = line[len("File ") :].partition(", line ")
-            return path.strip('"'), int(rest.split(",")[0])
-    return None
+            frames.append((path.strip('"'), int(rest.split(",")[0])))
+    own = [frame for frame in frames if not _is_library(frame[0])]
+    return (own or frames)[-1] if frames else None
 
 
 def source_line(node: Node) -> str:
@@ -129,6 +141,7 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun:
             break
+    _warn_replicated(gm, ctx)
     by_name = {n.meta["role"][1]: n for n in decisions if n.op == "placeholder"}
     for node, decision in decisions.items():
         node.meta["arg_layouts"] = decision.args
@@ -158,8 +171,12 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
         rules = PLACEMENT_RULES_1D if ctx.mesh.mode == "1d" else PLACEMENT_RULES
         rule = rules.get(node.target)
         if rule is None:
-            _warn_replicated(node, strict)
             node.meta["replicated"] = source_line(node)
+            if strict:
+                raise ValueError(
+                    f"op {node.target} at {node.meta['replicated']} has no sharding rule, so it would run "
+                    "replicated; strict=True forbids this: add a rule or pass strict=False"
+                )
             rule = place_replicated
         decision = rule(node, ctx)
     for arg, layout in decision.args.items():
@@ -183,13 +200,31 @@ def _plain(placement):
     return Shard(placement.dim) if isinstance(placement, Shard) else Replicate()
 
 
-def _warn_replicated(node: Node, strict: bool) -> None:
-    message = (
-        f"op {node.target} at {source_line(node)} has no sharding rule: it runs replicated "
-        "(inputs gathered on every rank, output re-split by its consumers)"
+def _warn_replicated(gm: GraphModule, ctx: PlacementContext) -> None:
+    """One warning for the graph: a line per op and source line that runs replicated."""
+    groups: dict[tuple[str, str], list[int]] = {}  # (op, line) -> [nodes, bytes gathered]
+    for node in gm.graph.nodes:
+        if "replicated" in node.meta:
+            group = groups.setdefault((str(node.target), node.meta["replicated"]), [0, 0])
+            group[0] += 1
+            group[1] += _gathered_bytes(node, ctx)
+    if not groups:
+        return
+    lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank" for (op, where), (count, num_bytes) in groups.items()]
+    num_nodes = sum(count for count, _ in groups.values())
+    warnings.warn(
+        f"{num_nodes} op(s) have no sharding rule and run replicated on mesh {ctx.mesh} (inputs gathered on "
+        "every rank, outputs re-split by their consumers; strict=True makes this an error):\n" + "\n".join(lines),
+        UserWarning,
     )
-    if strict:
-        raise ValueError(message + "; strict=True forbids this: add a rule or pass strict=False")
-    frame = _model_frame(node) or ("<model>", 0)
-    warnings.warn_explicit(message, UserWarning, frame[0], frame[1])
-    log.warning(message)
+
+
+def _gathered_bytes(node: Node, ctx: PlacementContext) -> int:
+    """Bytes of `node`'s inputs that a rank does not hold and receives to run it whole
+    (a partial sum counts whole)."""
+    total = 0
+    for arg in tensor_inputs(node):
+        val, layout = arg.meta["val"], ctx.layouts.get(arg) or Layout.replicated()
+        held = 0 if layout.axes_where(Partial, ctx.mesh) else math.prod(layout.local_shape(val.shape, ctx.mesh))
+        total += (val.numel() - held) * val.element_size()
+    return total

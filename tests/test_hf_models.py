@@ -34,11 +34,13 @@ float64 that noise stays far below eps.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import warnings
 
 import pytest
 import torch
+import transformers
 from torch.distributed.tensor import DTensor
 
 import tess_compile
@@ -246,6 +248,9 @@ def test_gloo_gpt2_and_llama_q2d2():
 # ---------------------------------------------------------------------------
 
 
+REPLICATED_LINE = re.compile(r"^  (\S+) x(\d+) at (.*): gathers (\d+) bytes a rank$", re.M)
+
+
 def test_replicated_ops_report():
     """Record which ops of each model have no sharding rule (printed: `pytest -s`); the heavy ops
     must all be sharded.
@@ -257,16 +262,27 @@ def test_replicated_ops_report():
     for name in MODEL_NAMES:
         model, kwargs = build(name, 2, 2)
         _, messages = simulate_quietly(model, 2, 2, kwargs)
-        ops = []
-        for message in messages:
-            match = re.match(r"op (\S+) at (.*) has no sharding rule", message)
-            if match:
-                ops.append(f"{match.group(1)} ({match.group(2).rsplit('/', 1)[-1]})")
-        report[name] = ops
+        lines = [m for message in messages if "no sharding rule" in message for m in REPLICATED_LINE.findall(message)]
+        report[name] = [(f"{op} ({where.rsplit('/', 1)[-1]})", int(count)) for op, count, where, _ in lines]
     print()
     for name, ops in report.items():
-        counted = {op: ops.count(op) for op in dict.fromkeys(ops)}
-        print(f"{name}: {len(ops)} replicated op(s): " + (", ".join(f"{op} x{n}" for op, n in counted.items()) or "none"))
+        total = sum(count for _, count in ops)
+        print(f"{name}: {total} replicated op(s): " + (", ".join(f"{op} x{n}" for op, n in ops) or "none"))
     for name, ops in report.items():
-        heavy = [op for op in ops if any(op.split()[0] == h or op.startswith(h + ".") for h in HEAVY_OPS)]
+        heavy = [op for op, _ in ops if any(op.split()[0] == h or op.startswith(h + ".") for h in HEAVY_OPS)]
         assert not heavy, f"{name}: heavy ops run replicated: {heavy}"
+
+
+def test_gpt2_replicated_ops_reported_once():
+    """One warning per compile, a line per op and source line: the 4 index ops of GPT-2's
+    causal mask (built once for every layer) at the line of GPT2Model.forward that builds it."""
+    model, kwargs = build("gpt2", 2, 2)
+    _, messages = simulate_quietly(model, 2, 2, kwargs)
+    reports = [message for message in messages if "no sharding rule" in message]
+    assert len(reports) == 1, reports
+    forward = inspect.unwrap(transformers.GPT2Model.forward)
+    source, first = inspect.getsourcelines(forward)
+    line = first + next(i for i, text in enumerate(source) if "causal_mask = create_causal_mask(" in text)
+    where = f"{inspect.getsourcefile(forward)}:{line}"
+    assert f"  aten.index.Tensor x4 at {where}: gathers 0 bytes a rank" in reports[0].splitlines(), reports[0]
+    assert reports[0].startswith("4 op(s) have no sharding rule and run replicated on mesh [q=2, q=2, d=2]")
