@@ -302,6 +302,8 @@ def _global_placeholder(b: Builder, node: Node) -> Node | None:
     whole = isinstance(layout, Layout) and not layout.axes_where(Shard, b.mesh) and not layout.axes_where(Partial, b.mesh)
     if role != "input" and not (role in ("buffer", "constant") and whole):
         return None
+    if "local_input" in node.meta:  # a pipeline stage's input: this rank's block only
+        return None
     return next((n for n in b.graph.nodes if n.op == "placeholder" and n.target == node.name), None)
 
 

@@ -1,14 +1,17 @@
 """Stage 2, place: decide a layout for every value (an analysis; edits nothing else).
 
-Reads `node.meta["val"]` (global fake tensors from capture) and
-`node.meta["role"]`. Writes `node.meta["layout"]` (the value's layout, a
-tuple for ops that return several tensors) and `node.meta["arg_layouts"]`
+Reads `node.meta["val"]` (global fake tensors from capture),
+`node.meta["role"]` and, on the output node, `node.meta["local_outputs"]`.
+Writes `node.meta["layout"]` (the value's layout, a tuple for ops that
+return several tensors) and `node.meta["arg_layouts"]`
 (`{input node: layout the op needs it in}`); the rewrite inserts the
 collectives that convert one into the other. Ops that run replicated get
 `node.meta["replicated"]` (the op's own line of model code, `source_line`).
 
 User inputs start in their home layout (batch split over depth and row,
-last dim over col; whole in mode "1d"). Parameters, buffers, constants and weights that arrive
+last dim over col; whole in mode "1d"), and outputs of a pipeline stage
+(`meta["local_outputs"]`) leave in the home layout of their shape, so that
+one stage's output blocks are the next stage's input blocks. Parameters, buffers, constants and weights that arrive
 as inputs (`meta["weight_input"]`) are free until their first consumer
 fixes their layout. Ops are looked up in `PLACEMENT_RULES` (mode "1d":
 `PLACEMENT_RULES_1D`);
@@ -187,10 +190,13 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
 
 
 def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decision:
-    """Outputs leave as DTensor-expressible layouts (no partials, no groups), or whole."""
+    """Outputs leave as DTensor-expressible layouts (no partials, no groups), or whole;
+    with `meta["local_outputs"]` (a pipeline stage's), in the home layout of their shape."""
     args = {}
     for out in node.all_input_nodes:
         layout = ctx.layouts.get(out) or Layout.replicated()
+        if "local_outputs" in node.meta:
+            layout = home_layout(out, ctx.mesh) or Layout.replicated()
         args[out] = Layout.replicated() if replicate else Layout(*(_plain(p) for p in layout.placements))
     return Decision(args, None)
 

@@ -14,6 +14,12 @@ Replicated parameters pass through `grad_sync` over their replica axes;
 outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
 weights that arrive as inputs included, come whole and are sliced locally;
 their gradients are each rank's share (the runtime sums them).
+
+A pipeline stage's boundary (`meta["local_input"]` on an input,
+`meta["local_outputs"]` on the output node) is local blocks: such an input
+arrives as this rank's block in its layout (no slicing), and such outputs
+leave without `seed_once`; a gradient that crosses the boundary is this
+rank's share of the block, as any value's gradient inside one graph is.
 """
 
 from __future__ import annotations
@@ -74,7 +80,10 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             env[node] = out
         elif node.op == "output":
             needed = node.meta["arg_layouts"]
-            b.graph.output(map_arg(node.args[0], lambda n: _seed(b, local(n, needed[n]), needed[n])))
+            if "local_outputs" in node.meta:  # blocks for the next pipeline stage: shares flow back
+                b.graph.output(map_arg(node.args[0], lambda n: local(n, needed[n])))
+            else:
+                b.graph.output(map_arg(node.args[0], lambda n: _seed(b, local(n, needed[n]), needed[n])))
         else:
             raise ValueError(f"node {node.name} ({node.op}) is not supported by the rewrite pass")
     out = GraphModule(torch.nn.Module(), b.graph)
@@ -107,13 +116,16 @@ def _placeholder(b: Builder, node: Node) -> Node:
     if not isinstance(node.meta["val"], torch.Tensor):
         x.meta["constant_value"] = node.meta["val"]  # a flag or number the model takes
         return x
+    whole = role == "input" and "local_input" not in node.meta  # a local input is this rank's block
+    if "local_input" in node.meta:
+        x.meta["local_input"] = True
     x.meta.update(
         role=node.meta["role"],
-        layout=Layout.replicated() if role == "input" else layout,
+        layout=Layout.replicated() if whole else layout,
         global_shape=tuple(node.meta["val"].shape),
         dtype=node.meta["val"].dtype,
     )
-    if role == "input":
+    if whole:
         x = redistribute(b, x, Layout.replicated(), layout)
     if role == "param":
         for axis in layout.axes_where(Replicate, b.mesh):

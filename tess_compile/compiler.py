@@ -26,8 +26,10 @@ from tess_compile.regions import outline_regions
 
 __all__ = ["INPUT_ROLES", "Program", "Slot", "compile_model", "pipeline", "split_example_inputs"]
 
-# Slot roles whose values arrive as the module's inputs on every call.
-INPUT_ROLES = ("input", "weight")
+# Slot roles whose values arrive as the module's inputs on every call. A "local input"
+# (`compile_model(..., local_inputs=True)`, a pipeline stage's) is this rank's block of
+# the input in its layout, not the whole input.
+INPUT_ROLES = ("input", "weight", "local input")
 
 log = logging.getLogger("tess_compile")
 
@@ -57,7 +59,7 @@ def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False, summa:
 class Slot:
     """One placeholder of the per-rank graph: a parameter, buffer, constant or input."""
 
-    role: str  # "param", "buffer", "constant", "alias", "input" or "weight" (a weight given as input)
+    role: str  # "param", "buffer", "constant", "alias", "input", "local input" or "weight" (a weight given as input)
     name: str  # the model's qualified name, or (inputs and weights) the input's index as text
     layout: Layout | None
     shape: tuple[int, ...]
@@ -184,7 +186,15 @@ class Program:
                 f"{name} is {_describe_value(value)}, but compiled for a tensor of shape {list(slot.shape)} "
                 f"and dtype {slot.dtype}: {fix}"
             )
-        if tuple(value.shape) != slot.shape:
+        if slot.role == "local input":
+            local = tuple(slot.layout.local_shape(slot.shape, self.mesh))
+            if tuple(value.shape) != local:
+                raise ValueError(
+                    f"{name} has shape {list(value.shape)}, but this rank's block of the stage input (global "
+                    f"shape {list(slot.shape)}, layout {slot.layout}) is {list(local)} on mesh {self.mesh}: pass "
+                    "this rank's block, as the previous stage's rank of the same coordinates gives it"
+                )
+        elif tuple(value.shape) != slot.shape:
             raise ValueError(
                 f"{name} has shape {list(value.shape)}, but the module was compiled for "
                 f"{list(slot.shape)} on mesh {self.mesh}: compile again with example_inputs of this shape"
@@ -287,6 +297,8 @@ def compile_model(
     summa: str = "broadcast",
     keep_blocks: bool = False,
     checkpoint: str = "none",
+    local_inputs: bool = False,
+    local_outputs: bool = False,
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
 
@@ -299,12 +311,20 @@ def compile_model(
     recomputes in backward, beside the model's own `torch.utils.checkpoint`
     regions: "none", "blocks" (each repeated block) or "selective" (cheap
     local ops; see `passes.recompute`).
+
+    `local_inputs` and `local_outputs` serve pipeline stages
+    (`tess_compile.pipeline`): positional tensor inputs arrive as this rank's blocks in
+    their home layout (batch over depth and row, features over col) instead
+    of whole, and their gradients are this rank's blocks; outputs leave as
+    this rank's blocks in the home layout of their shape, so one stage's
+    output block is the next stage's input block.
     """
     if verify is None:
         verify = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
     args, kwargs = split_example_inputs(example_inputs)
     start = time.perf_counter()
     gm = capture(model, args, kwargs, weight_inputs=weight_inputs)
+    _mark_local_boundary(gm, local_inputs, local_outputs)
     dumper = _StageDumper.from_env(mesh)
     dumper.write("capture", None, gm)
     placed = gm
@@ -331,6 +351,20 @@ def compile_model(
         state_keys=gm.meta["state_keys"],
         training=model.training,
     )
+
+
+def _mark_local_boundary(gm: GraphModule, local_inputs: bool, local_outputs: bool) -> None:
+    """`meta["local_input"]` on the positional tensor inputs and `meta["local_outputs"]` on the
+    output node, which place and rewrite read (see `compile_model`). Keyword inputs stay whole
+    (a pipeline schedule gives them to a stage as the microbatch's global values)."""
+    num_positional = gm.meta["in_spec"].child(0).num_leaves
+    for node in gm.graph.nodes:
+        if local_inputs and node.op == "placeholder" and node.meta["role"][0] == "input":
+            positional = node.meta["role"][1] < num_positional
+            if positional and "weight_input" not in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
+                node.meta["local_input"] = True
+        if local_outputs and node.op == "output":
+            node.meta["local_outputs"] = True
 
 
 class _StageDumper:
@@ -374,7 +408,9 @@ def _slots(placed: GraphModule) -> list[Slot]:
             slots.append(Slot(role, str(name), None, (), None))
             continue
         layout = node.meta["layout"]
-        if role == "input":
+        if role == "input" and "local_input" in node.meta:
+            role = "local input"  # this rank's block, in the layout placement gave it
+        elif role == "input":
             role = "weight" if "weight_input" in node.meta else "input"
             layout = Layout.replicated()  # inputs arrive whole
         slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype, node.meta.get("alias_of")))

@@ -307,7 +307,8 @@ class ShardedModule(nn.Module):
             _check_same_inputs(self.program, flat, self.world)
         for slot in self.program.slots:
             value = flat[int(slot.name)] if slot.role in INPUT_ROLES else None
-            if isinstance(value, torch.Tensor) and value.requires_grad:
+            # A pipeline stage's local input is this rank's block: its gradient is this rank's.
+            if isinstance(value, torch.Tensor) and value.requires_grad and slot.role != "local input":
                 flat[int(slot.name)] = _SumGradOverWorld.apply(value, self.world)
         with use_comm(self.comm):
             outs = self.program.runnable(*state.graph_inputs(self.program, self, flat))
@@ -598,10 +599,11 @@ def _check_same_model(program: Program, world: World) -> None:
 def _check_same_inputs(program: Program, flat: list, world: World) -> None:
     """(TESS_COMPILE_DEBUG=1) ValueError on every rank unless every rank got the same inputs."""
     names = _input_names(program)
+    local = {int(s.name) for s in program.slots if s.role == "local input"}  # blocks differ by rank
     values = {
         f"{names[index]} {list(value.shape)}": fingerprint(value)
         for index, value in enumerate(flat)
-        if isinstance(value, torch.Tensor)
+        if isinstance(value, torch.Tensor) and index not in local
     }
     lines = _differences(world.all_gather_object(values, "check that every rank got the same inputs"))
     if lines:
