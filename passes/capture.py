@@ -16,6 +16,13 @@ tied weight) or `("input", index)`, and
 `gm.meta["in_spec"]` / `gm.meta["out_spec"]` (pytree specs of the model's
 inputs and outputs), `gm.meta["tensors"]` (the lifted tensors by name) and
 `gm.meta["state_keys"]` (the model's state-dict keys, in order).
+
+Device constants: tensors made inside forward (`torch.ones(..., device=x.device)`,
+`torch.arange(s, device=ids.device)`, `.to(x.device)`) would keep the capture
+device in the graph. Every `torch.device` argument equal to the capture
+device (a user input's, else the first lifted tensor's) becomes a
+`device_of(that input)` node, so the per-rank graph makes them on the device
+it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import time
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.node import map_aggregate
 from torch.fx.traceback import annotate, preserve_node_meta
 
-__all__ = ["capture"]
+__all__ = ["capture", "device_of"]
 
 log = logging.getLogger("tess_compile.passes")
 
@@ -76,6 +84,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     _merge_tied(gm, tensors)
     _inline_grad_mode_wrappers(gm)
     _mark_checkpoints(gm)
+    _devices_at_run_time(gm)
     gm.meta["in_spec"] = ep.call_spec.in_spec
     gm.meta["out_spec"] = ep.call_spec.out_spec
     gm.meta["tensors"] = tensors
@@ -192,6 +201,34 @@ def _detached(gm: torch.fx.GraphModule, at: torch.fx.Node, value: torch.fx.Node)
         out = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
     out.meta.update(value.meta)
     return out
+
+
+def device_of(x: torch.Tensor) -> torch.device:
+    """x's device (a graph target: the device is known at run time only)."""
+    return x.device
+
+
+def _devices_at_run_time(gm: torch.fx.GraphModule) -> None:
+    """Arguments equal to the capture device read the device of an input instead."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
+    if not tensors:
+        return
+    source = next((n for n in tensors if n.meta["role"][0] == "input"), tensors[0])
+    captured = source.meta["val"].device
+    with gm.graph.inserting_after(placeholders[-1]):
+        device = gm.graph.call_function(device_of, (source,))
+    device.meta["val"] = captured
+
+    def at_run_time(value):
+        return device if isinstance(value, torch.device) and value == captured else value
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node is not device:
+            node.args, node.kwargs = map_aggregate(node.args, at_run_time), map_aggregate(node.kwargs, at_run_time)
+    if not device.users:
+        gm.graph.erase_node(device)
+    gm.recompile()
 
 
 def _check_outputs(ep) -> None:

@@ -18,6 +18,7 @@ from torch.fx import Node
 from torch.fx.node import has_side_effect, map_arg
 
 from passes.builder import Builder, aten
+from passes.capture import device_of
 from passes.rules.common import display_name
 from passes.rules.embeddings import vocab_parallel
 from passes.rules.losses import cross_entropy_is_split
@@ -310,6 +311,8 @@ def _global_placeholder(b: Builder, node: Node) -> Node | None:
 def _replayable(node: Node) -> bool:
     target = node.target
     val = node.meta.get("val")
+    if target is device_of:  # the run-time device that factories such as arange read
+        return True
     return (
         node.op == "call_function"
         and isinstance(target, torch._ops.OpOverload)

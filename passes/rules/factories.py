@@ -1,12 +1,13 @@
 """Placement rules of ops that make tensors from sizes alone (arange, ones,
-new_zeros, ...): whole on every rank; and of metadata assertions, which
-make no value.
+new_zeros, ...): whole on every rank; and of ops that make no tensor (metadata
+assertions, the run-time device that factories read, `passes.capture.device_of`).
 """
 
 from __future__ import annotations
 
 from torch.fx import Node
 
+from passes.capture import device_of
 from passes.rules.common import Decision, aten, place_replicated
 from tess_compile.layout import Layout
 
@@ -19,7 +20,7 @@ def place_like_factory(node: Node, ctx) -> Decision:
 
 
 def place_nothing(node: Node, ctx) -> Decision:
-    """An op that makes no value (a metadata assertion): no layouts needed."""
+    """An op that makes no tensor (a metadata assertion, a device): no layouts needed."""
     return Decision({}, None)
 
 
@@ -36,4 +37,5 @@ FACTORY_RULES = {
     aten.new_full.default: place_like_factory,
     aten.new_empty.default: place_like_factory,
     aten._assert_tensor_metadata.default: place_nothing,
+    device_of: place_nothing,
 }
