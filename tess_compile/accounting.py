@@ -20,6 +20,10 @@ A recompute region (`tess_compile.regions`) that backward reaches runs
 again there: its collectives count in backward once more, with their
 forward bytes.
 
+Redundant work is the forward FLOPs of every rank over the unsharded
+model's (`redundant_work`): 1.0 when no rank repeats another's matmul-like
+work; ops that run replicated, or products whose weight stays whole, raise it.
+
 `grad_sync` (identity forward, all-reduce backward) counts in backward only;
 `shard_slice`, `seed_once` and their adjoints send nothing. Every output
 that requires grad is assumed to be part of the loss. Reads `meta["role"]`,
@@ -39,9 +43,10 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils import _pytree as pytree
 
+from passes import capture
 from passes.verify import local_placeholder
 from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
-from tess_compile.compiler import Program
+from tess_compile.compiler import Program, split_example_inputs
 from tess_compile.mesh import Mesh
 from tess_compile.norms import split_norm
 from tess_compile.products import fetched_product
@@ -57,9 +62,11 @@ __all__ = [
     "fake_run",
     "forward_flops",
     "predict_bytes",
+    "redundant_work",
     "requires_grad",
     "tensor_bytes",
     "transfers",
+    "unsharded_forward_flops",
 ]
 
 PHASES = ("forward", "backward")
@@ -111,6 +118,33 @@ def forward_flops(program: Program) -> int:
     counter = FlopCounterMode(display=False)
     fake_run(program.graph, program.mesh, within=counter)
     return counter.get_total_flops()
+
+
+def unsharded_forward_flops(model: torch.nn.Module, example_inputs) -> int:
+    """FLOPs of the matmul-like ops the unsharded model runs in forward: a fake run of its
+    captured graph on global shapes (the graph the compiler shards, on the device of
+    `fake_run`, so that the two counts compare)."""
+    args, kwargs = split_example_inputs(example_inputs)
+    gm = capture(model, args, kwargs)
+    counter = FlopCounterMode(display=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = [_global_placeholder(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+        with counter:
+            Interpreter(gm).run(*inputs)
+    return counter.get_total_flops()
+
+
+def _global_placeholder(val):
+    """An empty tensor like the captured value `val` (on the default device), or the value."""
+    return torch.empty(val.shape, dtype=val.dtype) if isinstance(val, torch.Tensor) else val
+
+
+def redundant_work(program: Program, unsharded_flops: int) -> float | None:
+    """Forward FLOPs over all ranks (each rank runs the same local shapes) over the
+    unsharded model's `unsharded_flops`; None if the model has no matmul-like FLOPs."""
+    if not unsharded_flops:
+        return None
+    return program.mesh.num_ranks * forward_flops(program) / unsharded_flops
 
 
 def _reached_by_backward(gm: GraphModule, values: dict[Node, object]) -> set:

@@ -7,7 +7,8 @@ Not a pass: it reads what the passes leave and changes nothing. Stages:
   local shape, and the conversion each argument needs (`meta["arg_layouts"]`);
 - "rewritten": one rank's per-rank graph of `passes.rewrite`, local shapes
   from a fake run, collectives with their axis, peers and bytes, and a
-  header with the rank's parameter bytes and bytes moved
+  header with the rank's parameter bytes, memory, redundant work (forward
+  FLOPs over all ranks / the unsharded model's) and bytes moved
   (`tess_compile.accounting`); with `sizes=`, also those bytes as formulas
   in the model's sizes and the mesh (`tess_compile.symbolic`).
 
@@ -28,7 +29,16 @@ import torch
 from torch.fx import GraphModule, Node
 
 from passes import capture, place
-from tess_compile.accounting import PHASES, CollectiveCost, bytes_by_phase, check_rank, collective_costs, fake_run
+from tess_compile.accounting import (
+    PHASES,
+    CollectiveCost,
+    bytes_by_phase,
+    check_rank,
+    collective_costs,
+    fake_run,
+    redundant_work,
+    unsharded_forward_flops,
+)
 from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
 from tess_compile.compiler import Program, compile_model, split_example_inputs
 from tess_compile.cost_model import predict_memory
@@ -75,7 +85,8 @@ def dump(
     _check_options(stage, format, rank, mesh, sizes)
     if stage == "rewritten":
         program = compile_model(model, mesh, example_inputs, strict=strict, keep_blocks=keep_blocks, checkpoint=checkpoint)
-        return dump_program(program, rank=rank, format=format, sizes=sizes)
+        unsharded_flops = unsharded_forward_flops(model, example_inputs)
+        return dump_program(program, rank=rank, format=format, sizes=sizes, unsharded_flops=unsharded_flops)
     args, kwargs = split_example_inputs(example_inputs)
     gm = capture(model, args, kwargs)
     if stage == "placed":
@@ -84,16 +95,20 @@ def dump(
 
 
 def dump_program(
-    program: Program, *, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None
+    program: Program, *, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None,
+    unsharded_flops: int | None = None,
 ) -> str:
     """The rewritten stage of a compiled `Program`: rank `rank`'s per-rank graph, with the
-    rank's predicted memory in the header (`sizes`: see `dump`)."""
+    rank's predicted memory in the header and, given the unsharded model's forward FLOPs
+    (`accounting.unsharded_forward_flops`), the redundant work (`sizes`: see `dump`)."""
     _check_options("rewritten", format, rank, program.mesh, sizes)
     memory = predict_memory(program)
     notes = [
         f"memory per rank (bytes): parameters {memory.params}, gradients {memory.grads}, AdamW state "
         f"{memory.optimizer}, saved for backward {memory.activations}, collective buffers {memory.transient}"
     ]
+    if unsharded_flops is not None:
+        notes.append(_redundant_work_text(redundant_work(program, unsharded_flops)))
     return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format, sizes=sizes, notes=notes)
 
 
@@ -259,6 +274,12 @@ def _replicated_header(gm: GraphModule, values: dict | None = None) -> list[str]
         cost = _each(val, lambda v, _: f"{v.numel() * v.element_size()} bytes")
         lines.append(f"  {_target_name(node.target)} at {node.meta['replicated']}: output {cost} on every rank")
     return ["runs replicated (no sharding rule):"] + lines if lines else []
+
+
+def _redundant_work_text(ratio: float | None) -> str:
+    if ratio is None:
+        return "redundant work: none to measure (the model runs no matmul-like FLOPs)"
+    return f"redundant work: {ratio:.2f} (forward FLOPs over all ranks / unsharded)"
 
 
 def _where(mesh: Mesh, rank: int) -> str:

@@ -7,12 +7,14 @@ per mesh: those that fit the memory budget first, fastest first, then those
 over the budget, then those that did not compile, each with the reason.
 With `summa="auto"` each 2-D/2.5-D/3-D mesh is priced in every schedule of
 its matrix products (`passes.summa.SCHEDULES`; "overlap" with forward
-compute and communication overlapped) and keeps the fastest.
-`format_table` prints the rows.
+compute and communication overlapped) and keeps the fastest. Each row also
+gives the redundant work of its program (forward FLOPs over all ranks / the
+unsharded model's, `accounting.redundant_work`). `format_table` prints the rows.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from passes.summa import SCHEDULES
+from tess_compile.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.compiler import compile_model
 from tess_compile.cost_model import PAPER_CLUSTER, Cluster, MemoryEstimate, StepTime, predict_memory, predict_time
 from tess_compile.mesh import AXES, MODES, Mesh
@@ -46,6 +49,7 @@ class PlanRow:
     fits: bool = False  # compiled, and within the memory budget
     summa: str = "broadcast"  # the schedule of the matrix products it was priced in
     keep_blocks: bool = False  # whether its products keep their fetched blocks for backward
+    redundant_work: float | None = None  # forward FLOPs over all ranks / unsharded; None: none to measure
 
     @property
     def mode(self) -> str:
@@ -129,10 +133,11 @@ def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
 
 def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
               overlap: bool, summa: str, strict: bool, keep_blocks: bool | str = False,
-              checkpoint: str = "none") -> PlanRow:
+              checkpoint: str = "none", unsharded_flops: Callable[[], int]) -> PlanRow:
     """Compile `model` for `mesh` in each schedule (and, with keep_blocks="auto", with and
     without keeping the fetched blocks) and price it: the fastest option that fits the
-    budget, or the fastest with the reason if none fits or it fails to compile."""
+    budget, or the fastest with the reason if none fits or it fails to compile.
+    `unsharded_flops()` gives the unsharded model's forward FLOPs."""
     priced = []  # (step seconds, schedule, keep, StepTime, MemoryEstimate)
     compiled = {}
     for schedule in _schedules(mesh, summa):
@@ -152,14 +157,16 @@ def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget:
             priced.append((time.step_s, schedule, keep, time, memory))
     fitting = [item for item in priced if item[4].total <= budget]
     _, schedule, keep, time, memory = min(fitting or priced, key=lambda item: item[0])
+    program = compiled[("broadcast" if schedule == "overlap" else schedule, keep)][0]
+    redundant = redundant_work(program, unsharded_flops())
     if not fitting:
         note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
-        return PlanRow(mesh, time, memory, note, summa=schedule, keep_blocks=keep)
+        return PlanRow(mesh, time, memory, note, summa=schedule, keep_blocks=keep, redundant_work=redundant)
     inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
     note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
     if len(priced) > 1:
         note = f"summa={schedule}{', keep_blocks' if keep else ''}; {note}"
-    return PlanRow(mesh, time, memory, note, fits=True, summa=schedule, keep_blocks=keep)
+    return PlanRow(mesh, time, memory, note, fits=True, summa=schedule, keep_blocks=keep, redundant_work=redundant)
 
 
 def _keep_options(mesh: Mesh, keep_blocks: bool | str) -> tuple[bool, ...]:
@@ -219,19 +226,21 @@ def plan(
         raise ValueError(f"memory_budget={memory_budget!r}: use bytes per GPU > 0, e.g. 40e9")
     meshes = candidate_meshes(gpus, modes)
     model, inputs = _build(factory_or_model, example_inputs)
+    unsharded_flops = functools.cache(lambda: unsharded_forward_flops(model, inputs))  # once a mesh compiles
     rows = []
     for number, mesh in enumerate(meshes, 1):
         log.info("plan: compiling %s for %s %s (%d of %d)", type(model).__name__, mesh.mode,
                  mesh_label(mesh), number, len(meshes))
         row = _evaluate(model, inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
-                        keep_blocks=keep_blocks, checkpoint=checkpoint)
+                        keep_blocks=keep_blocks, checkpoint=checkpoint, unsharded_flops=unsharded_flops)
         rows.append(row)
     return sorted(rows, key=_sort_key)
 
 
 # --------------------------------------------------------------------------- the table
 
-HEADER = ("mode", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "saved GB/rank", "memory GB/rank", "note")
+HEADER = ("mode", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "saved GB/rank", "memory GB/rank",
+          "redundant work", "note")
 
 
 def format_table(rows: Sequence[PlanRow]) -> str:
@@ -248,10 +257,11 @@ def format_table(rows: Sequence[PlanRow]) -> str:
 
 def _cells(row: PlanRow) -> tuple[str, ...]:
     if row.time is None:
-        return (row.mode, mesh_label(row.mesh), "-", "-", "-", "-", "-", "-", row.note)
+        return (row.mode, mesh_label(row.mesh), "-", "-", "-", "-", "-", "-", "-", row.note)
     numbers = (row.time.forward_s, row.time.backward_s, row.time.step_s, row.time.comm_bytes / 1e6,
                row.memory.activations / GB, row.memory.total / GB)
-    return (row.mode, mesh_label(row.mesh), *map(_number, numbers), row.note)
+    redundant = "-" if row.redundant_work is None else f"{row.redundant_work:.2f}"
+    return (row.mode, mesh_label(row.mesh), *map(_number, numbers), redundant, row.note)
 
 
 def _number(value: float) -> str:

@@ -156,8 +156,8 @@ def make_mlp():
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     return model, torch.randn(16, 4, 64)
 '''
-# mode, mesh, forward s, backward s, step s, comm MB/rank, memory GB/rank, note
-PLAN_ROW = re.compile(r"^(1d|2d|2\.5d|3d)\s+(\[[\d, ]+\])\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
+# mode, mesh, forward s, backward s, step s, comm MB/rank, saved GB/rank, memory GB/rank, redundant work, note
+PLAN_ROW = re.compile(r"^(1d|2d|2\.5d|3d)\s+(\[[\d, ]+\])\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
 
 
 @pytest.fixture
@@ -194,6 +194,7 @@ def test_plan_prints_the_meshes_fastest_first(plan_dir):
                                                         ("2d", "[8, 8, 1]")], report(proc)
     steps = [float(row[4]) for row in rows]
     assert steps == sorted(steps), report(proc)
+    assert [row[8] for row in rows] == ["1.00"] * 3, report(proc)  # redundant work: none
     assert "plan: compiling Sequential for 2.5d [4, 4, 4] (3 of 3)" in proc.stderr, report(proc)
     assert "Traceback" not in proc.stderr, report(proc)
 
@@ -207,7 +208,7 @@ def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
     assert out.startswith("# 8 GPUs, 8 per node; intra-node 200 GB/s, 2 us; inter-node 12.5 GB/s, 5 us; "
                           "100 TFLOP/s and 80 GB per GPU; tree collectives; compute and communication "
                           "overlapped\n"), out
-    assert [(row[0], row[1], row[8]) for row in plan_rows(out)] == [("1d", "[8]", "within one node")], out
+    assert [(row[0], row[1], row[9]) for row in plan_rows(out)] == [("1d", "[8]", "within one node")], out
 
 
 def test_plan_over_the_memory_budget_exits_1(plan_dir, monkeypatch, capsys):

@@ -23,6 +23,7 @@ GOLDEN_LINEAR_RANK0 = """\
 # rank 0 at (k, i, j) = (0, 0, 0); peers along depth [0, 4], row [0, 2], col [0, 1]
 # parameter bytes on this rank: 24
 # memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 32
+# redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
 # bytes moved by this rank, inputs without grad: forward 64, backward 96
 #   forward broadcast along col: 32
 #   forward broadcast along row: 32
@@ -55,6 +56,7 @@ GOLDEN_LINEAR_RANK5 = """\
 # rank 5 at (k, i, j) = (1, 0, 1); peers along depth [1, 5], row [5, 7], col [4, 5]
 # parameter bytes on this rank: 24
 # memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 32
+# redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
 # bytes moved by this rank, inputs without grad: forward 64, backward 96
 #   forward broadcast along col: 32
 #   forward broadcast along row: 32
@@ -150,6 +152,26 @@ def test_replicated_ops_are_listed_with_their_cost():
         text = dump(Flip(), 2, 1, example_inputs=(torch.randn(2, 3, 4),))
     assert "runs replicated (no sharding rule):" in text
     assert "aten.flip" in text and "output 96 bytes on every rank" in text
+
+
+class LinearThenEinsum(nn.Module):
+    """A linear (split over the ranks), then a product with no sharding rule (run whole on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.einsum("bsh,bth->bst", y, y)
+
+
+def test_redundant_work_in_the_header():
+    """x [4, 3, 8] at [2, 2, 1]: the linear's 2*4*3*8*8 = 1536 FLOPs are split over the 4 ranks,
+    the einsum's 2*4*3*3*8 = 576 run on each: (1536 + 4 * 576) / (1536 + 576) = 1.82."""
+    with pytest.warns(UserWarning, match="no sharding rule"):
+        text = dump(LinearThenEinsum(), 2, 1, example_inputs=(torch.randn(4, 3, 8),))
+    assert "# redundant work: 1.82 (forward FLOPs over all ranks / unsharded)" in text.splitlines(), text
 
 
 def test_dot_format_and_svg():

@@ -38,6 +38,22 @@ def make_paper_block():
     return GPTBlock(3072, 64), torch.randn(16, 512, 3072)
 
 
+class LinearThenEinsum(nn.Module):
+    """A linear, then a product with no sharding rule (it runs whole on every rank)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.einsum("bsh,bth->bst", y, y)
+
+
+def make_linear_then_einsum():
+    return LinearThenEinsum(64), torch.randn(16, 4, 64)
+
+
 def make_odd_mlp():
     """Inner size 96: no 1-D (column-parallel) split over 64 ranks."""
     return MLP(64, 96), torch.randn(16, 4, 64)
@@ -92,6 +108,17 @@ def test_plan_prices_every_mesh_fastest_first(gpus, caplog):
     assert times == sorted(times)
     assert all(row.time.comm_bytes > 0 and row.memory.total > 0 for row in rows)
     assert f"(1 of {len(rows)})" in caplog.text
+
+
+def test_redundant_work_of_each_mesh():
+    """Forward FLOPs over all ranks / unsharded: 1 when every product is split; a product run
+    whole on each of 8 ranks counts 8 times: (linear + 8 * einsum) / (linear + einsum)."""
+    assert [row.redundant_work for row in plan(make_mlp, 8)] == [pytest.approx(1.0)] * 2
+    linear, einsum = 2 * 16 * 4 * 64 * 64, 2 * 16 * 4 * 4 * 64
+    with pytest.warns(UserWarning, match="no sharding rule"):
+        rows = plan(make_linear_then_einsum, 8)
+    expected = (linear + 8 * einsum) / (linear + einsum)
+    assert [row.redundant_work for row in rows] == [pytest.approx(expected)] * 2, format_table(rows)
 
 
 def test_the_paper_mesh_crosses_nodes_on_row_and_depth():
@@ -199,7 +226,7 @@ def test_format_table():
     text = format_table(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["mode", "mesh", "forward", "s", "backward", "s", "step", "s", "comm",
-                                "MB/rank", "saved", "GB/rank", "memory", "GB/rank", "note"]
+                                "MB/rank", "saved", "GB/rank", "memory", "GB/rank", "redundant", "work", "note"]
     assert len(lines) == 1 + len(rows)
     assert lines[-1].startswith("1d    [64]")
     assert "does not compile" in lines[-1]
