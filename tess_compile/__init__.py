@@ -70,17 +70,39 @@ def simulate(
     checkpoint: str = "none",
     strict: bool = False,
     verify: bool | None = None,
+    dp: int = 1,
 ):
     """Compile `model` for the `[q, q, d]` mesh in `mode` and run all `q*q*d` ranks in this process.
 
     Called with the model's global inputs it returns the model's global outputs.
     After `backward()`, `full_grads()` gives every parameter's full gradient.
     Returns a `tess_compile.simulator.SimulatedModule`.
+
+    `dp=N` runs N data-parallel groups of that mesh (`N*q*q*d` ranks, the mesh
+    `(dp, depth, row, col)`): `example_inputs` and each call take the
+    concatenated batch of all groups (a multiple of `N*d*q`), group g computes on
+    its g-th slice, outputs are concatenated again, and each parameter's
+    gradient is summed over the groups' replicas (exactly the unsharded model's
+    on the whole batch). Returns a `tess_compile.data_parallel.SimulatedDataParallel`.
     """
     from tess_compile.simulator import SimulatedModule
     from tess_compile.train_eval import mode_compiler
 
-    compile_in = mode_compiler(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
+    mesh = Mesh(q, d, mode)
+    if dp != 1:
+        from tess_compile.compiler import split_example_inputs
+        from tess_compile.data_parallel import SimulatedDataParallel, check_batch, split_batch
+
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"dp={dp!r} is not a number of data-parallel groups: pass an int >= 1, e.g. dp=2")
+        check_batch(example_inputs, mesh, "tess_compile.simulate(dp=...)", num_groups=dp)
+        group_args, group_kwargs = split_batch(*split_example_inputs(example_inputs), dp)[0]
+        compile_in = mode_compiler(model, mesh, group_kwargs if group_kwargs else tuple(group_args),
+                                   strict=strict, verify=verify, summa=summa, keep_blocks=keep_blocks,
+                                   checkpoint=checkpoint)
+        program = compile_in(model.training)
+        return SimulatedDataParallel([SimulatedModule(program, recompile=compile_in) for _ in range(dp)])
+    compile_in = mode_compiler(model, mesh, example_inputs, strict=strict, verify=verify, summa=summa,
                                keep_blocks=keep_blocks, checkpoint=checkpoint)
     return SimulatedModule(compile_in(model.training), recompile=compile_in)
 
@@ -99,6 +121,8 @@ def shard(
     verify: bool | None = None,
     device=None,
     timeout: float | timedelta | None = None,
+    mesh=None,
+    zero: bool = False,
 ):
     """Compile `model` for the `[q, q, d]` mesh in `mode`; call on every rank of a world of `q*q*d`.
 
@@ -110,23 +134,53 @@ def shard(
     defaults to the current CUDA device under NCCL and the CPU otherwise; a
     collective whose peers do not arrive within `timeout` (seconds or a
     timedelta; default 10 minutes) fails with a message.
+
+    `mesh`: a torch DeviceMesh whose dims include "depth", "row" and "col" of
+    sizes `(d, q, q)`; its other named dims (e.g. "dp") are data parallel
+    (docs/scale_out.md). Call on every rank of the mesh; each data-parallel
+    group passes its own batch (`example_inputs` and the calls: that group's
+    batch, of one shape everywhere, a multiple of d*q), every rank of a group
+    the same. Parameters and outputs are DTensors on `mesh["depth", "row",
+    "col"]`; gradients are averaged over the data-parallel dims, as DDP does.
+    `zero=True` also shards parameters, gradients and optimizer state over the
+    data-parallel dims with FSDP2 (`fully_shard`; parameters become DTensors on
+    the whole mesh). Without `mesh`, the whole world is one `[q, q, d]` mesh.
     """
     from tess_compile.train_eval import mode_compiler
 
+    if mesh is not None or zero:
+        from tess_compile.data_parallel import check_batch, check_device_mesh, check_zero, dp_size
+
+        dp_dims = check_device_mesh(mesh, Mesh(q, d, mode)) if mesh is not None else ()
+        check_zero(zero, mesh, dp_dims, Mesh(q, d, mode))
+        if mesh is not None:
+            check_batch(example_inputs, Mesh(q, d, mode), "mesh=", dp_size(mesh, dp_dims), device_mesh=mesh)
     compile_in = mode_compiler(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
                                keep_blocks=keep_blocks, checkpoint=checkpoint)
-    return shard_program(compile_in(model.training), device=device, timeout=timeout, recompile=compile_in)
+    return shard_program(compile_in(model.training), device=device, timeout=timeout, recompile=compile_in,
+                         mesh=mesh, zero=zero)
 
 
 def shard_program(program, *, device=None, timeout: float | timedelta | None = None, wrap_outputs: bool = True,
-                  recompile=None):
+                  recompile=None, mesh=None, zero: bool = False):
     """This rank's module of an already compiled `Program` (see `shard`); `recompile(training)`
     compiles the program of the other mode on first use (`tess_compile.train_eval`)."""
     from tess_compile.distributed import DEFAULT_TIMEOUT, ShardedModule, check_world
 
-    check_world(program.mesh)
+    if mesh is None and not zero:
+        check_world(program.mesh)
+    else:
+        from tess_compile.data_parallel import check_device_mesh, check_zero
+
+        check_zero(zero, mesh, check_device_mesh(mesh, program.mesh) if mesh is not None else (), program.mesh)
     if timeout is None:
         timeout = DEFAULT_TIMEOUT
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
-    return ShardedModule(program, device=device, timeout=timeout, wrap_outputs=wrap_outputs, recompile=recompile)
+    module = ShardedModule(program, device=device, timeout=timeout, wrap_outputs=wrap_outputs, recompile=recompile,
+                           device_mesh=mesh)
+    if zero:
+        from tess_compile.data_parallel import fully_shard_over_dp
+
+        fully_shard_over_dp(module)
+    return module

@@ -31,7 +31,6 @@ import warnings
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -198,7 +197,7 @@ def _shards_of(module: nn.Module) -> tuple[Program, dict[int, nn.Module]]:
     if isinstance(module, SimulatedModule):
         return module.program, dict(enumerate(module.ranks))
     if isinstance(module, ShardedModule):
-        return module.program, {dist.get_rank(): module}
+        return module.program, {module.world.rank: module}  # its rank in the (depth, row, col) mesh
     raise ValueError(
         f"a {type(module).__name__} holds no shards: pass the module that tess_compile.shard or "
         "tess_compile.simulate returned"

@@ -72,14 +72,21 @@ def check_world(mesh: Mesh) -> None:
 
 
 class DistComm(Comm):
-    """Collectives of this rank over the mesh's process groups."""
+    """Collectives of this rank over the mesh's process groups.
 
-    def __init__(self, mesh: Mesh, device_mesh, timeout: timedelta):
+    `device_mesh` is the `(depth, row, col)` DeviceMesh (with `shard(..., mesh=...)`,
+    the tensor-parallel submesh of the user's mesh): this rank's coordinates,
+    hence `rank` (its rank within the tensor-parallel group), come from it, not
+    from the global rank. `groups` (axis -> process group) overrides its groups.
+    """
+
+    def __init__(self, mesh: Mesh, device_mesh, timeout: timedelta, groups: dict | None = None):
         super().__init__()
         self.mesh = mesh
         self.timeout = timeout
-        self.rank = dist.get_rank()
-        self.groups = {axis: device_mesh.get_group(axis) for axis in AXES}
+        self.rank = mesh.rank(*device_mesh.get_coordinate())
+        self.global_ranks = device_mesh.mesh.flatten().tolist()  # global rank of each tensor-parallel rank
+        self.groups = groups or {axis: device_mesh.get_group(axis) for axis in AXES}
         self.pending: dict[int, tuple] = {}  # storage pointer -> (work, axis) of a broadcast_start
 
     def run(self, op: str, x: torch.Tensor, axis: str, *args) -> torch.Tensor:
@@ -91,9 +98,9 @@ class DistComm(Comm):
         try:
             return call(*args)
         except RuntimeError as err:
-            peers = self.mesh.group(self.rank, axis)
+            peers = [self.global_ranks[r] for r in self.mesh.group(self.rank, axis)]
             raise RuntimeError(
-                f"tess collective {op} along {axis} failed on rank {self.rank} "
+                f"tess collective {op} along {axis} failed on rank {self.global_ranks[self.rank]} "
                 f"{self.mesh.coords(self.rank)} of mesh {self.mesh} (peers {peers}): a peer rank stopped, "
                 f"or did not reach the same collective within {self.timeout.total_seconds():g}s "
                 f"(tess_compile.shard(..., timeout=...)). Cause: {err}"
@@ -151,25 +158,47 @@ class DistComm(Comm):
 @dataclass(frozen=True, eq=False)
 class World:
     """Every rank of the mesh in one process group whose collectives time out after
-    `timeout`; a failure is told with the op, this rank and the timeout."""
+    `timeout`; a failure is told with the op, this rank and the timeout.
+
+    `ranks` are the members' global ranks in mesh order (rank `k*q*q + i*q + j`
+    of the tensor-parallel mesh first; with `shard(..., mesh=...)` the mesh's
+    own order); None: ranks 0..p-1 of the default group. Gathers come back in
+    that order.
+    """
 
     mesh: Mesh
     group: dist.ProcessGroup
     timeout: timedelta
+    ranks: tuple[int, ...] | None = None
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self.ranks if self.ranks is not None else tuple(range(self.mesh.num_ranks))
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
 
     @property
     def rank(self) -> int:
-        return dist.get_rank()
+        """This rank's index among the members (its rank in the tensor-parallel mesh)."""
+        return self.members.index(dist.get_rank())
+
+    def _in_order(self, values: list) -> list:
+        if self.ranks is None:
+            return values
+        by_group = dist.get_process_group_ranks(self.group)
+        return [values[by_group.index(rank)] for rank in self.ranks]
 
     def all_gather(self, x: torch.Tensor, op: str) -> list[torch.Tensor]:
-        blocks = [torch.empty_like(x) for _ in range(self.mesh.num_ranks)]
+        blocks = [torch.empty_like(x) for _ in range(self.size)]
         self._guard(op, dist.all_gather, blocks, x.contiguous(), group=self.group)
-        return blocks
+        return self._in_order(blocks)
 
     def all_gather_object(self, value, op: str) -> list:
-        values = [None] * self.mesh.num_ranks
+        values = [None] * self.size
         self._guard(op, dist.all_gather_object, values, value, group=self.group)
-        return values
+        return self._in_order(values)
 
     def all_reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
         total = x.contiguous().clone()
@@ -181,8 +210,9 @@ class World:
             return call(*args, **kwargs)
         except RuntimeError as err:
             raise RuntimeError(
-                f"tess {op} over all {self.mesh.num_ranks} ranks failed on rank {self.rank} "
-                f"{self.mesh.coords(self.rank)} of mesh {self.mesh}: a peer rank stopped, or did not reach the "
+                f"tess {op} over all {self.size} ranks failed on rank {dist.get_rank()} "
+                f"{self.mesh.coords(self.rank) if self.size == self.mesh.num_ranks else ''} of mesh {self.mesh}: "
+                "a peer rank stopped, or did not reach the "
                 f"same call within {self.timeout.total_seconds():g}s (tess_compile.shard(..., timeout=...)). "
                 f"Cause: {err}"
             ) from err
@@ -275,20 +305,25 @@ class ShardedModule(nn.Module):
         timeout: timedelta = DEFAULT_TIMEOUT,
         wrap_outputs: bool = True,
         recompile=None,
+        device_mesh=None,
     ):
         super().__init__()
+        from tess_compile.data_parallel import mesh_groups
+
         self.wrap_outputs = wrap_outputs
         mesh = program.mesh
         self.device = torch.device(device) if device is not None else _default_device()
         prepare = functools.partial(state.off_meta, device=self.device)
         self.programs = ProgramsByMode(prepare(program), recompile, prepare)
         self.training = program.training  # `program` is this mode's until train() / eval()
-        _wait_for_every_rank(mesh)
-        self.device_mesh, self.world = _device_mesh(self.device.type, mesh, timeout)
-        self.comm = DistComm(mesh, self.device_mesh, timeout)
-        _check_same_model(self.program, self.world)
+        # `device_mesh`: the user's mesh (shard(..., mesh=...)); its (depth, row, col) submesh
+        # runs the program, its other dims are data parallel (tess_compile.data_parallel).
+        self.groups = mesh_groups(self.device.type, mesh, timeout, device_mesh)
+        self.device_mesh, self.world = self.groups.tp_mesh, self.groups.world
+        self.comm = DistComm(mesh, self.device_mesh, timeout, groups=self.groups.axis_groups)
+        _check_same_model(self.program, self.world, self.groups.everyone)
         self.check_inputs = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
-        state.add_local_tensors(self, self.program, dist.get_rank(), device=self.device, wrap_param=self._as_dtensor)
+        state.add_local_tensors(self, self.program, self.world.rank, device=self.device, wrap_param=self._as_dtensor)
         self.train(program.training)
 
     @property
@@ -310,8 +345,11 @@ class ShardedModule(nn.Module):
             # A pipeline stage's local input is this rank's block: its gradient is this rank's.
             if isinstance(value, torch.Tensor) and value.requires_grad and slot.role != "local input":
                 flat[int(slot.name)] = _SumGradOverWorld.apply(value, self.world)
+        inputs = state.graph_inputs(self.program, self, flat)
+        if self.groups.dp is not None:
+            inputs = self.groups.mean_grads_over_dp(self, self.program, inputs)
         with use_comm(self.comm):
-            outs = self.program.runnable(*state.graph_inputs(self.program, self, flat))
+            outs = self.program.runnable(*inputs)
         wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
         return pytree.tree_unflatten(wrapped, self.program.out_spec)
 
@@ -346,11 +384,17 @@ class ShardedModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict, gathered on every rank."""
-        return state.full_tensors(self.program, self._gather)
+        from tess_compile.data_parallel import unsharded_over_dp
+
+        with unsharded_over_dp(self):
+            return state.full_tensors(self.program, self._gather)
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a full state dict; this rank takes its blocks."""
-        state.load_shards(self.program, {dist.get_rank(): self}, state_dict)
+        from tess_compile.data_parallel import load_full_over_dp
+
+        if not load_full_over_dp(self, state_dict):
+            state.load_shards(self.program, {self.world.rank: self}, state_dict)
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
         """This rank's state as DTensors of the model's global shapes, keyed like the model's state dict.
@@ -362,13 +406,16 @@ class ShardedModule(nn.Module):
         (see docs/checkpoints.md). The local tensors are this module's own,
         so DCP loads into them in place. `get_model_state_dict(module)` gives the same.
         """
+        from tess_compile.data_parallel import refuse_zero
+
+        refuse_zero(self, "state_dict()")
         out = {} if destination is None else destination
         for slot in state.state_slots(self.program):
             out[prefix + slot.name] = self._dtensor(slot, keep_vars)
         return out
 
     def _dtensor(self, slot: Slot, keep_vars: bool) -> DTensor:
-        rank = dist.get_rank()
+        rank = self.world.rank
         grouped = len(state.pieces(slot, self.mesh, rank)) > 1
         if keep_vars and not grouped and isinstance(state.get_attribute(self, slot), DTensor):
             return state.get_attribute(self, slot)
@@ -390,6 +437,9 @@ class ShardedModule(nn.Module):
         other boxes (another mesh) is refused: load such a checkpoint with
         `torch.distributed.checkpoint.load(module.state_dict(), ...)`.
         """
+        from tess_compile.data_parallel import refuse_zero
+
+        refuse_zero(self, "load_state_dict()")
         slots = state.state_slots(self.program)
         names = [s.name for s in slots]
         missing = [name for name in names if name not in state_dict]
@@ -420,7 +470,7 @@ class ShardedModule(nn.Module):
             if value.shape == torch.Size(slot.shape) and not isinstance(value.to_local(), LocalShardsWrapper):
                 local.copy_(value.to_local())  # a parameter-like DTensor (grouped splits as _StridedShard)
                 return
-        boxes = state.pieces(slot, self.mesh, dist.get_rank())
+        boxes = state.pieces(slot, self.mesh, self.world.rank)
         theirs = [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
         if value.shape != torch.Size(slot.shape) or theirs != [(p.offsets, p.sizes) for p in boxes]:
             raise ValueError(
@@ -539,14 +589,16 @@ def _input_names(program: Program) -> list[str]:
     return names
 
 
-def _differences(per_rank: list[dict], show_values: bool = False) -> list[str]:
+def _differences(per_rank: list[dict], show_values: bool = False, ranks=None) -> list[str]:
     """One line per key whose value is not the same on every rank: which ranks differ
-    from the largest group (with `show_values`: each value and the ranks that hold it)."""
+    from the largest group (with `show_values`: each value and the ranks that hold it).
+    `ranks`: the global rank of each entry (default: its index)."""
     lines = []
     keys = list(dict.fromkeys(key for values in per_rank for key in values))
+    ranks = list(range(len(per_rank))) if ranks is None else list(ranks)
     for key in keys:
         holders: dict = {}
-        for rank, values in enumerate(per_rank):
+        for rank, values in zip(ranks, per_rank):
             holders.setdefault(values.get(key, "missing"), []).append(rank)
         if len(holders) == 1:
             continue
@@ -564,12 +616,15 @@ def _describe(lines: list[str], limit: int = 8) -> str:
     return "; ".join(lines[:limit]) + more
 
 
-def _check_same_model(program: Program, world: World) -> None:
+def _check_same_model(program: Program, world: World, everyone: World | None = None) -> None:
     """ValueError on every rank unless all ranks compiled the same weights and example-input shapes.
 
     Weights are compared by `fingerprint` (a meta tensor, of a model built on
     the meta device, has nothing to compare); example inputs by shape and dtype.
+    Both over `everyone` (with `shard(..., mesh=...)`, every rank of the mesh:
+    the data-parallel groups feed their own batches, of one shape), by default `world`.
     """
+    everyone = everyone or world
     names = _input_names(program)
     weights, inputs = {}, {}
     for slot in program.slots:
@@ -578,9 +633,9 @@ def _check_same_model(program: Program, world: World) -> None:
         elif slot.role != "alias" and not program.tensors[slot.name].is_meta:
             tensor = program.tensors[slot.name]
             weights[f"{slot.name!r} {list(slot.shape)}"] = (str(tensor.dtype), fingerprint(tensor))
-    gathered = world.all_gather_object((weights, inputs), "check that every rank holds the same model")
-    weight_lines = _differences([w for w, _ in gathered])
-    input_lines = _differences([i for _, i in gathered], show_values=True)
+    gathered = everyone.all_gather_object((weights, inputs), "check that every rank holds the same model")
+    weight_lines = _differences([w for w, _ in gathered], ranks=everyone.members)
+    input_lines = _differences([i for _, i in gathered], show_values=True, ranks=everyone.members)
     problems = []
     if weight_lines:
         problems.append(
@@ -588,16 +643,18 @@ def _check_same_model(program: Program, world: World) -> None:
             "same model: seed before building the model (torch.manual_seed), or load one checkpoint on every rank"
         )
     if input_lines:
+        per_group = " (with mesh=, each data-parallel group's batch, of one shape)" if everyone is not world else ""
         problems.append(
             f"the ranks passed different example inputs: {_describe(input_lines)}. Pass the same "
-            "example_inputs (the global batch's shape) on every rank"
+            f"example_inputs (the global batch's shape{per_group}) on every rank"
         )
     if problems:
-        raise ValueError(f"tess_compile.shard on mesh {program.mesh}, rank {world.rank}: " + "; ".join(problems))
+        raise ValueError(f"tess_compile.shard on mesh {program.mesh}, rank {dist.get_rank()}: " + "; ".join(problems))
 
 
 def _check_same_inputs(program: Program, flat: list, world: World) -> None:
-    """(TESS_COMPILE_DEBUG=1) ValueError on every rank unless every rank got the same inputs."""
+    """(TESS_COMPILE_DEBUG=1) ValueError on every rank of `world` (the tensor-parallel group)
+    unless they all got the same inputs."""
     names = _input_names(program)
     local = {int(s.name) for s in program.slots if s.role == "local input"}  # blocks differ by rank
     values = {
@@ -605,11 +662,13 @@ def _check_same_inputs(program: Program, flat: list, world: World) -> None:
         for index, value in enumerate(flat)
         if isinstance(value, torch.Tensor) and index not in local
     }
-    lines = _differences(world.all_gather_object(values, "check that every rank got the same inputs"))
+    gathered = world.all_gather_object(values, "check that every rank got the same inputs")
+    lines = _differences(gathered, ranks=world.members)
     if lines:
+        group = "" if world.ranks is None else f" of the tensor-parallel group {list(world.members)}"
         raise ValueError(
-            f"the ranks called the sharded module (mesh {program.mesh}) with different inputs: {_describe(lines)} "
-            f"(checked on rank {world.rank} because TESS_COMPILE_DEBUG=1). The module takes the global batch "
-            "on every rank: pass the same batch on every rank (load or draw it identically, e.g. seeded), "
-            "not a per-rank slice"
+            f"the ranks{group} called the sharded module (mesh {program.mesh}) with different inputs: "
+            f"{_describe(lines)} (checked on rank {dist.get_rank()} because TESS_COMPILE_DEBUG=1). The module "
+            "takes the global batch on every rank: pass the same batch on every rank"
+            f"{group} (load or draw it identically, e.g. seeded), not a per-rank slice"
         )
