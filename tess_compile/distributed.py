@@ -210,8 +210,8 @@ class World:
             return call(*args, **kwargs)
         except RuntimeError as err:
             raise RuntimeError(
-                f"tess {op} over all {self.size} ranks failed on rank {dist.get_rank()} "
-                f"{self.mesh.coords(self.rank) if self.size == self.mesh.num_ranks else ''} of mesh {self.mesh}: "
+                f"tess {op} over all {self.size} ranks failed on rank {dist.get_rank()}"
+                f"{f' {self.mesh.coords(self.rank)}' if self.size == self.mesh.num_ranks else ''} of mesh {self.mesh}: "
                 "a peer rank stopped, or did not reach the "
                 f"same call within {self.timeout.total_seconds():g}s (tess_compile.shard(..., timeout=...)). "
                 f"Cause: {err}"
