@@ -323,8 +323,8 @@ def cmd_plan(args) -> int:
     path, name = parse_target(args.target)
     cluster = cluster_of(args)
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
-    try:
-        candidate_meshes(args.gpus, modes)  # bad --gpus or --modes fail before the model is built
+    try:  # bad --gpus or --modes fail before the model is built
+        candidate_meshes(args.gpus if (args.dp, args.pp) == (1, 1) else 1, modes)
     except ValueError as exc:
         raise CliError(f"{exc} (--gpus, --modes)") from None
     factory = load_factory(path, name)
@@ -334,7 +334,8 @@ def cmd_plan(args) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         rows = plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap,
-                    summa=args.summa, keep_blocks=KEEP_BLOCKS[args.keep_blocks], checkpoint=args.checkpoint)
+                    summa=args.summa, keep_blocks=KEEP_BLOCKS[args.keep_blocks], checkpoint=args.checkpoint,
+                    dp=args.dp, pp=args.pp, microbatches=args.microbatches, zero=args.zero)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {args.intra_bandwidth:g} GB/s, "
@@ -461,6 +462,17 @@ def add_plan(commands) -> None:
                       help=f"collective algorithm (default {paper.algorithm})")
     plan.add_argument("--summa", choices=("auto", *SCHEDULES), default="auto",
                       help="schedule of the matrix products to price; auto (default) prices each, keeps the fastest")
+    plan.add_argument("--dp", type=count_or_auto, default="auto",
+                      help="data-parallel replicas around each mesh, or auto: every count that divides the GPUs "
+                           "and the batch (default auto)")
+    plan.add_argument("--pp", type=count_or_auto, default="auto",
+                      help="pipeline stages, or auto: every count that divides the GPUs and the model's repeated "
+                           "blocks (default auto)")
+    plan.add_argument("--microbatches", type=positive(int), default=None,
+                      help="microbatches per step with pipeline stages (default: the most up to 4 per stage that "
+                           "divide the batch)")
+    plan.add_argument("--zero", action="store_true",
+                      help="shard gradients and AdamW state over the data-parallel replicas (ZeRO)")
     plan.add_argument("--keep-blocks", choices=tuple(KEEP_BLOCKS), default="auto",
                       help="keep the fetched blocks of the matrix products for backward: auto (where memory "
                            "allows and it is faster), on or off (default auto)")
@@ -486,6 +498,13 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                              "q times the saved bytes) instead of fetching them again")
     parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="none",
                         help="recompute in backward: none, blocks (each repeated block) or selective (default none)")
+
+
+def count_or_auto(text: str):
+    """A positive whole number, or "auto"."""
+    if text == "auto":
+        return text
+    return positive(int)(text)
 
 
 # --keep-blocks of plan -> the planner's keep_blocks.

@@ -28,6 +28,16 @@ from tess_compile.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.compiler import compile_model
 from tess_compile.cost_model import PAPER_CLUSTER, Cluster, MemoryEstimate, StepTime, predict_memory, predict_time
 from tess_compile.mesh import AXES, MODES, Mesh
+from tess_compile.parallel_plan import (
+    Outer,
+    batch_size,
+    default_microbatches,
+    dp_link_is_intra,
+    microbatch_inputs,
+    num_blocks,
+    outer_options,
+    price,
+)
 
 __all__ = ["DEFAULT_MODES", "PlanRow", "candidate_meshes", "format_table", "mesh_label", "plan"]
 
@@ -50,6 +60,7 @@ class PlanRow:
     summa: str = "broadcast"  # the schedule of the matrix products it was priced in
     keep_blocks: bool = False  # whether its products keep their fetched blocks for backward
     redundant_work: float | None = None  # forward FLOPs over all ranks / unsharded; None: none to measure
+    outer: Outer = Outer()  # data and pipeline parallelism around the mesh
 
     @property
     def mode(self) -> str:
@@ -203,6 +214,10 @@ def plan(
     keep_blocks: bool | str = "auto",
     checkpoint: str = "none",
     strict: bool = False,
+    dp: int | str = 1,
+    pp: int | str = 1,
+    microbatches: int | None = None,
+    zero: bool = False,
 ) -> list[PlanRow]:
     """Every mesh of `gpus` ranks in `modes`, priced on `cluster`, fastest first.
 
@@ -217,29 +232,80 @@ def plan(
     keep the fastest per mesh (`PlanRow.summa`). `keep_blocks`: True, False, or
     "auto" to price both and keep the fastest that fits the memory budget
     (`PlanRow.keep_blocks`). `checkpoint` ("none", "blocks", "selective") and
-    `strict` go to `compile_model`.
+    `strict` go to `compile_model`. `dp` data-parallel replicas and `pp`
+    pipeline stages (numbers, or "auto" for every one that divides the GPUs,
+    the batch and the model's repeated blocks) wrap each mesh of
+    `gpus / (dp * pp)` ranks, with `microbatches` per step (default
+    `parallel_plan.default_microbatches`) and, with `zero`, the optimizer
+    state sharded over dp (`tess_compile.parallel_plan`).
     """
     if gpus_per_node is not None:
         cluster = replace(cluster, gpus_per_node=gpus_per_node)
     budget = cluster.memory if memory_budget is None else memory_budget
     if not budget > 0:
         raise ValueError(f"memory_budget={memory_budget!r}: use bytes per GPU > 0, e.g. 40e9")
-    meshes = candidate_meshes(gpus, modes)
     model, inputs = _build(factory_or_model, example_inputs)
+    batch = batch_size(inputs)
+    configs = []  # (Outer, mesh, microbatch rows)
+    for dp_, pp_ in outer_options(gpus, dp, pp, num_blocks(model), batch):
+        meshes = _meshes_or_none(gpus // (dp_ * pp_), modes, fixed=(dp, pp) != ("auto", "auto"))
+        rows_per_group = None if batch is None else batch // dp_
+        m = microbatches or (1 if rows_per_group is None else default_microbatches(rows_per_group, pp_))
+        if rows_per_group is not None and rows_per_group % m:
+            raise ValueError(f"microbatches={m} does not divide the batch of {rows_per_group} rows per "
+                             f"data-parallel replica (batch {batch}, dp={dp_}): use a divisor of {rows_per_group}")
+        configs += [(Outer(dp_, pp_, m, zero), mesh, None if batch is None else rows_per_group // m) for mesh in meshes]
+    if not configs:
+        raise ValueError(f"no (dp, pp, mesh) of {gpus} GPUs in modes {', '.join(modes)} with dp={dp!r}, pp={pp!r}: "
+                         "pick other modes or GPU counts, or let dp and pp be 'auto'")
     unsharded_flops = functools.cache(lambda: unsharded_forward_flops(model, inputs))  # once a mesh compiles
+    evaluated: dict[tuple, PlanRow] = {}
     rows = []
-    for number, mesh in enumerate(meshes, 1):
-        log.info("plan: compiling %s for %s %s (%d of %d)", type(model).__name__, mesh.mode,
-                 mesh_label(mesh), number, len(meshes))
-        row = _evaluate(model, inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
-                        keep_blocks=keep_blocks, checkpoint=checkpoint, unsharded_flops=unsharded_flops)
-        rows.append(row)
+    for number, (outer, mesh, micro) in enumerate(configs, 1):
+        log.info("plan: compiling %s for %s %s, dp %d, pp %d (%d of %d)", type(model).__name__, mesh.mode,
+                 mesh_label(mesh), outer.dp, outer.pp, number, len(configs))
+        if (mesh, micro) not in evaluated:
+            micro_inputs = inputs if micro in (None, batch) else microbatch_inputs(inputs, batch, micro)
+            flops = unsharded_flops if micro_inputs is inputs else functools.cache(
+                lambda x=micro_inputs: unsharded_forward_flops(model, x))
+            evaluated[(mesh, micro)] = _evaluate(
+                model, micro_inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
+                keep_blocks=keep_blocks, checkpoint=checkpoint, unsharded_flops=flops)
+        rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget))
     return sorted(rows, key=_sort_key)
+
+
+def _meshes_or_none(gpus: int, modes: Sequence[str], fixed: bool) -> list[Mesh]:
+    """`candidate_meshes` (one for a single rank: every mode is the same program there),
+    or none where enumerating (dp, pp) leaves a count no mode takes."""
+    try:
+        meshes = candidate_meshes(gpus, modes)
+    except ValueError:
+        if fixed:
+            raise
+        return []
+    return meshes[:1] if gpus == 1 else meshes
+
+
+def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float) -> PlanRow:
+    """`row` (one microbatch on its mesh) priced with `outer` around it."""
+    if row.time is None or outer == Outer():
+        return replace(row, outer=outer)
+    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster)
+    fits = memory.total <= budget
+    if not fits:
+        note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
+    else:
+        note = row.note if row.fits else "within one node"
+        link = "intra" if dp_link_is_intra(cluster, outer, row.mesh.num_ranks) else "inter"
+        note += f"; {outer.microbatches} microbatches" if outer.pp > 1 else ""
+        note += f"; dp {link}-node" if outer.dp > 1 else ""
+    return replace(row, time=time, memory=memory, fits=fits, note=note, outer=outer)
 
 
 # --------------------------------------------------------------------------- the table
 
-HEADER = ("mode", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "saved GB/rank", "memory GB/rank",
+HEADER = ("mode", "dp", "pp", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "saved GB/rank", "memory GB/rank",
           "redundant work", "note")
 
 
@@ -249,19 +315,20 @@ def format_table(rows: Sequence[PlanRow]) -> str:
     widths = [max(len(line[col]) for line in cells) for col in range(len(HEADER) - 1)]
     lines = []
     for line in cells:
-        head = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
-        head += [text.rjust(width) for text, width in zip(line[2:-1], widths[2:])]
+        head = [line[0].ljust(widths[0]), line[1].rjust(widths[1]), line[2].rjust(widths[2]), line[3].ljust(widths[3])]
+        head += [text.rjust(width) for text, width in zip(line[4:-1], widths[4:])]
         lines.append("  ".join(head + [line[-1]]).rstrip())
     return "\n".join(lines) + "\n"
 
 
 def _cells(row: PlanRow) -> tuple[str, ...]:
+    outer = (row.mode, str(row.outer.dp), str(row.outer.pp), mesh_label(row.mesh))
     if row.time is None:
-        return (row.mode, mesh_label(row.mesh), "-", "-", "-", "-", "-", "-", "-", row.note)
+        return (*outer, "-", "-", "-", "-", "-", "-", "-", row.note)
     numbers = (row.time.forward_s, row.time.backward_s, row.time.step_s, row.time.comm_bytes / 1e6,
                row.memory.activations / GB, row.memory.total / GB)
     redundant = "-" if row.redundant_work is None else f"{row.redundant_work:.2f}"
-    return (row.mode, mesh_label(row.mesh), *map(_number, numbers), redundant, row.note)
+    return (*outer, *map(_number, numbers), redundant, row.note)
 
 
 def _number(value: float) -> str:

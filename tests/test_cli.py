@@ -155,9 +155,14 @@ from torch import nn
 def make_mlp():
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     return model, torch.randn(16, 4, 64)
+
+
+def make_stack():
+    blocks = [nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(4)]
+    return nn.Sequential(*blocks), torch.randn(32, 4, 64)
 '''
-# mode, mesh, forward s, backward s, step s, comm MB/rank, saved GB/rank, memory GB/rank, redundant work, note
-PLAN_ROW = re.compile(r"^(1d|2d|2\.5d|3d)\s+(\[[\d, ]+\])\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
+# mode, (dp, pp: not captured), mesh, forward s, backward s, step s, comm, saved, memory, redundant work, note
+PLAN_ROW = re.compile(r"^(1d|2d|2\.5d|3d)\s+\d+\s+\d+\s+(\[[\d, ]+\])\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(.*)$")
 
 
 @pytest.fixture
@@ -184,24 +189,40 @@ def run_in_process(argv: list[str], folder, monkeypatch, capsys) -> tuple[int, s
 
 
 def test_plan_prints_the_meshes_fastest_first(plan_dir):
-    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "64", "--gpus-per-node", "4", "-v", cwd=plan_dir)
+    proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "64", "--gpus-per-node", "4", "--dp", "1", "--pp", "1",
+                   "-v", cwd=plan_dir)
     assert proc.returncode == 0, report(proc)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# 64 GPUs, 4 per node; intra-node 200 GB/s"), report(proc)
-    assert lines[1].split()[:2] == ["mode", "mesh"], report(proc)
+    assert lines[1].split()[:4] == ["mode", "dp", "pp", "mesh"], report(proc)
     rows = plan_rows(proc.stdout)
     assert sorted((row[0], row[1]) for row in rows) == [("1d", "[64]"), ("2.5d", "[4, 4, 4]"),
                                                         ("2d", "[8, 8, 1]")], report(proc)
     steps = [float(row[4]) for row in rows]
     assert steps == sorted(steps), report(proc)
     assert [row[8] for row in rows] == ["1.00"] * 3, report(proc)  # redundant work: none
-    assert "plan: compiling Sequential for 2.5d [4, 4, 4] (3 of 3)" in proc.stderr, report(proc)
+    assert "plan: compiling Sequential for 2.5d [4, 4, 4], dp 1, pp 1 (3 of 3)" in proc.stderr, report(proc)
     assert "Traceback" not in proc.stderr, report(proc)
+
+
+def test_plan_enumerates_data_and_pipeline_parallelism(plan_dir, monkeypatch, capsys):
+    """--dp/--pp auto: rows of (dp, pp, mode, mesh) whose ranks make the 64 GPUs; pp divides the 4 blocks."""
+    code, out, err = run_in_process(["plan", "plan_model.py:make_stack", "--gpus", "64", "--modes", "1d,2d,2.5d",
+                                     "--summa", "broadcast", "--keep-blocks", "off"], plan_dir, monkeypatch, capsys)
+    assert code == 0, err
+    rows = re.findall(r"^(1d|2d|2\.5d)\s+(\d+)\s+(\d+)\s+\[([\d, ]+)\]", out, re.MULTILINE)
+    configs = set()
+    for mode, dp, pp, mesh in rows:
+        sides = [int(n) for n in mesh.split(",")]
+        tp = sides[0] if mode == "1d" else sides[0] * sides[1] * sides[2]
+        assert int(dp) * int(pp) * tp == 64 and 4 % int(pp) == 0, out
+        configs.add((int(dp), int(pp)))
+    assert {(1, 1), (2, 2), (16, 4), (2, 1), (1, 4)} <= configs, out
 
 
 def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
     code, out, err = run_in_process(
-        ["plan", "plan_model.py:make_mlp", "--gpus", "8", "--gpus-per-node", "8", "--modes", "1d",
+        ["plan", "plan_model.py:make_mlp", "--gpus", "8", "--gpus-per-node", "8", "--modes", "1d", "--dp", "1", "--pp", "1",
          "--inter-bandwidth", "12.5", "--tflops", "100", "--algorithm", "tree", "--memory-gb", "80",
          "--overlap"], plan_dir, monkeypatch, capsys)
     assert code == 0, err
@@ -212,8 +233,8 @@ def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
 
 
 def test_plan_over_the_memory_budget_exits_1(plan_dir, monkeypatch, capsys):
-    code, out, err = run_in_process(["plan", "plan_model.py:make_mlp", "--gpus", "8", "--memory-gb", "1e-6"],
-                                    plan_dir, monkeypatch, capsys)
+    code, out, err = run_in_process(["plan", "plan_model.py:make_mlp", "--gpus", "8", "--memory-gb", "1e-6",
+                                     "--dp", "1", "--pp", "1"], plan_dir, monkeypatch, capsys)
     assert code == 1, err
     assert len(plan_rows(out)) == 2, out
     assert "over the budget of 1e-06 GB" in out, out
@@ -221,7 +242,9 @@ def test_plan_over_the_memory_budget_exits_1(plan_dir, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--modes", "2d"], "use 4 or 9 GPUs, or add mode '1d'"),
+    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--modes", "2d", "--dp", "1", "--pp", "1"],
+     "use 4 or 9 GPUs, or add mode '1d'"),
+    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--dp", "3"], "dp=3 does not divide 8 GPUs"),
     (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--modes", "1d,4d"], "mode '4d' is not one of"),
     (["plan", "plan_model.py:make_mlp", "--gpus", "0"], "expected a number > 0 (int), got '0'"),
     (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--algorithm", "fast"], "invalid choice: 'fast'"),
@@ -229,7 +252,7 @@ def test_plan_over_the_memory_budget_exits_1(plan_dir, monkeypatch, capsys):
     (["plan", "plan_model.py:nothing", "--gpus", "8"], "no function 'nothing'"),
     (["dump", "plan_model.py:make_mlp", "--q", "2", "--d", "2", "--mode", "2d"], "mode '2d' (Optimus) is the d=1 case"),
     (["run", "plan_model.py:make_mlp", "--q", "2", "--d", "1", "--mode", "4d"], "invalid choice: '4d'"),
-], ids=["plan-no-mesh", "plan-bad-mode", "plan-no-gpus", "plan-algorithm", "plan-latency", "plan-no-factory",
+], ids=["plan-no-mesh", "plan-bad-dp", "plan-bad-mode", "plan-no-gpus", "plan-algorithm", "plan-latency", "plan-no-factory",
         "dump-2d-depth", "run-bad-mode"])
 def test_plan_and_mode_user_errors(plan_dir, monkeypatch, capsys, argv, expected):
     code, _, err = run_in_process(argv, plan_dir, monkeypatch, capsys)

@@ -225,9 +225,33 @@ def test_format_table():
     rows = plan(make_odd_mlp, 64, memory_budget=1.0)
     text = format_table(rows)
     lines = text.splitlines()
-    assert lines[0].split() == ["mode", "mesh", "forward", "s", "backward", "s", "step", "s", "comm",
+    assert lines[0].split() == ["mode", "dp", "pp", "mesh", "forward", "s", "backward", "s", "step", "s", "comm",
                                 "MB/rank", "saved", "GB/rank", "memory", "GB/rank", "redundant", "work", "note"]
     assert len(lines) == 1 + len(rows)
-    assert lines[-1].startswith("1d    [64]")
+    assert lines[-1].split()[:4] == ["1d", "1", "1", "[64]"]
     assert "does not compile" in lines[-1]
     assert text.isascii()
+
+
+def test_data_and_pipeline_parallelism_priced_around_a_mesh():
+    """dp replicas add one gradient all-reduce per step and split nothing else; pp stages run
+    1/pp of the program per microbatch in microbatches + pp - 1 slots and hold 1/pp of the state."""
+    from tess_compile.parallel_plan import Outer, price
+
+    (row,) = plan(make_mlp, 8, modes=("2.5d",), summa="broadcast", keep_blocks=False)
+    time, memory = row.time, row.memory
+    piped, held = price(time, memory, Outer(dp=1, pp=2, microbatches=4), 8, PAPER_CLUSTER)
+    assert piped.step_s == pytest.approx(time.step_s * (4 + 2 - 1) / 2)
+    assert held.params == memory.params // 2 and held.activations == memory.activations * 2 // 2
+    replicated, same = price(time, memory, Outer(dp=4), 8, PAPER_CLUSTER)
+    assert replicated.forward_s == time.forward_s and replicated.backward_s > time.backward_s
+    assert same.optimizer == memory.optimizer
+    _, zero = price(time, memory, Outer(dp=4, zero=True), 8, PAPER_CLUSTER)
+    assert zero.optimizer == memory.optimizer // 4 and zero.grads == memory.grads // 4
+
+
+def test_fixed_dp_and_pp_are_checked():
+    with pytest.raises(ValueError, match="dp=3 does not divide 64 GPUs: use a divisor of 64"):
+        plan(make_mlp, 64, dp=3)
+    with pytest.raises(ValueError, match="pp=2 stages do not split the model's 1 repeated blocks evenly"):
+        plan(make_mlp, 64, pp=2)
