@@ -27,10 +27,12 @@ __all__ = [
     "full_tensor",
     "load_pretrained_shards",
     "load_shards_from",
+    "pipeline_stage",
     "plan",
     "shard",
     "shard_program",
     "simulate",
+    "simulate_pipeline",
 ]
 
 
@@ -45,7 +47,9 @@ _LAZY = {
     "full_tensor": "tess_compile.distributed",
     "load_shards_from": "tess_compile.checkpoint",
     "load_pretrained_shards": "tess_compile.checkpoint",
+    "pipeline_stage": "tess_compile.pipeline",
     "plan": "tess_compile.planner",
+    "simulate_pipeline": "tess_compile.pipeline",
 }
 
 
