@@ -216,7 +216,8 @@ def _warn_replicated(gm: GraphModule, ctx: PlacementContext) -> None:
             group[1] += _gathered_bytes(node, ctx)
     if not groups:
         return
-    lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank" for (op, where), (count, num_bytes) in groups.items()]
+    lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank"
+             for (op, where), (count, num_bytes) in groups.items()]
     num_nodes = sum(count for count, _ in groups.values())
     warnings.warn(
         f"{num_nodes} op(s) have no sharding rule and run replicated on mesh {ctx.mesh} (inputs gathered on "
