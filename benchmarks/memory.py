@@ -37,12 +37,12 @@ import sys
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
+from benchmarks.paper_tables import Block  # noqa: E402
 from tess_compile import state  # noqa: E402
 from tess_compile.accounting import predict_bytes  # noqa: E402
 from tess_compile.collectives import use_comm  # noqa: E402
@@ -71,25 +71,6 @@ class Config(NamedTuple):
 
 
 MESHES = [("1d", 1, 8), ("2d", 4, 1), ("2.5d", 2, 2), ("2.5d", 4, 2), ("3d", 2, 2)]
-
-
-class Block(nn.Module):
-    """Pre-LN GPT block: fused QKV, causal SDPA, output projection, GELU MLP 4x, residuals."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class Stack(nn.Module):
