@@ -1,58 +1,99 @@
-"""An alpha-beta cost model of a compiled program: step time and memory per rank.
+"""A calibrated cost model of a compiled program: step time and memory per rank.
 
 An analysis of the rewritten graph, like `tess_compile.accounting`, whose
-byte counts it prices; it runs nothing between ranks. A collective of `n`
-bytes over a group of `g` ranks on a link of latency `alpha` (seconds) and
-bandwidth `B` (bytes/s) takes `steps(g) * alpha + factor(g) * n / B`, with
-`steps` and `factor` from `COLLECTIVE_RULES`. A group is on the intra-node
-link if all its ranks share a node (ranks packed onto nodes in order:
-`node = rank // gpus_per_node`), else on the inter-node link.
+byte counts it prices; it runs nothing between ranks. `profile_program`
+runs one rank's program forward and backward on fake tensors and records
+every kernel it launches (`ProgramProfile`); `step_time` prices a profile
+on a `Cluster`, and `predict_time` does both. Per phase (forward, backward):
 
-Compute is the matmul-like FLOPs of `accounting.forward_flops` at the
-cluster's sustained throughput; backward runs twice the forward FLOPs (one
-matmul for the input's gradient and one for the weight's, per forward
-matmul). Collectives run synchronously today, so compute and communication
-add; `overlap=True` takes `max(compute, comm)` per phase, the bound of a
-perfectly overlapped schedule, and `overlap="forward"` in forward only (the
-`summa="overlap"` schedule overlaps forward broadcasts; backward runs its
-collectives synchronously). Memory per rank: parameters, gradients,
-AdamW state and the activations autograd saves for backward.
+- matrix products (mm, addmm, bmm, baddbmm, fused attention): FLOPs at the
+  achieved rate `flops * m / (m + matmul_half_size)`, `m` the smallest
+  dimension of the product (small shards run below peak);
+- every other kernel (elementwise ops, norms, softmax, copies): the bytes it
+  reads and writes at `memory_bandwidth`;
+- `kernel_overhead` seconds per kernel launched (views and allocations
+  launch none; collectives are priced below);
+- a collective of `n` bytes over a group of `g` ranks on a link of latency
+  `alpha` (seconds) and bandwidth `B` (bytes/s): `steps(g) * alpha +
+  factor(g) * n / B`, with `steps` and `factor` from `COLLECTIVE_RULES`. A
+  group is on the intra-node link if all its ranks share a node (ranks
+  packed onto nodes in order: `node = rank // gpus_per_node`), else on the
+  inter-node link.
+
+Backward is priced from the kernels autograd runs (recomputed regions and
+the refetches of the memory-lean products included), not from a rule such
+as "twice the forward FLOPs". Collectives run synchronously, so compute and
+communication add; `overlap=True` takes `max(compute, comm)` per phase,
+the bound of a perfectly overlapped schedule, and `overlap="forward"` in
+forward only (the `summa="overlap"` schedule overlaps forward broadcasts;
+backward runs its collectives synchronously).
+
+`Cluster`'s defaults for the three compute constants (every matmul at
+`flops`, memory-bound kernels and launches free) give the plain alpha-beta
+model; `CALIBRATED_CLUSTER` holds the constants fitted to the Tesseract
+paper's measurements (`tess_compile.calibration`, docs/planner.md), and
+`PAPER_CLUSTER` the paper's cluster as specified, uncalibrated.
+
+Memory per rank: parameters, gradients, AdamW state and the activations
+autograd saves for backward.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Interpreter
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tess_compile.accounting import PHASES, CollectiveCost, collective_costs, fake_run, forward_flops, tensor_bytes, transfers
-from tess_compile.collectives import broadcast_start
+from passes.verify import local_placeholder
+from tess_compile.accounting import (
+    PHASES,
+    CollectiveCost,
+    collective_costs,
+    fake_run,
+    requires_grad,
+    tensor_bytes,
+    transfers,
+)
+from tess_compile.collectives import Comm, broadcast_start, use_comm
 from tess_compile.compiler import Program
 from tess_compile.mesh import AXES, Mesh
 from tess_compile.products import fetched_product
 
 __all__ = [
     "ALGORITHMS",
-    "BACKWARD_FLOPS_FACTOR",
+    "CALIBRATED_CLUSTER",
     "COLLECTIVE_RULES",
     "OPTIMIZER_BYTES_PER_PARAM",
     "PAPER_CLUSTER",
+    "TERMS",
     "Cluster",
     "Link",
     "MemoryEstimate",
+    "COMM_TERMS",
+    "COMPUTE_TERMS",
+    "PhaseProfile",
+    "ProgramProfile",
     "StepTime",
     "activation_bytes",
+    "coefficients",
     "collective_time",
     "comm_seconds",
     "predict_memory",
     "predict_time",
+    "profile_program",
     "ring_wire_bytes",
+    "step_time",
+    "time_terms",
 ]
 
 ALGORITHMS = ("ring", "tree")
-BACKWARD_FLOPS_FACTOR = 2  # backward FLOPs per forward FLOP: grad of the input and grad of the weight
 OPTIMIZER_BYTES_PER_PARAM = 8  # AdamW: exp_avg and exp_avg_sq, fp32 each
 
 
@@ -106,8 +147,15 @@ class Cluster:
     """The machine a plan is for: nodes of `gpus_per_node` GPUs, two links, one GPU's figures.
 
     Bandwidths are bytes/s one rank sends or receives on the link, latencies
-    seconds per message step, `flops` the sustained matmul FLOP/s of one GPU,
-    `memory` its bytes, `algorithm` the collectives' family ("ring" or "tree").
+    seconds per message step, `flops` the matmul FLOP/s of one GPU (its peak
+    when `matmul_half_size` is set, else a sustained rate), `memory` its
+    bytes, `algorithm` the collectives' family ("ring" or "tree").
+
+    The compute constants (see the module docstring): a matrix product whose
+    smallest dimension is `m` runs at `flops * m / (m + matmul_half_size)`;
+    other kernels move their bytes at `memory_bandwidth` (bytes/s); each
+    kernel launch costs `kernel_overhead` seconds. The defaults (0, inf, 0)
+    give the uncalibrated alpha-beta model.
     """
 
     gpus_per_node: int
@@ -118,16 +166,19 @@ class Cluster:
     flops: float
     memory: float
     algorithm: str = "ring"
+    matmul_half_size: float = 0.0
+    memory_bandwidth: float = math.inf
+    kernel_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r}: use a positive integer, e.g. 4 or 8")
-        for name in ("intra_bandwidth", "inter_bandwidth", "flops", "memory"):
+        for name in ("intra_bandwidth", "inter_bandwidth", "flops", "memory", "memory_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number > 0")
-        for name in ("intra_latency", "inter_latency"):
+        for name in ("intra_latency", "inter_latency", "matmul_half_size", "kernel_overhead"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0 (seconds)")
+                raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"collective algorithm {self.algorithm!r} is not one of "
                              f"{', '.join(map(repr, ALGORITHMS))}: use 'ring' (NCCL's default) or 'tree'")
@@ -141,6 +192,10 @@ class Cluster:
         if self.is_intra_node(mesh, axis):
             return Link(self.intra_bandwidth, self.intra_latency)
         return Link(self.inter_bandwidth, self.inter_latency)
+
+    def matmul_efficiency(self, size: float) -> float:
+        """The fraction of `flops` a matrix product whose smallest dimension is `size` reaches."""
+        return size / (size + self.matmul_half_size)
 
 
 # The paper's cluster (Tesseract, section 4: MeluXina): 4 A100 per node, NVLink
@@ -161,14 +216,40 @@ PAPER_CLUSTER = Cluster(
     algorithm="ring",
 )
 
+# The paper's cluster with the constants fitted to its Table 1 (strong scaling) by
+# `tess_compile.calibration.fit_cluster`, as `benchmarks/paper_times.py` runs it
+# (one layer per row, fp16, checkpointed; docs/planner.md): `flops` fixed at the
+# A100's 312 TFLOP/s fp16 dense peak, the rest fitted within `calibration.BOUNDS`.
+# matmul_half_size and inter_bandwidth ended at an end of their range; the two
+# latencies came out equal (the fit keeps intra <= inter). tests/test_calibration.py checks that
+# the fit still gives these values.
+CALIBRATED_CLUSTER = Cluster(
+    gpus_per_node=4,
+    intra_bandwidth=122.34e9,
+    intra_latency=1.4372e-6,
+    inter_bandwidth=25e9,
+    inter_latency=1.4372e-6,
+    flops=312e12,
+    memory=40e9,
+    algorithm="ring",
+    matmul_half_size=1024.0,
+    memory_bandwidth=504.87e9,
+    kernel_overhead=22.116e-6,
+)
 
-def collective_time(op: str, group_size: int, num_bytes: int, link: Link, algorithm: str = "ring") -> float:
-    """Seconds of `op` on `num_bytes` (as `accounting` counts them) over `group_size` ranks."""
+
+def _rule(algorithm: str, op: str) -> Callable[[int], tuple[float, float]]:
     rule = COLLECTIVE_RULES.get((algorithm, op))
     if rule is None:
         known = list(dict.fromkeys(name for _, name in COLLECTIVE_RULES))
         raise ValueError(f"no cost rule for {op!r} with algorithm {algorithm!r}: ops are {', '.join(known)}, "
                          f"algorithms {', '.join(ALGORITHMS)}")
+    return rule
+
+
+def collective_time(op: str, group_size: int, num_bytes: int, link: Link, algorithm: str = "ring") -> float:
+    """Seconds of `op` on `num_bytes` (as `accounting` counts them) over `group_size` ranks."""
+    rule = _rule(algorithm, op)
     if group_size <= 1 or num_bytes == 0:
         return 0.0
     steps, factor = rule(group_size)
@@ -232,21 +313,214 @@ class StepTime:
 _OVERLAPPED_PHASES = {False: (), True: ("forward", "backward"), "forward": ("forward",)}
 
 
-def predict_time(program: Program, cluster: Cluster, *, overlap: bool | str = False,
-                 inputs_require_grad: bool = False) -> StepTime:
-    """Forward and backward seconds of one step of `program` on `cluster` (see the module docstring)."""
-    costs = collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
-    comm = comm_seconds(costs, program.mesh, cluster)
-    compute = forward_flops(program) / cluster.flops
+# --------------------------------------------------------------------------- profiles
+
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+# Fused attention kernels (forward and backward): `_scaled_dot_product_flash_attention`,
+# `..._efficient_attention`, `..._flash_attention_for_cpu`, ...
+_ATTENTION_PREFIX = "_scaled_dot_product"
+# Ops that launch no kernel: views, aliases, allocations.
+_NO_KERNEL = ("detach", "alias", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_empty_strided", "_unsafe_view", "_reshape_alias", "split", "split_with_sizes", "unbind", "chunk")
+
+
+@dataclass(frozen=True)
+class PhaseProfile:
+    """The kernels one rank launches in one phase, as the cost model prices them."""
+
+    matmul_flops: float = 0.0  # FLOPs of the matrix products (fused attention included)
+    matmul_flops_per_size: float = 0.0  # the sum over products of FLOPs / smallest dimension
+    memory_bytes: float = 0.0  # bytes the other kernels read and write
+    num_kernels: int = 0  # kernels launched (products and others; collectives not counted)
+    num_matmuls: int = 0
+
+
+@dataclass(frozen=True)
+class ProgramProfile:
+    """One rank's kernels per phase and its collectives (`accounting.collective_costs`)."""
+
+    mesh: Mesh
+    forward: PhaseProfile
+    backward: PhaseProfile
+    costs: tuple[CollectiveCost, ...]
+
+    def phase(self, phase: str) -> PhaseProfile:
+        return self.forward if phase == "forward" else self.backward
+
+
+def _tensors(*values) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+def _product_shape(name: str, args) -> tuple[int, int, int, int]:
+    """(batch, m, k, n) of a matrix-product kernel."""
+    a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return batch, a.shape[-2], a.shape[-1], b.shape[-1]
+
+
+class _KernelRecorder(TorchDispatchMode):
+    """Sums, per phase, what `PhaseProfile` holds over every op dispatched below it."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.totals = {phase: {"matmul_flops": 0.0, "matmul_flops_per_size": 0.0, "memory_bytes": 0.0,
+                               "num_kernels": 0, "num_matmuls": 0} for phase in PHASES}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if func.namespace != "aten" or func.is_view or name in _NO_KERNEL:
+            return out  # collectives (priced apart), views and allocations
+        totals = self.totals[self.phase]
+        totals["num_kernels"] += 1
+        if name in _MATMULS:
+            batch, m, k, n = _product_shape(name, args)
+            self._product(totals, 2 * batch * m * k * n, min(m, k, n))
+        elif name.startswith(_ATTENTION_PREFIX):
+            # forward (q, k, v, ...), backward (grad_out, q, k, v, ...); the full score
+            # matrix's two products, twice as many in backward
+            backward = name.endswith("_backward")
+            query, key = args[1:3] if backward else args[0:2]
+            batch, heads, length, head_dim = query.shape
+            flops = 4 * batch * heads * length * key.shape[-2] * head_dim * (2 if backward else 1)
+            self._product(totals, flops, min(length, key.shape[-2], head_dim))
+        else:
+            totals["memory_bytes"] += sum(tensor_bytes(t) for t in _tensors(args, kwargs, out))
+        return out
+
+    @staticmethod
+    def _product(totals: dict, flops: int, size: int) -> None:
+        totals["num_matmuls"] += 1
+        totals["matmul_flops"] += flops
+        totals["matmul_flops_per_size"] += flops / max(size, 1)
+
+
+class _ShapeComm(Comm):
+    """A communicator for fake runs: each collective returns an empty tensor of its output's shape."""
+
+    def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
+        shape = list(x.shape)
+        if op in ("all_gather", "shard_pad"):  # args: axis, parts, dim, groups
+            shape[args[2]] *= args[1]
+        elif op in ("reduce_scatter", "shard_slice"):
+            shape[args[2]] //= args[1]
+        return x.new_empty(shape)
+
+
+def _fake_step(program: Program, inputs_require_grad: bool) -> dict[str, PhaseProfile]:
+    """Run one rank's program forward, then backward from every output that requires grad,
+    on fake tensors, recording its kernels (recomputed regions count in backward)."""
+    graph = program.runnable
+    recorder = _KernelRecorder()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        inputs = [local_placeholder(n, program.mesh, requires_grad(n, inputs_require_grad)) for n in placeholders]
+        with use_comm(_ShapeComm()), recorder:
+            outputs = Interpreter(graph).run(*inputs)
+            roots = [t for t in _tensors(outputs) if t.requires_grad]
+            del outputs
+            recorder.phase = "backward"
+            if roots:
+                torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
+    return {phase: PhaseProfile(**totals) for phase, totals in recorder.totals.items()}
+
+
+_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {inputs_require_grad: profile}
+
+
+def profile_program(program: Program, *, inputs_require_grad: bool = False) -> ProgramProfile:
+    """The kernels and collectives of one training step of `program` on one rank
+    (every output that requires grad is taken as part of the loss). Cached per program."""
+    cached = _PROFILES.setdefault(program.graph, {})
+    if inputs_require_grad not in cached:
+        phases = _fake_step(program, inputs_require_grad)
+        costs = collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
+        cached[inputs_require_grad] = ProgramProfile(program.mesh, phases["forward"], phases["backward"], tuple(costs))
+    return cached[inputs_require_grad]
+
+
+# --------------------------------------------------------------------------- pricing
+
+# The terms of a phase's time, each priced by one constant of the cluster (`coefficients`):
+# time = sum over terms of coefficient * term.
+COMPUTE_TERMS = ("matmul_flops", "matmul_flops_per_size", "memory_bytes", "kernels")
+COMM_TERMS = ("intra_steps", "inter_steps", "intra_wire_bytes", "inter_wire_bytes")
+TERMS = COMPUTE_TERMS + COMM_TERMS
+
+
+def coefficients(cluster: Cluster) -> dict[str, float]:
+    """Seconds per unit of each of `TERMS` on `cluster`. A product of `f` FLOPs and smallest
+    dimension `m` takes `f / (flops * m / (m + h))` = `f / flops + (f / m) * h / flops`."""
+    return {
+        "matmul_flops": 1 / cluster.flops,
+        "matmul_flops_per_size": cluster.matmul_half_size / cluster.flops,
+        "memory_bytes": 1 / cluster.memory_bandwidth,
+        "kernels": cluster.kernel_overhead,
+        "intra_steps": cluster.intra_latency,
+        "inter_steps": cluster.inter_latency,
+        "intra_wire_bytes": 1 / cluster.intra_bandwidth,
+        "inter_wire_bytes": 1 / cluster.inter_bandwidth,
+    }
+
+
+def _priced_costs(profile: ProgramProfile, grad_sync: bool) -> tuple[CollectiveCost, ...]:
+    """The collectives to price: all of them, or without the gradient all-reduces of
+    replicated parameters (`grad_sync`) when `grad_sync` is False."""
+    return profile.costs if grad_sync else tuple(c for c in profile.costs if c.op != "grad_sync")
+
+
+def time_terms(profile: ProgramProfile, cluster: Cluster, *, grad_sync: bool = True) -> dict[str, dict[str, float]]:
+    """`{phase: {term: amount}}` of `profile` on `cluster`'s nodes: the compute terms from
+    the kernels, and each collective's latency steps and wire bytes (`COLLECTIVE_RULES`
+    for `cluster.algorithm`) on the link of its axis. `grad_sync=False` leaves out the
+    gradient all-reduces of replicated parameters."""
+    mesh = profile.mesh
+    link = {axis: "intra" if cluster.is_intra_node(mesh, axis) else "inter" for axis in AXES}
+    terms = {}
+    for phase in PHASES:
+        kernels = profile.phase(phase)
+        terms[phase] = {"matmul_flops": kernels.matmul_flops, "matmul_flops_per_size": kernels.matmul_flops_per_size,
+                        "memory_bytes": kernels.memory_bytes, "kernels": kernels.num_kernels,
+                        **dict.fromkeys(COMM_TERMS, 0.0)}
+    for phase, op, axis, num_bytes in transfers(_priced_costs(profile, grad_sync)):
+        group = mesh.size(axis)
+        steps, factor = _rule(cluster.algorithm, op)(group)
+        if group > 1 and num_bytes > 0:
+            terms[phase][f"{link[axis]}_steps"] += steps
+            terms[phase][f"{link[axis]}_wire_bytes"] += factor * num_bytes
+    return terms
+
+
+def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str = False,
+              grad_sync: bool = True) -> StepTime:
+    """Forward and backward seconds of `profile` on `cluster` (see the module docstring)."""
+    terms = time_terms(profile, cluster, grad_sync=grad_sync)
+    price = coefficients(cluster)
+
+    def seconds(phase: str, names: tuple[str, ...]) -> float:
+        return sum(price[name] * terms[phase][name] for name in names)
+
+    costs = _priced_costs(profile, grad_sync)
     return StepTime(
-        forward_compute_s=compute,
-        forward_comm_s=comm["forward"],
-        backward_compute_s=BACKWARD_FLOPS_FACTOR * compute,
-        backward_comm_s=comm["backward"],
+        forward_compute_s=seconds("forward", COMPUTE_TERMS),
+        forward_comm_s=seconds("forward", COMM_TERMS),
+        backward_compute_s=seconds("backward", COMPUTE_TERMS),
+        backward_comm_s=seconds("backward", COMM_TERMS),
         forward_bytes=sum(c.forward_bytes for c in costs if c.forward_bytes is not None),
         backward_bytes=sum(c.backward_bytes for c in costs if c.backward_bytes is not None),
         overlap=_OVERLAPPED_PHASES[overlap],
     )
+
+
+def predict_time(program: Program, cluster: Cluster, *, overlap: bool | str = False,
+                 inputs_require_grad: bool = False, grad_sync: bool = True) -> StepTime:
+    """Forward and backward seconds of one step of `program` on `cluster`:
+    `step_time(profile_program(program), cluster)`."""
+    profile = profile_program(program, inputs_require_grad=inputs_require_grad)
+    return step_time(profile, cluster, overlap=overlap, grad_sync=grad_sync)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The alpha-beta cost model: collective formulas against hand-computed values, the
-placement of mesh axes on nodes, step time and memory of compiled programs."""
+"""The cost model: collective formulas against hand-computed values, the placement of
+mesh axes on nodes, the kernels a rank runs (profiles) counted by hand, step time on
+the uncalibrated and calibrated clusters, and memory of compiled programs."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from torch import nn
 from tess_compile.accounting import collective_costs, forward_flops, predict_bytes
 from tess_compile.compiler import compile_model
 from tess_compile.cost_model import (
-    BACKWARD_FLOPS_FACTOR,
+    CALIBRATED_CLUSTER,
     PAPER_CLUSTER,
     Link,
+    PhaseProfile,
     collective_time,
     comm_seconds,
     predict_memory,
     predict_time,
+    profile_program,
     ring_wire_bytes,
+    step_time,
 )
 from tess_compile.mesh import Mesh
 
@@ -85,6 +89,10 @@ def test_unknown_op_or_algorithm_is_named():
         replace(PAPER_CLUSTER, gpus_per_node=0)
     with pytest.raises(ValueError, match="inter_bandwidth=0"):
         replace(PAPER_CLUSTER, inter_bandwidth=0)
+    with pytest.raises(ValueError, match="memory_bandwidth=0: use a number > 0"):
+        replace(PAPER_CLUSTER, memory_bandwidth=0)
+    with pytest.raises(ValueError, match="kernel_overhead=-1e-06: use a number >= 0"):
+        replace(PAPER_CLUSTER, kernel_overhead=-1e-6)
 
 
 def test_paper_cluster():
@@ -95,6 +103,20 @@ def test_paper_cluster():
     assert PAPER_CLUSTER.memory == 40e9
     assert PAPER_CLUSTER.flops == 312e12 / 2
     assert PAPER_CLUSTER.algorithm == "ring"
+    # uncalibrated: every product at `flops`, memory-bound kernels and launches free
+    assert (PAPER_CLUSTER.matmul_half_size, PAPER_CLUSTER.memory_bandwidth, PAPER_CLUSTER.kernel_overhead) == (
+        0.0, math.inf, 0.0)
+
+
+def test_calibrated_cluster_is_the_paper_machine():
+    """The fitted cluster keeps the paper's machine: nodes of 4 A100 40 GB at the fp16 peak."""
+    assert CALIBRATED_CLUSTER.gpus_per_node == 4
+    assert CALIBRATED_CLUSTER.memory == 40e9
+    assert CALIBRATED_CLUSTER.flops == 312e12
+    assert CALIBRATED_CLUSTER.intra_latency <= CALIBRATED_CLUSTER.inter_latency
+    assert CALIBRATED_CLUSTER.inter_bandwidth <= CALIBRATED_CLUSTER.intra_bandwidth <= 300e9
+    assert CALIBRATED_CLUSTER.matmul_efficiency(CALIBRATED_CLUSTER.matmul_half_size) == 0.5
+    assert PAPER_CLUSTER.matmul_efficiency(64) == 1.0
 
 
 # --------------------------------------------------------------------------- axes on nodes
@@ -139,13 +161,91 @@ def test_predict_time_adds_the_collectives_and_the_flops(q, d, mode):
     assert forward + backward > 0
     assert time.forward_comm_s == pytest.approx(forward)
     assert time.backward_comm_s == pytest.approx(backward)
+    assert comm_seconds(costs, program.mesh, cluster) == pytest.approx(
+        {"forward": time.forward_comm_s, "backward": time.backward_comm_s})
+    # uncalibrated: the products' FLOPs at `flops` (torch's FlopCounterMode counts the same forward)
+    profile = profile_program(program)
     assert time.forward_compute_s == pytest.approx(forward_flops(program) / cluster.flops)
-    assert time.backward_compute_s == pytest.approx(BACKWARD_FLOPS_FACTOR * time.forward_compute_s)
+    assert time.forward_compute_s == pytest.approx(profile.forward.matmul_flops / cluster.flops)
+    assert time.backward_compute_s == pytest.approx(profile.backward.matmul_flops / cluster.flops)
     assert time.forward_s == pytest.approx(time.forward_compute_s + time.forward_comm_s)
     assert time.step_s == pytest.approx(time.forward_s + time.backward_s)
     moved = predict_bytes(program)
     assert time.forward_bytes == sum(moved["forward"].values())
     assert time.backward_bytes == sum(moved["backward"].values())
+
+
+def test_profile_of_one_rank_by_hand():
+    """MLP 8 -> 16 -> 8 on one rank, x [8, 3, 8] fp32 (24 rows).
+
+    Forward: two products of 2*24*8*16 = 6144 FLOPs (smallest dimension 8), the bias
+    adds (24x16 + 16 + 24x16 floats, then 24x8 + 8 + 24x8) and the ReLU (2 x 24x16):
+    5 kernels. Backward: fc2's input and weight gradients and fc1's weight gradient
+    (x needs none), the ReLU's backward (3 x 24x16) and two bias sums (24x8 + 8,
+    24x16 + 16): 6 kernels; 7 with x's gradient.
+    """
+    program = compiled(1, 1)
+    profile = profile_program(program)
+    assert profile.forward == PhaseProfile(matmul_flops=2 * 6144, matmul_flops_per_size=2 * 6144 / 8,
+                                           memory_bytes=4 * (384 + 16 + 384 + 2 * 384 + 192 + 8 + 192),
+                                           num_kernels=5, num_matmuls=2)
+    assert profile.backward == PhaseProfile(matmul_flops=3 * 6144, matmul_flops_per_size=3 * 6144 / 8,
+                                            memory_bytes=4 * (3 * 384 + 192 + 8 + 384 + 16),
+                                            num_kernels=6, num_matmuls=3)
+    with_input = profile_program(program, inputs_require_grad=True)
+    assert with_input.backward.matmul_flops == 4 * 6144 and with_input.backward.num_kernels == 7
+    assert profile_program(program) is profile  # cached per program
+
+
+def test_calibrated_compute_by_hand():
+    """A product of f FLOPs and smallest dimension m at flops * m / (m + h); other kernels'
+    bytes at the memory bandwidth; an overhead per kernel."""
+    program = compiled(1, 1)
+    cluster = replace(PAPER_CLUSTER, matmul_half_size=8.0, memory_bandwidth=1e9, kernel_overhead=1e-5)
+    time = step_time(profile_program(program), cluster)
+    flops = cluster.flops
+    assert time.forward_compute_s == pytest.approx(2 * 6144 / (flops * 8 / (8 + 8)) + 4 * 1944 / 1e9 + 5e-5)
+    assert time.backward_compute_s == pytest.approx(3 * 6144 / (flops / 2) + 4 * 1752 / 1e9 + 6e-5)
+    assert time.forward_comm_s == time.backward_comm_s == 0.0
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in self.qkv(x).split(h, dim=-1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, h)
+
+
+def test_fused_attention_counts_as_two_products():
+    """b=2, s=4, 2 heads of 4: scores and output 4*b*heads*s*s*d = 1024 FLOPs (smallest
+    dimension 4) beside the projection's 2*8*8*24 = 3072; backward twice the attention."""
+    torch.manual_seed(0)
+    program = compile_model(Attention(), Mesh(1, 1), torch.randn(2, 4, 8))
+    profile = profile_program(program)
+    assert profile.forward.matmul_flops == 3072 + 1024
+    assert profile.forward.num_matmuls == 2
+    assert profile.forward.matmul_flops_per_size == 3072 / 8 + 1024 / 4
+    assert profile.backward.matmul_flops == 3072 + 2 * 1024  # the weight's gradient and attention's backward
+
+
+def test_grad_sync_false_leaves_out_the_gradient_all_reduces():
+    """[2, 2, 2]: the weights' gradients are all-reduced along depth (grad_sync); without them
+    backward sends less and forward is unchanged."""
+    program = compiled(2, 2)
+    profile = profile_program(program)
+    synced = step_time(profile, PAPER_CLUSTER)
+    unsynced = step_time(profile, PAPER_CLUSTER, grad_sync=False)
+    grad_sync_bytes = sum(c.backward_bytes for c in profile.costs if c.op == "grad_sync")
+    assert grad_sync_bytes > 0
+    assert unsynced.backward_bytes == synced.backward_bytes - grad_sync_bytes
+    assert unsynced.backward_comm_s < synced.backward_comm_s
+    assert (unsynced.forward_s, unsynced.forward_bytes) == (synced.forward_s, synced.forward_bytes)
+    assert unsynced.backward_compute_s == synced.backward_compute_s
 
 
 def test_overlap_takes_the_larger_of_compute_and_comm():
