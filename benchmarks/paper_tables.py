@@ -10,22 +10,32 @@ The paper does not state the sequence length or the layer count: the
 benchmarks assume `SEQ` and report per layer. A batch that the mesh's
 `d*q` does not divide (12 on [4,4,2] and [8,8,1]) is raised to the next
 multiple, as the paper itself did for [4,4,4]; the tables print the batch used.
+
+`compile_paper_layer` compiles a row as the paper's runs most likely ran it
+(docs/planner.md, "Calibration"): in fp16 (`PAPER_DTYPE`), the layer
+recomputed in backward (activation checkpointing: the measured backward is
+3.0x the forward in every Tesseract and Optimus row, forward + twice the
+forward); `compile_layer` compiles the plain fp32 layer.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from tess_compile.compiler import Program, compile_model
 from tess_compile.mesh import Mesh
 
-__all__ = ["SEQ", "TABLE_1", "TABLE_2", "Block", "PaperRow", "compile_layer"]
+__all__ = ["PAPER_DTYPE", "SEQ", "TABLE_1", "TABLE_2", "Block", "CheckpointedBlock", "PaperRow", "compile_layer",
+           "compile_paper_layer"]
 
 SEQ = 512  # assumed: the paper does not give the sequence length
+PAPER_DTYPE = torch.float16  # assumed: the paper's codes (Megatron-LM, Optimus, ColossalAI) train in fp16
 
 
 class Block(nn.Module):
@@ -47,13 +57,32 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-def compile_layer(mesh: Mesh, batch: int, hidden: int, heads: int, seq: int = SEQ) -> Program:
-    """One `Block` on a `[batch, seq, hidden]` input, built on the meta device (no weight
-    is allocated) and compiled for `mesh`."""
+class CheckpointedBlock(nn.Module):
+    """A `Block` under activation checkpointing: backward recomputes it, collectives included."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.block = Block(hidden, heads)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def compile_layer(mesh: Mesh, batch: int, hidden: int, heads: int, seq: int = SEQ, *,
+                  dtype: torch.dtype = torch.float32, checkpoint: bool = False) -> Program:
+    """One `Block` (a `CheckpointedBlock` if `checkpoint`) on a `[batch, seq, hidden]` input
+    of `dtype`, built on the meta device (no weight is allocated) and compiled for `mesh`."""
     with torch.device("meta"):
-        block = Block(hidden, heads)
-        x = torch.empty(batch, seq, hidden)
+        block = (CheckpointedBlock if checkpoint else Block)(hidden, heads).to(dtype)
+        x = torch.empty(batch, seq, hidden, dtype=dtype)
     return compile_model(block, mesh, (x,))
+
+
+@functools.lru_cache(maxsize=None)
+def compile_paper_layer(row: "PaperRow", seq: int = SEQ) -> Program:
+    """One layer of `row`'s configuration as the paper ran it (assumed): fp16, checkpointed.
+    Cached: each row is compiled once per process."""
+    return compile_layer(row.mesh, row.batch_used, row.hidden, row.heads, seq, dtype=PAPER_DTYPE, checkpoint=True)
 
 
 @dataclass(frozen=True)
