@@ -26,7 +26,7 @@ from torch import nn
 from passes.summa import SCHEDULES
 from tess_compile.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.compiler import compile_model
-from tess_compile.cost_model import PAPER_CLUSTER, Cluster, MemoryEstimate, StepTime, predict_memory, predict_time
+from tess_compile.cost_model import CALIBRATED_CLUSTER, Cluster, MemoryEstimate, StepTime, predict_memory, predict_time
 from tess_compile.mesh import AXES, MODES, Mesh
 from tess_compile.parallel_plan import (
     Outer,
@@ -205,7 +205,7 @@ def plan(
     gpus: int,
     *,
     gpus_per_node: int | None = None,
-    cluster: Cluster = PAPER_CLUSTER,
+    cluster: Cluster = CALIBRATED_CLUSTER,
     modes: Sequence[str] = DEFAULT_MODES,
     memory_budget: float | None = None,
     example_inputs=None,
