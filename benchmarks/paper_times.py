@@ -21,7 +21,7 @@ timed backward does not hold them (see docs/planner.md). Then:
   calibrated cluster that `tess_compile.plan` uses (`CALIBRATED_CLUSTER`,
   the fit to Table 1), and the planner's table for the Table 1 layer.
 
-    python3 benchmarks/paper_times.py [--table 1|2|both] [--no-plan]
+    python3 benchmarks/paper_times.py [--table 1|2|both] [--no-plan] [--seq 512]
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ GRAD_SYNC = False  # the paper's timed backward holds no gradient all-reduce of 
 FIT_BASE = replace(PAPER_CLUSTER, flops=312e12)
 
 
-def observations(rows) -> list[Observation]:
+def observations(rows, seq: int = SEQ) -> list[Observation]:
     """Each row's profile (one layer, compiled once per process) beside its measured seconds."""
-    return [Observation(f"{row.method} {row.shape}", profile_program(compile_paper_layer(row), inputs_require_grad=True),
+    return [Observation(f"{row.method} {row.shape}",
+                        profile_program(compile_paper_layer(row, seq), inputs_require_grad=True),
                         row.forward_s, row.backward_s) for row in rows]
 
 
@@ -95,13 +96,14 @@ def scale_of(cluster, obs) -> float:
     return math.exp(sum(logs) / len(logs))
 
 
-def print_taus(obs: dict, fits: dict) -> None:
+def print_taus(obs: dict, fits: dict, seq: int = SEQ) -> None:
     print("\nKendall tau (tau-b) of predicted against measured forward + backward seconds;")
     print("error: typical factor between predicted and measured seconds (forward and backward, best scale)")
     print(f"{'cluster':<40} {'Table 1':>8} {'Table 2':>8} {'error T1':>9} {'error T2':>9}")
     print(f"{'best any model of these programs can do':<40} {best_tau(obs['1']):8.3f} {best_tau(obs['2']):8.3f}")
     rows = [("uncalibrated (PAPER_CLUSTER)", PAPER_CLUSTER)]
-    rows += [(f"fitted to Table {t}{' (CALIBRATED_CLUSTER)' if t == '1' else ''}", fits[t].cluster) for t in ("1", "2")]
+    shipped = " (CALIBRATED_CLUSTER)" if seq == SEQ else ""
+    rows += [(f"fitted to Table {t}{shipped if t == '1' else ''}", fits[t].cluster) for t in ("1", "2")]
     for label, cluster in rows:
         print(f"{label:<40} {tau(cluster, obs['1']):8.3f} {tau(cluster, obs['2']):8.3f} "
               f"{typical_error(cluster, obs['1']):9.2f} {typical_error(cluster, obs['2']):9.2f}")
@@ -124,10 +126,10 @@ def print_constants(fits: dict) -> None:
     print(f"CALIBRATED_CLUSTER {'holds' if same else 'DIFFERS FROM'} the fit to Table 1")
 
 
-def print_rows(title: str, rows, obs, fits: dict) -> None:
+def print_rows(title: str, rows, obs, fits: dict, seq: int) -> None:
     """Per row: the paper's seconds per batch beside each fit's prediction at that fit's
     scale for this table (its layers per batch)."""
-    print(f"\n{title}: measured seconds per batch beside the predicted (one layer, sequence {SEQ}, "
+    print(f"\n{title}: measured seconds per batch beside the predicted (one layer, sequence {seq}, "
           f"times the layers that fit this table best)")
     header = f"{'method':<12} {'shape':<8} {'batch':>5} {'paper fwd':>9} {'bwd':>7} {'sum':>7}"
     for t in ("1", "2"):
@@ -192,17 +194,19 @@ def main(argv=None) -> int:
     parser.add_argument("--table", choices=("1", "2", "both"), default="both",
                         help="the tables whose rows and comparisons to print (both are fitted and scored)")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner's table")
+    parser.add_argument("--seq", type=int, default=SEQ,
+                        help=f"the sequence length to assume (default {SEQ}; CALIBRATED_CLUSTER is fitted at {SEQ})")
     args = parser.parse_args(argv)
-    print(f"Assumed for the paper's runs: sequence {SEQ}, {str(PAPER_DTYPE).replace('torch.', '')}, each layer "
+    print(f"Assumed for the paper's runs: sequence {args.seq}, {str(PAPER_DTYPE).replace('torch.', '')}, each layer "
           "recomputed in backward, no gradient all-reduce of replicated parameters in the timed backward, "
           "a batch the mesh does not divide raised to a multiple of d*q")
-    obs = {t: observations(rows) for t, (_, rows) in TABLES.items()}
+    obs = {t: observations(rows, args.seq) for t, (_, rows) in TABLES.items()}
     fits = {t: fit_cluster(obs[t], FIT_BASE, grad_sync=GRAD_SYNC) for t in TABLES}
-    print_taus(obs, fits)
+    print_taus(obs, fits, args.seq)
     print_constants(fits)
     for t in ("1", "2"):
         if args.table in (t, "both"):
-            print_rows(TABLES[t][0], TABLES[t][1], obs[t], fits)
+            print_rows(TABLES[t][0], TABLES[t][1], obs[t], fits, args.seq)
     if args.table in ("1", "both"):
         compare("Table 1", TABLE_1, obs["1"], [
             (("Tesseract", "[8,8,1]"), ("Tesseract", "[4,4,4]")),
