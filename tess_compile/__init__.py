@@ -62,6 +62,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tess_compile' has no attribute {name!r}")
 
 
+def _check_compile(compile, where: str) -> None:
+    if not isinstance(compile, bool):
+        raise ValueError(
+            f"{where}(compile={compile!r}): compile is True (run each rank's program through inductor) "
+            "or False (run it as it is)"
+        )
+
+
 def simulate(
     model: torch.nn.Module,
     q: int,
@@ -75,6 +83,7 @@ def simulate(
     strict: bool = False,
     verify: bool | None = None,
     dp: int = 1,
+    compile: bool = False,
 ):
     """Compile `model` for the `[q, q, d]` mesh in `mode` and run all `q*q*d` ranks in this process.
 
@@ -88,10 +97,15 @@ def simulate(
     its g-th slice, outputs are concatenated again, and each parameter's
     gradient is summed over the groups' replicas (exactly the unsharded model's
     on the whole batch). Returns a `tess_compile.data_parallel.SimulatedDataParallel`.
+
+    `compile=True` runs the per-rank program, forward and backward, through
+    inductor, as `shard(..., compile=True)` does, each rank in its own thread
+    (docs/compiled.md).
     """
     from tess_compile.simulator import SimulatedModule
     from tess_compile.train_eval import mode_compiler
 
+    _check_compile(compile, "tess_compile.simulate")
     mesh = Mesh(q, d, mode)
     if dp != 1:
         from tess_compile.compiler import split_example_inputs
@@ -105,10 +119,10 @@ def simulate(
                                    strict=strict, verify=verify, summa=summa, keep_blocks=keep_blocks,
                                    checkpoint=checkpoint)
         program = compile_in(model.training)
-        return SimulatedDataParallel([SimulatedModule(program, recompile=compile_in) for _ in range(dp)])
+        return SimulatedDataParallel([SimulatedModule(program, recompile=compile_in, compile=compile) for _ in range(dp)])
     compile_in = mode_compiler(model, mesh, example_inputs, strict=strict, verify=verify, summa=summa,
                                keep_blocks=keep_blocks, checkpoint=checkpoint)
-    return SimulatedModule(compile_in(model.training), recompile=compile_in)
+    return SimulatedModule(compile_in(model.training), recompile=compile_in, compile=compile)
 
 
 def shard(
@@ -127,6 +141,7 @@ def shard(
     timeout: float | timedelta | None = None,
     mesh=None,
     zero: bool = False,
+    compile: bool = False,
 ):
     """Compile `model` for the `[q, q, d]` mesh in `mode`; call on every rank of a world of `q*q*d`.
 
@@ -149,9 +164,14 @@ def shard(
     `zero=True` also shards parameters, gradients and optimizer state over the
     data-parallel dims with FSDP2 (`fully_shard`; parameters become DTensors on
     the whole mesh). Without `mesh`, the whole world is one `[q, q, d]` mesh.
+
+    `compile=True` runs this rank's program, forward and backward, through
+    inductor (torch.compile's compiler), the collectives as custom ops in the
+    compiled graphs, on the first call (docs/compiled.md).
     """
     from tess_compile.train_eval import mode_compiler
 
+    _check_compile(compile, "tess_compile.shard")
     if mesh is not None or zero:
         from tess_compile.data_parallel import check_batch, check_device_mesh, check_zero, dp_size
 
@@ -162,11 +182,11 @@ def shard(
     compile_in = mode_compiler(model, Mesh(q, d, mode), example_inputs, strict=strict, verify=verify, summa=summa,
                                keep_blocks=keep_blocks, checkpoint=checkpoint)
     return shard_program(compile_in(model.training), device=device, timeout=timeout, recompile=compile_in,
-                         mesh=mesh, zero=zero)
+                         mesh=mesh, zero=zero, compile=compile)
 
 
 def shard_program(program, *, device=None, timeout: float | timedelta | None = None, wrap_outputs: bool = True,
-                  recompile=None, mesh=None, zero: bool = False):
+                  recompile=None, mesh=None, zero: bool = False, compile: bool = False):
     """This rank's module of an already compiled `Program` (see `shard`); `recompile(training)`
     compiles the program of the other mode on first use (`tess_compile.train_eval`)."""
     from tess_compile.distributed import DEFAULT_TIMEOUT, ShardedModule, check_world
@@ -182,7 +202,7 @@ def shard_program(program, *, device=None, timeout: float | timedelta | None = N
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
     module = ShardedModule(program, device=device, timeout=timeout, wrap_outputs=wrap_outputs, recompile=recompile,
-                           device_mesh=mesh)
+                           device_mesh=mesh, compile=compile)
     if zero:
         from tess_compile.data_parallel import fully_shard_over_dp
 

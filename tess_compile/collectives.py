@@ -95,8 +95,9 @@ class Comm:
         (x,) = xs
         return [self.run(op, x, axis, *args)]
 
-    def wait(self, x: torch.Tensor) -> None:
-        """Block until the asynchronous collective that fills `x` is done (none here)."""
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` once the asynchronous collective that fills it is done (none here)."""
+        return x
 
 
 _COMM: contextvars.ContextVar[Comm | None] = contextvars.ContextVar("tess_comm", default=None)
@@ -213,8 +214,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         comm = _COMM.get()
-        if comm is not None:
-            comm.wait(x)
+        x = x if comm is None else comm.wait(x)
         return x.view_as(x)
 
     @staticmethod
@@ -225,6 +225,16 @@ class _Wait(torch.autograd.Function):
 def wait(x: torch.Tensor) -> torch.Tensor:
     """`x`, once the `broadcast_start` that made it has arrived."""
     return _Wait.apply(x)
+
+
+@torch.library.custom_op("tess::wait", mutates_args=())
+def _wait_op(x: torch.Tensor) -> torch.Tensor:
+    """`wait` in a compiled graph (`tess_compile.compiled`): a copy of `x` once it has arrived,
+    so that its readers follow the wait (a custom op may not return its input)."""
+    return current_comm().wait(x).clone()
+
+
+_wait_op.register_fake(_same_shape)
 
 
 def grad_sync(x: torch.Tensor, axis: str) -> torch.Tensor:

@@ -120,10 +120,11 @@ class DistComm(Comm):
         self.pending[out.untyped_storage().data_ptr()] = (work, axis)
         return out
 
-    def wait(self, x: torch.Tensor) -> None:
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
         work, axis = self.pending.pop(x.untyped_storage().data_ptr(), (None, None))
         if work is not None:
             self._guard("broadcast_start", axis, work.wait)
+        return x
 
     def _reduce(self, x, axis, dst):
         out = x.clone()
@@ -295,6 +296,8 @@ class ShardedModule(nn.Module):
     checkpoint is loaded (`tess_compile.checkpoint`). It starts in the model's
     mode; after `train()` / `eval()` it runs the program of that mode, compiled
     by `recompile(training)` on first use (`tess_compile.train_eval`).
+    `compile=True` runs the program, forward and backward, through inductor
+    (`tess_compile.compiled`).
     """
 
     def __init__(
@@ -306,11 +309,14 @@ class ShardedModule(nn.Module):
         wrap_outputs: bool = True,
         recompile=None,
         device_mesh=None,
+        compile: bool = False,
     ):
         super().__init__()
         from tess_compile.data_parallel import mesh_groups
 
         self.wrap_outputs = wrap_outputs
+        self.compile = compile
+        self._compiled: dict[int, object] = {}  # id(program) -> its CompiledRank
         mesh = program.mesh
         self.device = torch.device(device) if device is not None else _default_device()
         prepare = functools.partial(state.off_meta, device=self.device)
@@ -348,10 +354,21 @@ class ShardedModule(nn.Module):
         inputs = state.graph_inputs(self.program, self, flat)
         if self.groups.dp is not None:
             inputs = self.groups.mean_grads_over_dp(self, self.program, inputs)
-        with use_comm(self.comm):
-            outs = self.program.runnable(*inputs)
+        if self.compile:
+            outs = self._compiled_program()(self.comm, inputs)
+        else:
+            with use_comm(self.comm):
+                outs = self.program.runnable(*inputs)
         wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
         return pytree.tree_unflatten(wrapped, self.program.out_spec)
+
+    def _compiled_program(self):
+        from tess_compile.compiled import CompiledRank  # imports inductor: only when asked for
+
+        program = self.program
+        if id(program) not in self._compiled:
+            self._compiled[id(program)] = CompiledRank(program, backward_comm=lambda: self.comm)
+        return self._compiled[id(program)]
 
     def _wrap(self, out, layout):
         if not self.wrap_outputs or layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:

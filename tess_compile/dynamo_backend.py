@@ -5,7 +5,9 @@
 Each graph Dynamo hands over (one per piece between graph breaks) is
 exported to the ATen IR that `shard` uses, compiled for the mesh and run
 on it: by the distributed runtime on every rank of an initialized world of
-`q*q*d`, or with `simulate=True` by the simulator in this process.
+`q*q*d`, or with `simulate=True` by the simulator in this process. With
+`inner="inductor"` each per-rank program runs through inductor, forward and
+backward, as `shard(..., compile=True)` does (docs/compiled.md).
 
 Parameters arrive as graph inputs, whole. Each call slices this rank's
 blocks out of them (a copy of the blocks, never of the whole model), and
@@ -29,7 +31,9 @@ __all__ = ["backend", "tesseract"]
 
 log = logging.getLogger("tess_compile")
 
-_OPTIONS = ("q", "d", "mode", "summa", "keep_blocks", "checkpoint", "simulate", "strict", "timeout")
+_OPTIONS = ("q", "d", "mode", "summa", "keep_blocks", "checkpoint", "simulate", "strict", "timeout", "inner")
+# How each per-rank program runs: its graph as it is, or compiled by inductor.
+_INNER = ("eager", "inductor")
 
 
 def backend(
@@ -43,15 +47,23 @@ def backend(
     simulate: bool = False,
     strict: bool = False,
     timeout: float | None = None,
+    inner: str = "eager",
 ) -> Callable:
     """A torch.compile backend that runs each graph on the `[q, q, d]` mesh in `mode`,
     the matrix products in schedule `summa` (see docs/modes.md); `keep_blocks` and
-    `checkpoint` trade memory for work as in `tess_compile.simulate` (docs/memory.md)."""
+    `checkpoint` trade memory for work as in `tess_compile.simulate` (docs/memory.md).
+    `inner="inductor"` compiles each per-rank program with inductor (docs/compiled.md)."""
+    if inner not in _INNER:
+        raise ValueError(
+            f"backend 'tesseract' got inner={inner!r}: it runs each per-rank program as one of "
+            f"{', '.join(map(repr, _INNER))}; pass inner='inductor' to compile it, or leave inner out"
+        )
     mesh = Mesh(q, d, mode)
     options = {"summa": summa, "keep_blocks": keep_blocks, "checkpoint": checkpoint}
+    run = {"simulate": simulate, "strict": strict, "timeout": timeout, "compile": inner == "inductor"}
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-        return _compile(gm, list(example_inputs), mesh, simulate=simulate, strict=strict, timeout=timeout, **options)
+        return _compile(gm, list(example_inputs), mesh, **run, **options)
 
     return compile_graph
 
@@ -69,7 +81,8 @@ def tesseract(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict 
     return backend(q, d, **options)(gm, example_inputs)
 
 
-def _compile(gm, example_inputs: list, mesh: Mesh, *, simulate: bool, strict: bool, timeout, **options) -> Callable:
+def _compile(gm, example_inputs: list, mesh: Mesh, *, simulate: bool, strict: bool, timeout, compile: bool,
+             **options) -> Callable:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if not isinstance(value, torch.Tensor):
@@ -88,10 +101,10 @@ def _compile(gm, example_inputs: list, mesh: Mesh, *, simulate: bool, strict: bo
     )
     log.info("torch.compile backend: graph of %d nodes on mesh %s", len(gm.graph.nodes), mesh)
     if simulate:
-        return SimulatedModule(program)
+        return SimulatedModule(program, compile=compile)
     from tess_compile import shard_program
 
-    return shard_program(program, timeout=timeout, wrap_outputs=False)
+    return shard_program(program, timeout=timeout, wrap_outputs=False, compile=compile)
 
 
 def _checkpointed_body(body, *args):
