@@ -340,7 +340,8 @@ def cmd_plan(args) -> int:
         raise CliError(str(exc)) from None
     print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {args.intra_bandwidth:g} GB/s, "
           f"{args.intra_latency:g} us; inter-node {args.inter_bandwidth:g} GB/s, {args.inter_latency:g} us; "
-          f"{args.tflops:g} TFLOP/s and {args.memory_gb:g} GB per GPU; {cluster.algorithm} collectives"
+          f"{args.tflops:g} TFLOP/s and {args.memory_gb:g} GB per GPU; matmul half size {args.matmul_half_size:g}, "
+          f"memory {args.memory_bandwidth:g} GB/s, {args.kernel_overhead:g} us a kernel; {cluster.algorithm} collectives"
           f"{'; compute and communication overlapped' if args.overlap else ''}")
     sys.stdout.write(format_table(rows))
     if not any(row.fits for row in rows):
@@ -358,7 +359,9 @@ def cluster_of(args):
         return Cluster(gpus_per_node=args.gpus_per_node,
                        intra_bandwidth=args.intra_bandwidth * 1e9, intra_latency=args.intra_latency * 1e-6,
                        inter_bandwidth=args.inter_bandwidth * 1e9, inter_latency=args.inter_latency * 1e-6,
-                       flops=args.tflops * 1e12, memory=args.memory_gb * 1e9, algorithm=args.algorithm)
+                       flops=args.tflops * 1e12, memory=args.memory_gb * 1e9, algorithm=args.algorithm,
+                       matmul_half_size=args.matmul_half_size, memory_bandwidth=args.memory_bandwidth * 1e9,
+                       kernel_overhead=args.kernel_overhead * 1e-6)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
@@ -429,15 +432,17 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def add_plan(commands) -> None:
-    """The `plan` command; the cluster options default to the Tesseract paper's cluster."""
-    from tess_compile.cost_model import PAPER_CLUSTER as paper
+    """The `plan` command; the cluster options default to the calibrated cluster
+    (the Tesseract paper's, with constants fitted to its Table 1)."""
+    from tess_compile.cost_model import CALIBRATED_CLUSTER as paper
 
     plan = commands.add_parser(
         "plan", help="rank the meshes of a GPU count by predicted step time",
         description="Build the model of FACTORY on the meta device, compile it for every mesh of --gpus "
-                    "ranks in --modes, and print the meshes by predicted step time (alpha-beta model; "
-                    "see docs/planner.md). Cluster defaults: the Tesseract paper's (4 A100 40 GB per node, "
-                    "NVLink 200 GB/s, InfiniBand 200 Gb/s). Exit code 1 if no mesh fits in memory.")
+                    "ranks in --modes, and print the meshes by predicted step time (the calibrated cost model; "
+                    "see docs/planner.md). Cluster defaults: the Tesseract paper's (4 A100 40 GB per node), "
+                    "with link, matmul-efficiency and kernel constants fitted to its Table 1. "
+                    "Exit code 1 if no mesh fits in memory.")
     plan.add_argument("target", metavar="FILE.py:FACTORY",
                       help="a function in FILE.py that takes no arguments and returns (model, example_inputs)")
     plan.add_argument("--gpus", type=positive(int), required=True, help="number of GPUs (ranks)")
@@ -456,6 +461,15 @@ def add_plan(commands) -> None:
                       help=f"microseconds per step between nodes (default {paper.inter_latency * 1e6:g})")
     plan.add_argument("--tflops", type=positive(float), default=paper.flops / 1e12,
                       help=f"sustained matmul TFLOP/s of one GPU (default {paper.flops / 1e12:g})")
+    plan.add_argument("--matmul-half-size", type=non_negative, default=paper.matmul_half_size, metavar="M",
+                      help="a product whose smallest dimension is m runs at tflops * m / (m + M); 0: always at "
+                           f"--tflops (default {paper.matmul_half_size:g})")
+    plan.add_argument("--memory-bandwidth", type=positive(float), default=paper.memory_bandwidth / 1e9,
+                      metavar="GB_PER_S",
+                      help=f"GB/s of one GPU's memory, for kernels other than products (default "
+                           f"{paper.memory_bandwidth / 1e9:g})")
+    plan.add_argument("--kernel-overhead", type=non_negative, default=paper.kernel_overhead * 1e6, metavar="US",
+                      help=f"microseconds per kernel launch (default {paper.kernel_overhead * 1e6:g})")
     plan.add_argument("--memory-gb", type=positive(float), default=paper.memory / 1e9,
                       help=f"memory of one GPU in GB, the budget a mesh must fit (default {paper.memory / 1e9:g})")
     plan.add_argument("--algorithm", choices=("ring", "tree"), default=paper.algorithm,

@@ -193,7 +193,7 @@ def test_plan_prints_the_meshes_fastest_first(plan_dir):
                    "-v", cwd=plan_dir)
     assert proc.returncode == 0, report(proc)
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("# 64 GPUs, 4 per node; intra-node 200 GB/s"), report(proc)
+    assert lines[0].startswith("# 64 GPUs, 4 per node; intra-node 122.34 GB/s"), report(proc)
     assert lines[1].split()[:4] == ["mode", "dp", "pp", "mesh"], report(proc)
     rows = plan_rows(proc.stdout)
     assert sorted((row[0], row[1]) for row in rows) == [("1d", "[64]"), ("2.5d", "[4, 4, 4]"),
@@ -223,12 +223,13 @@ def test_plan_enumerates_data_and_pipeline_parallelism(plan_dir, monkeypatch, ca
 def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
     code, out, err = run_in_process(
         ["plan", "plan_model.py:make_mlp", "--gpus", "8", "--gpus-per-node", "8", "--modes", "1d", "--dp", "1", "--pp", "1",
-         "--inter-bandwidth", "12.5", "--tflops", "100", "--algorithm", "tree", "--memory-gb", "80",
-         "--overlap"], plan_dir, monkeypatch, capsys)
+         "--intra-bandwidth", "200", "--intra-latency", "2", "--inter-bandwidth", "12.5", "--inter-latency", "5",
+         "--tflops", "100", "--algorithm", "tree", "--memory-gb", "80", "--matmul-half-size", "0",
+         "--memory-bandwidth", "1500", "--kernel-overhead", "3", "--overlap"], plan_dir, monkeypatch, capsys)
     assert code == 0, err
     assert out.startswith("# 8 GPUs, 8 per node; intra-node 200 GB/s, 2 us; inter-node 12.5 GB/s, 5 us; "
-                          "100 TFLOP/s and 80 GB per GPU; tree collectives; compute and communication "
-                          "overlapped\n"), out
+                          "100 TFLOP/s and 80 GB per GPU; matmul half size 0, memory 1500 GB/s, 3 us a kernel; "
+                          "tree collectives; compute and communication overlapped\n"), out
     assert [(row[0], row[1], row[9]) for row in plan_rows(out)] == [("1d", "[8]", "within one node")], out
 
 
@@ -271,3 +272,11 @@ def test_run_simulated_in_mode_1d(workdir):
     proc = run_cli("run", "model.py:make_mlp", "--q", "1", "--d", "4", "--mode", "1d", "--simulate",
                    "--steps", "2", cwd=workdir)
     check_run(proc, steps=2)
+
+
+def test_plan_defaults_are_the_calibrated_cluster():
+    """Without cluster flags, `plan` prices with the same constants as `tess_compile.plan`."""
+    from tess_compile.cost_model import CALIBRATED_CLUSTER
+
+    args = cli.make_parser().parse_args(["plan", "model.py:make", "--gpus", "8"])
+    assert cli.cluster_of(args) == CALIBRATED_CLUSTER
