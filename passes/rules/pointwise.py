@@ -14,7 +14,7 @@ from passes.rules.common import P, R, Decision, aten, get_arg, layout_of, shape_
 from tess_compile.layout import Layout, Partial, Placement, Replicate, Shard
 from tess_compile.mesh import AXES
 
-__all__ = ["POINTWISE_RULES", "align"]
+__all__ = ["POINTWISE_RULES", "align", "aligned"]
 
 
 # How an op treats partial sums: "sum" (every tensor may be partial),
@@ -78,13 +78,14 @@ def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=()) -> tuple[d
                     chosen = Shard(od, p.groups)
                     break
         for t in tensors:
-            required[t].append(_aligned(chosen, shape_of(t), out_shape))
+            required[t].append(aligned(chosen, shape_of(t), out_shape))
         out.append(chosen or R)
     return {t: Layout(*ps) for t, ps in required.items()}, out
 
 
-def _aligned(chosen, shape, out_shape) -> Placement:
-    if chosen is None:
+def aligned(chosen, shape, out_shape) -> Placement:
+    """The split of a tensor of `shape` that broadcasts to the output split `chosen`."""
+    if not isinstance(chosen, Shard):
         return R
     dim = chosen.dim - (len(out_shape) - len(shape))
     if dim >= 0 and shape[dim] == out_shape[chosen.dim]:
@@ -126,7 +127,8 @@ _POINTWISE = [
     aten.clone.default, aten.alias.default, aten._to_copy.default, aten.to.dtype,
     aten.to.dtype_layout, aten.to.device, aten.ge.Scalar, aten.le.Scalar, aten.ge.Tensor,
     aten.le.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
-    aten.contiguous.default, aten.detach.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.contiguous.default, aten.detach.default, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default, aten.clamp.default,
     aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
     aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,

@@ -29,7 +29,7 @@ from passes.rules.common import (
     shape_of,
     without_partial,
 )
-from passes.rules.pointwise import align
+from passes.rules.pointwise import align, aligned
 from tess_compile.layout import Layout, Placement, Shard
 from tess_compile.mesh import AXES
 
@@ -177,8 +177,9 @@ def weight_product_rules(place_product) -> dict:
     }
 
 
-def _place_batched_matmul(node: Node, ctx, a: Node, b: Node) -> Decision:
-    """Activation @ activation: batch dims aligned, m or n kept split, k split -> partial."""
+def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = True) -> Decision:
+    """Activation @ activation: batch dims aligned, m or n kept split, k split -> partial
+    (with `partial=False`, k is gathered instead)."""
     out_shape = shape_of(node)
     n_out = len(out_shape)
     batch = tuple(range(n_out - 2))
@@ -193,8 +194,10 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node) -> Decision:
             pair, out[index] = (pa, R), Shard(n_out - 2, pa.groups)
         elif isinstance(pb, Shard) and pb.dim == ndb - 1:
             pair, out[index] = (R, pb), Shard(n_out - 1, pb.groups)
-        elif isinstance(pa, Shard) and pa.dim == nda - 1 and pb == Shard(ndb - 2, pa.groups):
-            pair, out[index] = (pa, pb), P
+        elif partial and isinstance(pa, Shard) and pa.dim == nda - 1 and pb in (Shard(ndb - 2, pa.groups), R):
+            pair, out[index] = (pa, Shard(ndb - 2, pa.groups)), P  # a whole b is sliced for free
+        elif partial and isinstance(pb, Shard) and pb.dim == ndb - 2 and pa == R:
+            pair, out[index] = (Shard(nda - 1, pb.groups), pb), P
         else:
             pair, out[index] = (R, R), R
         required[a] = required[a].with_axis(axis, pair[0])
@@ -202,4 +205,17 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node) -> Decision:
     return Decision(required, Layout(*out))
 
 
-PRODUCT_RULES = weight_product_rules(_place_summa)
+def place_baddbmm(node: Node, ctx) -> Decision:
+    """beta * input + alpha * (batch1 @ batch2): the batched matmul without partial sums
+    (input is added once), input split as the output (an ALiBi bias over heads)."""
+    bias, a, b = node.args[:3]
+    decision = _place_batched_matmul(node, ctx, a, b, partial=False)
+    placements = [aligned(p, shape_of(bias), shape_of(node)) for p in decision.out.placements]
+    decision.args[bias] = Layout(*placements)
+    return decision
+
+
+PRODUCT_RULES = {
+    **weight_product_rules(_place_summa),
+    aten.baddbmm.default: place_baddbmm,
+}

@@ -12,11 +12,24 @@ from __future__ import annotations
 import math
 import warnings
 
+import torch
 from torch.fx import Node
 
-from passes.rules.common import R, Decision, aten, dim_arg, dims_local, display_name, get_arg, layout_of, normalize_dim, shape_of
+from passes.rules.common import (
+    R,
+    Decision,
+    aten,
+    dim_arg,
+    dims_local,
+    display_name,
+    get_arg,
+    is_param,
+    layout_of,
+    normalize_dim,
+    shape_of,
+)
 from passes.rules.pointwise import align
-from passes.rules.products import is_narrow_projection
+from passes.rules.products import is_narrow_projection, uses_summa
 from tess_compile.layout import Layout, Shard
 from tess_compile.mesh import AXES
 
@@ -43,21 +56,61 @@ def _segment(in_shape, out_shape, dim):
     raise AssertionError("dim outside shape")
 
 
-def _view_error(node, x, in_shape, out_shape, dim, axis, parts, ctx):
+def _view_problem(node, x, in_shape, out_shape, dim, axis, parts, ctx) -> str:
     a, b, c, e = _segment(in_shape, out_shape, dim)
     factors = list(out_shape[c:e])
-    return ValueError(
+    return (
         f"{node.target} of {display_name(x)!r} from {list(shape_of(x))} to {list(shape_of(node))} splits dim {dim} "
         f"(split over {axis} in {parts} parts on mesh {ctx.mesh}) into {factors}: the outer factor "
-        f"{factors[0]} is not divisible by {parts}. For attention this is a head count not divisible "
-        f"by {parts}: use a head count (and hidden size) that is a multiple of {parts}, or another mesh"
+        f"{factors[0]} is not divisible by {parts}"
     )
+
+
+def _view_error(node, problem: str, parts: int) -> ValueError:
+    """The error of a view that cannot keep a split; it speaks of heads where the
+    value feeds attention."""
+    if _feeds_attention(node):
+        return ValueError(
+            f"{problem}. For attention this is a head count not divisible by {parts}: use a head count "
+            f"(and hidden size) that is a multiple of {parts}, or another mesh"
+        )
+    return ValueError(f"{problem}, so no dim of the view keeps the split: use sizes whose factors are multiples "
+                      f"of {parts}, or another mesh")
+
+
+_ATTENTION_OPS = (
+    aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default, aten.bmm.default,
+    aten.baddbmm.default, aten.matmul.default,
+)
+_PERMUTATIONS = (aten.permute.default, aten.transpose.int, aten.t.default)
+_MAX_CONSUMERS = 8
+
+
+def _feeds_attention(node: Node, last: int | None = None) -> bool:
+    """Whether `node`'s value reaches attention (sdpa, softmax, a product of two
+    activations) within a few consumers; with `last`, only through permutations
+    and ops whose last dim keeps that size (the head dim of q, k, v)."""
+    frontier, seen = [node], {node}
+    for _ in range(_MAX_CONSUMERS):
+        following = []
+        for user in (u for n in frontier for u in n.users if u not in seen):
+            seen.add(user)
+            if user.target in _ATTENTION_OPS and not (user.target is aten.matmul.default and uses_summa(user)):
+                return True
+            val = user.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dim() == 0:
+                continue
+            if last is None or user.target in _PERMUTATIONS or val.shape[-1] == last:
+                following.append(user)
+        frontier = following
+    return False
 
 
 def place_view(node: Node, ctx) -> Decision:
     x = node.args[0]
     layout = layout_of(ctx, x)
     cur_in, cur_out = list(shape_of(x)), list(shape_of(node))
+    head_dim_last = _feeds_attention(node, last=cur_out[-1]) if cur_out else False
     needed, out = [], []
     for axis, p in zip(AXES, layout.placements):
         parts = ctx.mesh.size(axis)
@@ -65,13 +118,13 @@ def place_view(node: Node, ctx) -> Decision:
             needed.append(p)
             out.append(p)
             continue
-        mapped = _map_view_split(cur_in, cur_out, p, parts)
+        mapped = _map_view_split(cur_in, cur_out, p, parts, head_dim_last)
         if mapped is None:
-            if not _ask_groups(ctx, x, cur_in, cur_out, p, parts):
-                error = _view_error(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
+            if not _ask_groups(ctx, x, cur_in, cur_out, p, parts, head_dim_last):
+                problem = _view_problem(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
                 if not is_narrow_projection(x):
-                    raise error
-                warnings.warn(f"{error.args[0].split(': use')[0]}: key/value heads run replicated over {axis}", stacklevel=2)
+                    raise _view_error(node, problem, parts)
+                warnings.warn(f"{problem}: key/value heads run replicated over {axis}", stacklevel=2)
             needed.append(R)  # provisional if groups were asked for; else replicated heads
             out.append(R)
             continue
@@ -83,10 +136,15 @@ def place_view(node: Node, ctx) -> Decision:
     return Decision({x: Layout(*needed)}, Layout(*out))
 
 
-def _map_view_split(in_shape, out_shape, p: Shard, parts):
+def _map_view_split(in_shape, out_shape, p: Shard, parts, head_dim_last: bool):
     """Where the split `p` of an input dim lands after a view: (out dim, groups), or None.
 
-    Splitting inside the innermost new dim (a head's own dim) is refused.
+    The split lands on the first out dim whose leading factors consume the outer
+    factor (the dims before it and the groups): `[3E]` as `S(g=3)` viewed as
+    `[3, E]` is a plain split of `E`, `[n]` as `[1, n]` one of `n`. Refused as
+    splits inside a head's own dim: the innermost new dim when leading dims take
+    part of the outer factor only, or when it is the last dim and reaches
+    attention as the head dim (`head_dim_last`: `[n * hd]` as `[n, hd]`).
     """
     a, _, c, e = _segment(in_shape, out_shape, p.dim)
     outer = math.prod(in_shape[a : p.dim]) * p.groups
@@ -94,19 +152,22 @@ def _map_view_split(in_shape, out_shape, p: Shard, parts):
     for o in range(c, e):
         size = out_shape[o]
         if outer % prefix == 0 and size % ((outer // prefix) * parts) == 0:
-            if parts > 1 and e - c > 1 and o == e - 1 and in_shape[p.dim] == math.prod(out_shape[c:e]):
+            innermost = parts > 1 and e - c > 1 and o == e - 1 and in_shape[p.dim] == math.prod(out_shape[c:e])
+            inside_head = prefix > 1 and outer // prefix > 1
+            if innermost and (inside_head or (head_dim_last and o == len(out_shape) - 1)):
                 return None
             return o, outer // prefix
         prefix *= size
     return None
 
 
-def _ask_groups(ctx, x, in_shape, out_shape, p: Shard, parts) -> bool:
+def _ask_groups(ctx, x, in_shape, out_shape, p: Shard, parts, head_dim_last: bool) -> bool:
     """Ask x's producer for a grouped split that this view could keep."""
     if p.dim != len(in_shape) - 1:
         return False
     for groups in range(2, in_shape[p.dim] // parts + 1):
-        if in_shape[p.dim] % (groups * parts) == 0 and _map_view_split(in_shape, out_shape, Shard(p.dim, groups), parts):
+        grouped = Shard(p.dim, groups)
+        if in_shape[p.dim] % (groups * parts) == 0 and _map_view_split(in_shape, out_shape, grouped, parts, head_dim_last):
             return ctx.want_groups(x, groups)
     return False
 
@@ -116,6 +177,15 @@ def place_expand(node: Node, ctx) -> Decision:
     layout = layout_of(ctx, x)
     shift = len(shape_of(node)) - len(shape_of(x))
     out = [Shard(p.dim + shift, p.groups) if isinstance(p, Shard) else p for p in layout.placements]
+    return Decision({x: layout}, Layout(*out))
+
+
+def place_repeat(node: Node, ctx) -> Decision:
+    """x.repeat(r0, r1, ..): a split dim repeated r times holds r times its groups."""
+    x, repeats = node.args[:2]
+    layout = layout_of(ctx, x)
+    shift = len(repeats) - len(shape_of(x))
+    out = [Shard(p.dim + shift, p.groups * repeats[p.dim + shift]) if isinstance(p, Shard) else p for p in layout.placements]
     return Decision({x: layout}, Layout(*out))
 
 
@@ -150,25 +220,43 @@ def _split_sizes(node: Node) -> list[int]:
 
 
 def place_split(node: Node, ctx) -> Decision:
+    """Chunks that cover whole groups of a split dim keep the split (each its share
+    of the groups); a free parameter cut into chunks is split so, over col."""
     x = node.args[0]
     dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
     sizes = _split_sizes(node)
-    chunks, equal = len(sizes), len(set(sizes)) == 1
-    layout = layout_of(ctx, x)
-    needed, out = [], []
-    for p in layout.placements:
+    layout = layout_of(ctx, x) if ctx.layout(x) or not is_param(x) else _chunked_param(ctx, shape_of(x)[dim], sizes, dim)
+    needed, outs = [], [[] for _ in sizes]
+    for axis, p in zip(AXES, layout.placements):
         if not (isinstance(p, Shard) and p.dim == dim):
             needed.append(p)
-            out.append(p)
-        elif equal and p.groups % chunks == 0:
-            needed.append(p)
-            out.append(Shard(dim, p.groups // chunks))
+            chunk_placements = [p] * len(sizes)
         else:
-            if equal and dim == len(shape_of(x)) - 1:
-                ctx.want_groups(x, chunks)
-            needed.append(R)
-            out.append(R)
-    return Decision({x: Layout(*needed)}, tuple(Layout(*out) for _ in sizes))
+            chunk_groups = _chunk_groups(sizes, p.groups)
+            if chunk_groups is None and len(set(sizes)) == 1 and dim == len(shape_of(x)) - 1:
+                ctx.want_groups(x, len(sizes))
+            needed.append(p if chunk_groups else R)
+            chunk_placements = [Shard(dim, g) for g in chunk_groups] if chunk_groups else [R] * len(sizes)
+            sizes = [s // ctx.mesh.size(axis) for s in sizes] if chunk_groups else sizes
+        for out, placement in zip(outs, chunk_placements):
+            out.append(placement)
+    return Decision({x: Layout(*needed)}, tuple(Layout(*out) for out in outs))
+
+
+def _chunk_groups(sizes, groups):
+    """Each chunk's number of groups when the chunks cover whole groups, else None."""
+    group = sum(sizes) // groups
+    if any(s % group for s in sizes):
+        return None
+    return [s // group for s in sizes]
+
+
+def _chunked_param(ctx, total, sizes, dim) -> Layout:
+    """A free parameter's layout for `split`: groups of the chunks' common size over col."""
+    common = math.gcd(*sizes)
+    if len(sizes) < 2 or common % ctx.mesh.size("col"):
+        return Layout.replicated()
+    return Layout(R, R, Shard(dim, total // common))
 
 
 def place_cat(node: Node, ctx) -> Decision:
@@ -199,6 +287,7 @@ VIEW_RULES = {
     aten.slice.Tensor: dims_local(dim_arg),
     aten.select.int: dims_local(dim_arg),
     aten.expand.default: place_expand,
+    aten.repeat.default: place_repeat,
     aten.transpose.int: place_permute,
     aten.permute.default: place_permute,
     aten.t.default: place_permute,
