@@ -1,5 +1,5 @@
-"""Placement rules of views and data movement: view/reshape, expand, permute,
-slice/select, split and cat.
+"""Placement rules of views and data movement: view/reshape, expand, repeat,
+permute, slice/select, split, unbind and cat.
 
 A view keeps a split where the split dim's outer factor survives (a hidden
 dim `h` split over col becomes heads `[n, h/n]` split on `n`); a split
@@ -210,6 +210,16 @@ def place_permute(node: Node, ctx) -> Decision:
     return Decision({x: layout}, Layout(*out))
 
 
+def place_unbind(node: Node, ctx) -> Decision:
+    """unbind(x, dim): `dim` whole; each slice keeps the other splits (packed q, k, v)."""
+    x = node.args[0]
+    dim = normalize_dim(get_arg(node, 1, "dim", 0), len(shape_of(x)))
+    layout = layout_of(ctx, x)
+    needed = Layout(*(R if isinstance(p, Shard) and p.dim == dim else p for p in layout.placements))
+    out = Layout(*(Shard(p.dim - (p.dim > dim), p.groups) if isinstance(p, Shard) else p for p in needed.placements))
+    return Decision({x: needed}, tuple(out for _ in range(shape_of(x)[dim])))
+
+
 def _split_sizes(node: Node) -> list[int]:
     x, size_or_sizes = node.args[0], node.args[1]
     dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
@@ -292,6 +302,7 @@ VIEW_RULES = {
     aten.permute.default: place_permute,
     aten.t.default: place_permute,
     aten.split.Tensor: place_split,
+    aten.unbind.int: place_unbind,
     aten.split_with_sizes.default: place_split,
     aten.cat.default: place_cat,
 }
