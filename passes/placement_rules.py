@@ -10,8 +10,10 @@ replicated over depth; norm/bias vectors are split over col.
 from __future__ import annotations
 
 from passes.rules.attention import ATTENTION_RULES
+from passes.rules.complex_numbers import COMPLEX_RULES
 from passes.rules.convolutions import CONVOLUTION_RULES
 from passes.rules.embeddings import EMBEDDING_RULES
+from passes.rules.experts import EXPERT_RULES
 from passes.rules.factories import FACTORY_RULES
 from passes.rules.losses import LOSS_RULES
 from passes.rules.norms import NORM_RULES
@@ -34,6 +36,8 @@ RULE_FAMILIES = {
     "losses": LOSS_RULES,
     "norms": NORM_RULES,
     "convolutions": CONVOLUTION_RULES,
+    "complex_numbers": COMPLEX_RULES,
+    "experts": EXPERT_RULES,
 }
 
 PLACEMENT_RULES = {op: rule for family in RULE_FAMILIES.values() for op, rule in family.items()}

@@ -1,0 +1,47 @@
+"""Placement rules of complex numbers: `view_as_complex`, `view_as_real` and the
+ops that make complex values (`polar`, `complex`).
+
+`view_as_complex` of `[..., n, 2]` drops the last dim, which holds a number's
+real and imaginary parts and so must be whole on every rank; `view_as_real`
+adds it back. Splits on the other dims carry over as they are (rotary
+embeddings keep their batch and head splits through the complex product).
+Elementwise ops on complex values (`mul`, `add`, ...) are the pointwise rules.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from passes.rules.common import R, Decision, aten, shape_of
+from passes.rules.pointwise import place_pointwise
+from tess_compile.layout import Layout, Shard
+
+__all__ = ["COMPLEX_RULES"]
+
+
+def place_view_as_complex(node: Node, ctx) -> Decision:
+    """`[..., n, 2]` real -> `[..., n]` complex: the last dim whole, other splits kept."""
+    x = node.args[0]
+    last = len(shape_of(x)) - 1
+    layout = ctx.layout(x) or Layout.replicated()
+    needed = Layout(*(R if isinstance(p, Shard) and p.dim == last else p for p in layout.placements))
+    return Decision({x: needed}, needed)
+
+
+def place_view_as_real(node: Node, ctx) -> Decision:
+    """`[..., n]` complex -> `[..., n, 2]` real: every split kept on its dim.
+
+    A partial sum of complex numbers is the partial sum of their parts, so
+    partial placements carry over too.
+    """
+    x = node.args[0]
+    layout = ctx.layout(x) or Layout.replicated()
+    return Decision({x: layout}, layout)
+
+
+COMPLEX_RULES = {
+    aten.view_as_complex.default: place_view_as_complex,
+    aten.view_as_real.default: place_view_as_real,
+    aten.polar.default: place_pointwise,
+    aten.complex.default: place_pointwise,
+}
