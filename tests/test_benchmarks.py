@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -47,3 +49,11 @@ def test_memory_benchmark_runs(capsys):
     assert bench.main(["--layers", "2", "--hidden", "32", "--heads", "8", "--batch", "8", "--seq", "4"]) == 0
     out = capsys.readouterr().out
     assert "2.5d  [4,4,2]" in out and "none+keep" in out and "selective" in out
+
+
+def test_vs_dtensor_benchmark_runs(capsys):
+    pytest.importorskip("expecttest")  # PyTorch's test Transformer imports it; CI installs only .[test]
+    bench = importlib.import_module("benchmarks.vs_dtensor")  # by package name: spawned ranks import it
+    assert bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "DTensor eager" in out and "tess 2.5d" in out and "saved B/rank" in out
