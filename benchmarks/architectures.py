@@ -9,7 +9,10 @@ p=4. Weights and inputs come from seeded generators: the same name builds the
 same case in every process.
 
 Libraries: Hugging Face transformers, torch itself (`torch.nn` layers and
-the Transformer of PyTorch's tensor-parallel tests) and torchtitan. Each is
+the Transformer of PyTorch's tensor-parallel tests) and torchtitan
+(`benchmarks/titan_architectures.py`). Mixtral's experts use transformers'
+`batched_mm` implementation: the eager one loops over the experts a batch
+routes to (data-dependent, not capturable), `grouped_mm` has no float64. Each is
 imported when one of its models is built; a missing library raises
 ImportError, so callers can skip its models.
 """
@@ -23,6 +26,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from benchmarks.titan_architectures import TITAN_ARCHITECTURES
 
 __all__ = ["ARCHITECTURES", "Case", "build", "libraries"]
 
@@ -206,8 +211,16 @@ ARCHITECTURES: dict[str, tuple[str, Callable]] = {
     "gpt-bigcode": ("transformers", _hf_causal("GPTBigCodeConfig", "GPTBigCodeForCausalLM", vocab_size=VOCAB,
                                               n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=MLP,
                                               n_positions=2 * SEQ, multi_query=True)),
+    "gpt-neox": ("transformers", _hf_causal("GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.5, **_DECODER)),
+    "olmo": ("transformers", _hf_causal("OlmoConfig", "OlmoForCausalLM", num_key_value_heads=HEADS, pad_token_id=0,
+                                       **_DECODER)),
+    "granite": ("transformers", _hf_causal("GraniteConfig", "GraniteForCausalLM", num_key_value_heads=HEADS, **_DECODER)),
+    "starcoder2": ("transformers", _hf_causal("Starcoder2Config", "Starcoder2ForCausalLM", num_key_value_heads=HEADS,
+                                             **_DECODER)),
+    "mpt": ("transformers", _hf_causal("MptConfig", "MptForCausalLM", vocab_size=VOCAB, d_model=HIDDEN, n_heads=HEADS,
+                                      n_layers=LAYERS, expansion_ratio=2, max_seq_len=2 * SEQ)),
     "mixtral": ("transformers", _hf_causal("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=HEADS,
-                                          num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager",
+                                          num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm",
                                           **_DECODER)),
     # Hugging Face encoders and encoder-decoders
     "bert": ("transformers", _bert_like("BertConfig", "BertForMaskedLM")),
@@ -225,6 +238,9 @@ ARCHITECTURES: dict[str, tuple[str, Callable]] = {
     "vit": ("transformers", _hf_images("ViTConfig", "ViTForImageClassification", size=8, image_size=8, patch_size=4,
                                       hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                       intermediate_size=MLP)),
+    "deit": ("transformers", _hf_images("DeiTConfig", "DeiTForImageClassification", size=8, image_size=8, patch_size=4,
+                                       hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                       intermediate_size=MLP)),
     "convnext": ("transformers", _hf_images("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[8, 16],
                                            depths=[1, 1], num_stages=2)),
     "resnet": ("transformers", _hf_images("ResNetConfig", "ResNetForImageClassification", embedding_size=8,
@@ -236,6 +252,7 @@ ARCHITECTURES: dict[str, tuple[str, Callable]] = {
     "torch-encoder-prenorm": ("torch", _torch_encoder(norm_first=True)),
     "torch-transformer": ("torch", _torch_transformer),
     "dtensor-test-transformer": ("torch", _dtensor_test_transformer),
+    **TITAN_ARCHITECTURES,
 }
 
 

@@ -10,7 +10,10 @@ forward and backward is compared with the unsharded model's:
 - `redundant`: forward FLOPs over all ranks over the unsharded model's
   (`tess_compile.accounting.redundant_work`; 1.00: no rank repeats another's
   matmul-like work);
-- `replicated`: the ops with no sharding rule (they run whole on every rank).
+- `replicated`: the ops with no sharding rule (they run whole on every rank);
+- `computes in`: the least precise floating dtype of the model's own graph
+  (float32 where its code casts a float64 model down, as Llama's RMSNorm does:
+  then float32 rounding in another summation order bounds the error).
 
 A model that does not compile gets its error's first line instead.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import sys
 import warnings
@@ -31,7 +35,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.architectures import ARCHITECTURES, build  # noqa: E402
-from tess_compile.accounting import redundant_work, unsharded_forward_flops  # noqa: E402
+from passes import capture  # noqa: E402
+from tess_compile.accounting import captured_forward_flops, redundant_work  # noqa: E402
+from tess_compile.compiler import split_example_inputs  # noqa: E402
 
 __all__ = ["MESHES", "Row", "main", "measure"]
 
@@ -47,6 +53,7 @@ class Row:
     redundant: float | None = None
     replicated: list[str] = field(default_factory=list)
     failure: str | None = None
+    compute_dtype: torch.dtype | None = None
 
 
 def _relative_error(sim, oracle, out, expected, loss) -> float:
@@ -86,8 +93,24 @@ def measure(name: str, label: str, q: int, d: int, mode: str) -> Row:
     expected = _call(oracle, case.inputs)
     case.loss(expected).backward()
     row.error = _relative_error(sim, oracle, out, expected, case.loss)
-    row.redundant = redundant_work(sim.program, unsharded_forward_flops(oracle, case.inputs))
+    flops, row.compute_dtype = _model_facts(name)
+    row.redundant = redundant_work(sim.program, flops)
     return row
+
+
+@functools.cache
+def _model_facts(name: str) -> tuple[int, torch.dtype]:
+    """The unsharded model's forward FLOPs, and the floating dtype of least precision
+    among the values of its captured graph (one capture, shared by every mesh)."""
+    case = build(name)
+    args, kwargs = split_example_inputs(case.inputs)
+    gm = capture(case.model, args, kwargs)
+    dtypes = {
+        node.meta["val"].dtype
+        for node in gm.graph.nodes
+        if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].is_floating_point()
+    }
+    return captured_forward_flops(gm), max(dtypes, key=lambda dtype: torch.finfo(dtype).eps)
 
 
 def _replicated_ops(caught) -> list[str]:
@@ -101,13 +124,15 @@ def _replicated_ops(caught) -> list[str]:
 
 
 def _format(rows: list[Row], markdown: bool) -> str:
-    lines = ["| model | mesh | max error | redundant work | replicated ops / failure |", "|---|---|---|---|---|"]
+    lines = ["| model | mesh | max error | computes in | redundant work | replicated ops / failure |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         if row.failure:
-            lines.append(f"| {row.name} | {row.mesh} | - | - | {row.failure} |")
+            lines.append(f"| {row.name} | {row.mesh} | - | - | - | {row.failure} |")
             continue
         redundant = "-" if row.redundant is None else f"{row.redundant:.2f}"
-        lines.append(f"| {row.name} | {row.mesh} | {row.error:.1e} | {redundant} | {', '.join(row.replicated)} |")
+        dtype = str(row.compute_dtype).removeprefix("torch.")
+        lines.append(f"| {row.name} | {row.mesh} | {row.error:.1e} | {dtype} | {redundant} | {', '.join(row.replicated)} |")
     return "\n".join(lines) if markdown else "\n".join(line.strip("|") for line in lines if "---" not in line)
 
 

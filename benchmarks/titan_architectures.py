@@ -5,10 +5,9 @@ contract: `builder(gen) -> (model, inputs, loss)`, tiny configs (hidden 32,
 4 heads, 2 layers, vocab 64, sequence 8, batch 4); `build` makes them float64.
 The models are torchtitan's own configs with their own layer builders:
 llama3 (complex RoPE: `view_as_complex` / `view_as_real`, computed in
-float32 and complex64 as torchtitan does), qwen3 (QK norm, cos/sin RoPE) and
-qwen3-moe (token-choice top-2 routing over 4 experts; its experts run
-`_grouped_mm` in bfloat16 whatever the model's dtype, and its router's
-autocast region captures as a submodule). Attention is `scaled_dot_product_attention`,
+float32 and complex64 as torchtitan does) and qwen3 (QK norm, cos/sin RoPE).
+Not here: torchtitan's MoE, whose experts run `_grouped_mm` in bfloat16
+whatever the model's dtype (see docs/coverage.md). Attention is `scaled_dot_product_attention`,
 causal, without masks: torchtitan's language models default to flex
 attention, which needs a block mask built outside the model.
 """
@@ -25,7 +24,6 @@ from torch import nn
 __all__ = ["TITAN_ARCHITECTURES"]
 
 HIDDEN, HEADS, LAYERS, VOCAB, SEQ, BATCH, MLP = 32, 4, 2, 64, 8, 4, 64
-EXPERTS, TOP_K = 4, 2
 
 
 def _tokens_loss(labels: torch.Tensor):
@@ -110,17 +108,8 @@ def _qwen3(gen):
     return _decoder(Qwen3Model, layers, gen)
 
 
-def _qwen3_moe(gen):
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers
-
-    layers = _build_qwen3_moe_layers(n_layers=LAYERS, dim=HIDDEN, n_heads=HEADS, n_kv_heads=HEADS,
-                                     head_dim=HIDDEN // HEADS, moe_hidden_dim=MLP, num_experts=EXPERTS, top_k=TOP_K,
-                                     attn_backend="flex", moe_comm_backend="standard", rope=_qwen3_rope())
-    return _decoder(Qwen3Model, layers, gen)
-
 
 TITAN_ARCHITECTURES: dict[str, tuple[str, Callable]] = {
     "titan-llama3": ("torchtitan", _llama3),
     "titan-qwen3": ("torchtitan", _qwen3),
-    "titan-qwen3-moe": ("torchtitan", _qwen3_moe),
 }

@@ -167,12 +167,18 @@ def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> N
 def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:
     """Inline `wrap_with_set_grad_enabled` regions (a `torch.no_grad()` block,
     such as rotary tables) so every rule sees plain ops; what a disabled region
-    returns is detached, as it was."""
-    wrapper = torch.ops.higher_order.wrap_with_set_grad_enabled
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is wrapper]:
-        enabled, submodule_node, *operands = node.args
+    returns is detached, as it was. Regions that turn autocast off
+    (`torch.autocast(..., enabled=False)`, as MoE routers do to keep float32)
+    are inlined too: their ops already carry explicit dtypes. A region that
+    turns autocast on raises: its casts are not in the graph."""
+    grad_mode, autocast = torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (grad_mode, autocast)]:
+        if node.target is autocast:
+            enabled, submodule_node, *operands = _autocast_region(node)
+        else:
+            enabled, submodule_node, *operands = node.args
         outputs = _inline(gm, node, getattr(gm, submodule_node.target), operands)
-        if not enabled:
+        if node.target is grad_mode and not enabled:
             outputs = [_detached(gm, node, out) for out in outputs]
         for user in list(node.users):
             user.replace_all_uses_with(outputs[user.args[1]])
@@ -182,6 +188,18 @@ def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(submodule_node)
     gm.graph.lint()
     gm.recompile()
+
+
+def _autocast_region(node: torch.fx.Node) -> tuple:
+    """(False, submodule, *operands) of a `wrap_with_autocast` that disables autocast."""
+    device_type, dtype, enabled, _cache, submodule_node, *operands = node.args
+    if enabled:
+        raise ValueError(
+            f"the model enters torch.autocast({device_type!r}, dtype={dtype}) inside forward "
+            f"(node {node.name}, at {node.meta.get('stack_trace', '').strip().splitlines()[-1:] or '?'}): "
+            "its casts are not captured; cast explicitly in the model, or run the sharded module under autocast"
+        )
+    return (False, submodule_node, *operands)
 
 
 def _inline(gm: torch.fx.GraphModule, at: torch.fx.Node, sub: torch.fx.GraphModule, operands) -> list:

@@ -57,6 +57,7 @@ __all__ = [
     "CollectiveCost",
     "bytes_by_phase",
     "bytes_from_records",
+    "captured_forward_flops",
     "check_rank",
     "collective_costs",
     "fake_run",
@@ -125,7 +126,11 @@ def unsharded_forward_flops(model: torch.nn.Module, example_inputs) -> int:
     captured graph on global shapes (the graph the compiler shards, on the device of
     `fake_run`, so that the two counts compare)."""
     args, kwargs = split_example_inputs(example_inputs)
-    gm = capture(model, args, kwargs)
+    return captured_forward_flops(capture(model, args, kwargs))
+
+
+def captured_forward_flops(gm: GraphModule) -> int:
+    """`unsharded_forward_flops` of a graph already captured."""
     counter = FlopCounterMode(display=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = [_global_placeholder(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]

@@ -40,3 +40,36 @@ def test_patch_conv_parity_without_fallback(q, d):
         sim = tess_compile.simulate(model, q, d, example_inputs=(images,), verify=True)
     assert_matches_model(sim, model, images)
     assert str(sim.program.slots[0].layout) == "RRS(0)", "conv weight: out channels over col"
+
+
+class Router(nn.Module):
+    """A router that turns autocast off to score in float32 (as MoE routers do)."""
+
+    def __init__(self, hidden: int = 8):
+        super().__init__()
+        self.gate = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            scores = self.gate(x).float().softmax(-1)
+        return x * scores.to(x.dtype)
+
+
+def test_a_region_without_autocast_is_inlined():
+    torch.manual_seed(3)
+    model = Router().double()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,))
+    assert_matches_model(sim, model, x, rtol=1e-5)  # the scores are float32 by the model's own cast
+
+
+def test_a_region_with_autocast_on_is_refused():
+    class Mixed(Router):
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.gate(x)
+
+    with pytest.raises(ValueError, match=r"enters torch.autocast\('cpu', dtype=torch.bfloat16\)"):
+        tess_compile.simulate(Mixed(), 2, 2, example_inputs=(torch.randn(4, 2, 8),))
