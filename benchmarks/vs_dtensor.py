@@ -17,7 +17,8 @@ Configurations (`CONFIGS`), each on all 8 ranks of one launch:
   sharding rule for the CPU flash attention kernel), eager and under
   `torch.compile`;
 - tess-compile: `tess_compile.shard(model, 2, 2, mode="1d")` (Megatron-LM
-  over p=8) and mode "2.5d" (the `[2,2,2]` mesh).
+  over p=8) and mode "2.5d" (the `[2,2,2]` mesh), eager and with
+  `compile=True` (the per-rank programs through inductor).
 
 Every configuration is built and runs `--warmup` steps (compilation
 included), then two measured steps, then `--rounds` rounds: round r runs
@@ -112,18 +113,20 @@ def dtensor(model: WithLoss, batch, q: int, d: int, *, compiled: bool) -> nn.Mod
     return torch.compile(model) if compiled else model
 
 
-def tess(model: WithLoss, batch, q: int, d: int, *, mode: str) -> nn.Module:
-    """tess-compile's module of `model` on the q*q*d ranks in `mode` (1d: all ranks on one axis)."""
-    return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300)
+def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool) -> nn.Module:
+    """tess-compile's module of `model` on the q*q*d ranks in `mode` (1d: all ranks on one
+    axis); `compiled`: its per-rank program through inductor (`compile=True`)."""
+    return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300, compile=compiled)
 
 
-# name: (build(model, batch, q, d) -> module, compiled). Rows for tess-compile
-# under torch.compile go here once `tess_compile.shard` takes `compile=True`.
+# name: (build(model, batch, q, d) -> module, compiled)
 CONFIGS = {
     "DTensor eager": (functools.partial(dtensor, compiled=False), False),
     "DTensor compiled": (functools.partial(dtensor, compiled=True), True),
-    "tess 1d": (functools.partial(tess, mode="1d"), False),
-    "tess 2.5d": (functools.partial(tess, mode="2.5d"), False),
+    "tess 1d": (functools.partial(tess, mode="1d", compiled=False), False),
+    "tess 2.5d": (functools.partial(tess, mode="2.5d", compiled=False), False),
+    "tess 1d compiled": (functools.partial(tess, mode="1d", compiled=True), True),
+    "tess 2.5d compiled": (functools.partial(tess, mode="2.5d", compiled=True), True),
 }
 
 
