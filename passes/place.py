@@ -21,6 +21,8 @@ number of such nodes and the input bytes a rank gathers to run them whole.
 
 A rule may ask for a producer's output to be laid out with groups (a fused
 QKV projection feeding `split`); the pass then runs once more with that hint.
+A permutation of a free tensor (`x @ W.T`) is free as well: its first
+consumer fixes its layout, and the tensor's is that layout permuted back.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class PlacementContext:
         self.mesh = mesh
         self.hints = hints
         self.layouts: dict[Node, object] = {}
+        self.free_permutations: dict[Node, tuple[Node, list[int]]] = {}
         self.rerun = False
 
     def layout(self, node: Node) -> Layout | None:
@@ -66,6 +69,20 @@ class PlacementContext:
     @staticmethod
     def shape(node: Node) -> tuple[int, ...]:
         return tuple(node.meta["val"].shape)
+
+    def permute_free(self, node: Node, source: Node, order: list[int]) -> Decision:
+        """`node` permutes the free tensor `source` by `order`: both stay free (see `fix`)."""
+        self.free_permutations[node] = (source, order)
+        return Decision({}, None)
+
+    def fix(self, node: Node, layout: Layout) -> None:
+        """A free tensor takes its first consumer's layout; a free permutation gives its
+        source that layout permuted back, if the source is still free."""
+        self.layouts[node] = layout
+        if node in self.free_permutations:
+            source, order = self.free_permutations[node]
+            if self.layouts.get(source) is None:
+                self.fix(source, _permuted_back(layout, order))
 
     def want_groups(self, node: Node, groups: int) -> bool:
         """Ask `node`'s producer for `groups` on its last dim; True if a rerun will give it.
@@ -153,8 +170,17 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
             layout = ctx.layouts.get(by_name[node.meta["alias_of"]])
         if layout is None and node.op == "placeholder" and isinstance(node.meta["val"], torch.Tensor):
             layout = Layout.replicated()  # an unused parameter or buffer
+        if node in ctx.free_permutations:  # the source, converted to this layout permuted back
+            source, order = ctx.free_permutations[node]
+            layout = layout or Layout.replicated()
+            node.meta["arg_layouts"] = {source: _permuted_back(layout, order)}
         node.meta["layout"] = layout
     return gm
+
+
+def _permuted_back(layout: Layout, order: list[int]) -> Layout:
+    """The layout of x, given that of x.permute(order)."""
+    return Layout(*(Shard(order[p.dim], p.groups) if isinstance(p, Shard) else p for p in layout.placements))
 
 
 def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: bool) -> Decision:
@@ -184,7 +210,7 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
         decision = rule(node, ctx)
     for arg, layout in decision.args.items():
         if ctx.layouts.get(arg) is None:
-            ctx.layouts[arg] = layout  # a free tensor takes its first consumer's layout
+            ctx.fix(arg, layout)
     ctx.layouts[node] = decision.out
     return decision
 

@@ -1,5 +1,6 @@
 """Attention written with views: packed QKV (nn.MultiheadAttention), unbind, per-head
-biases, heads folded into the batch dim with baddbmm and ALiBi. Each runs in float64
+biases, heads folded into the batch dim with baddbmm and ALiBi; weights used as
+`x @ W.T`. Each runs in float64
 simulation at [2,2,2] and 1-D p=4, exact against the unsharded model, every op
 sharded (strict) and no matmul-like work repeated on two ranks."""
 
@@ -104,6 +105,20 @@ class AlibiAttention(nn.Module):
         return self.dense(out)
 
 
+class TransposedWeights(nn.Module):
+    """Falcon's linear layers: `x @ W.T` on a parameter (a permuted free tensor), and `+=`."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(2 * HIDDEN, HIDDEN) / HIDDEN)
+        self.down = nn.Parameter(torch.randn(HIDDEN, 2 * HIDDEN) / HIDDEN)
+
+    def forward(self, x):
+        out = torch.relu(x @ self.up.T) @ self.down.T
+        out += x
+        return out
+
+
 def _inputs(model):
     num_inputs = 2 if isinstance(model, PackedCrossAttention) else 1
     return tuple(torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64) for _ in range(num_inputs))
@@ -114,7 +129,7 @@ def _assert_exact(actual, expected, name):
     assert (actual - expected).abs().max().item() <= 1e-12 * scale, name
 
 
-MODELS = [PackedSelfAttention, PackedCrossAttention, UnbindAttention, RelativeBiasAttention, AlibiAttention]
+MODELS = [PackedSelfAttention, PackedCrossAttention, UnbindAttention, RelativeBiasAttention, AlibiAttention, TransposedWeights]
 
 
 @pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)

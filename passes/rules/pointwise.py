@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import P, R, Decision, aten, get_arg, layout_of, shape_of, tensor_inputs
+from passes.rules.common import P, R, Decision, aten, get_arg, layout_of, shape_of, tensor_inputs, without_partial
 from tess_compile.layout import Layout, Partial, Placement, Replicate, Shard
 from tess_compile.mesh import AXES
 
@@ -99,6 +99,16 @@ def place_pointwise(node: Node, ctx) -> Decision:
     return Decision(required, Layout(*out))
 
 
+def place_inplace(node: Node, ctx) -> Decision:
+    """x.add_(y) and kin: x is written in place, so it keeps its layout (partial sums
+    made whole) and the other inputs align to it."""
+    x = node.args[0]
+    layout = without_partial(layout_of(ctx, x))
+    required = {t: Layout(*(aligned(p, shape_of(t), shape_of(node)) for p in layout.placements)) for t in tensor_inputs(node)}
+    required[x] = layout
+    return Decision(required, layout)
+
+
 def place_type_as(node: Node, ctx) -> Decision:
     """type_as(x, other): other gives only a dtype; x keeps its layout."""
     x = node.args[0]
@@ -140,4 +150,5 @@ POINTWISE_RULES = {
     **{op: place_pointwise for op in _POINTWISE},
     aten.dropout.default: place_dropout,
     aten.type_as.default: place_type_as,
+    **{op: place_inplace for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor)},
 }

@@ -143,7 +143,14 @@ def uses_summa(node: Node) -> bool:
         plain = get_arg(node, 3, "beta", 1) == 1 and get_arg(node, 4, "alpha", 1) == 1
         return plain and is_param(node.args[2])
     weight = node.args[1]
-    return is_param(weight) and len(shape_of(weight)) == 2
+    return _is_weight(weight) and len(shape_of(weight)) == 2
+
+
+def _is_weight(node: Node) -> bool:
+    """A parameter, or a transpose of one (`x @ W.T`)."""
+    while node.op == "call_function" and node.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default):
+        node = node.args[0]
+    return is_param(node)
 
 
 def weight_product_rules(place_product) -> dict:

@@ -82,6 +82,11 @@ _ATTENTION_OPS = (
     aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default, aten.bmm.default,
     aten.baddbmm.default, aten.matmul.default,
 )
+# Consumers that cut a fused value apart (Falcon's [n + 2] heads into q, k, v).
+_TAKING_APART = (
+    aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int,
+)
 _PERMUTATIONS = (aten.permute.default, aten.transpose.int, aten.t.default)
 _MAX_CONSUMERS = 8
 
@@ -122,9 +127,12 @@ def place_view(node: Node, ctx) -> Decision:
         if mapped is None:
             if not _ask_groups(ctx, x, cur_in, cur_out, p, parts, head_dim_last):
                 problem = _view_problem(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
-                if not is_narrow_projection(x):
+                if is_narrow_projection(x):
+                    warnings.warn(f"{problem}: key/value heads run replicated over {axis}", stacklevel=2)
+                elif all(user.target in _TAKING_APART for user in node.users):
+                    warnings.warn(f"{problem}: the parts are cut from the whole value over {axis}", stacklevel=2)
+                else:
                     raise _view_error(node, problem, parts)
-                warnings.warn(f"{problem}: key/value heads run replicated over {axis}", stacklevel=2)
             needed.append(R)  # provisional if groups were asked for; else replicated heads
             out.append(R)
             continue
@@ -197,15 +205,18 @@ def _permutation(node: Node) -> list[int]:
     if node.target is aten.transpose.int:
         d0, d1 = (normalize_dim(d, ndim) for d in node.args[1:3])
         order[d0], order[d1] = order[d1], order[d0]
-    else:  # aten.t
+    else:  # aten.t, aten.numpy_T
         order.reverse()
     return order
 
 
 def place_permute(node: Node, ctx) -> Decision:
+    """Splits follow their dims; a permuted free tensor (`W.T`) stays free."""
     x = node.args[0]
-    layout = layout_of(ctx, x)
     order = _permutation(node)
+    if ctx.layout(x) is None:
+        return ctx.permute_free(node, x, order)
+    layout = layout_of(ctx, x)
     out = [Shard(order.index(p.dim), p.groups) if isinstance(p, Shard) else p for p in layout.placements]
     return Decision({x: layout}, Layout(*out))
 
@@ -301,6 +312,7 @@ VIEW_RULES = {
     aten.transpose.int: place_permute,
     aten.permute.default: place_permute,
     aten.t.default: place_permute,
+    aten.numpy_T.default: place_permute,
     aten.split.Tensor: place_split,
     aten.unbind.int: place_unbind,
     aten.split_with_sizes.default: place_split,
