@@ -87,7 +87,7 @@ _TAKING_APART = (
     aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
     aten.unbind.int,
 )
-_PERMUTATIONS = (aten.permute.default, aten.transpose.int, aten.t.default)
+_PERMUTATIONS = (aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default)
 _MAX_CONSUMERS = 8
 
 
