@@ -133,15 +133,21 @@ def captured_forward_flops(gm: GraphModule) -> int:
     """`unsharded_forward_flops` of a graph already captured."""
     counter = FlopCounterMode(display=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        inputs = [_global_placeholder(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+        inputs = [_global_placeholder(n) for n in gm.graph.nodes if n.op == "placeholder"]
         with counter:
             Interpreter(gm).run(*inputs)
     return counter.get_total_flops()
 
 
-def _global_placeholder(val):
-    """An empty tensor like the captured value `val` (on the default device), or the value."""
-    return torch.empty(val.shape, dtype=val.dtype) if isinstance(val, torch.Tensor) else val
+def _global_placeholder(node: Node):
+    """An empty tensor like the captured placeholder's value (on the default device),
+    requiring grad if it is a parameter, as in `fake_run` (some kernels, such as CPU
+    attention, take another path when grad is required), or the value itself."""
+    val = node.meta["val"]
+    if not isinstance(val, torch.Tensor):
+        return val
+    weight = node.meta.get("role", ("",))[0] == "param" and (val.is_floating_point() or val.is_complex())
+    return torch.empty(val.shape, dtype=val.dtype, requires_grad=weight)
 
 
 def redundant_work(program: Program, unsharded_flops: int) -> float | None:

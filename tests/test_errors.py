@@ -270,3 +270,34 @@ def test_supported_model_does_not_warn():
         warnings.simplefilter("always")
         tess_compile.simulate(nn.Linear(8, 8), 2, 2, example_inputs=(torch.randn(4, 3, 8),), strict=False)
     assert [str(w.message) for w in caught if "sharding rule" in str(w.message)] == []
+
+
+class Flipped(nn.Module):
+    """Two layers, each flipping its features (no sharding rule: runs replicated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).flip(-1)
+        return x
+
+
+def test_replicated_ops_are_summarised_once_at_their_own_line():
+    """One warning per compile: a line per op and source line, with its count and the
+    bytes a rank gathers to run it whole."""
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tess_compile.simulate(Flipped(), 2, 2, example_inputs=(x,))
+    reports = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    assert len(reports) == 1, reports
+    source, first = inspect.getsourcelines(Flipped.forward)
+    line = first + next(i for i, text in enumerate(source) if ".flip(-1)" in text)
+    lines = reports[0].splitlines()
+    assert lines[0].startswith("2 op(s) have no sharding rule and run replicated on mesh [q=2, q=2, d=2]"), reports[0]
+    # Each flip gathers the 7/8 of its [4, 8] float32 input that a rank does not hold
+    # (its block: batch over depth and row, features over col).
+    assert lines[1:] == [f"  aten.flip.default x2 at {inspect.getsourcefile(Flipped)}:{line}: gathers 224 bytes a rank"], reports[0]

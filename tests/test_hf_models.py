@@ -34,7 +34,6 @@ float64 that noise stays far below eps.
 from __future__ import annotations
 
 import copy
-import inspect
 import re
 import warnings
 
@@ -273,16 +272,9 @@ def test_replicated_ops_report():
         assert not heavy, f"{name}: heavy ops run replicated: {heavy}"
 
 
-def test_gpt2_replicated_ops_reported_once():
-    """One warning per compile, a line per op and source line: the 4 index ops of GPT-2's
-    causal mask (built once for every layer) at the line of GPT2Model.forward that builds it."""
+def test_gpt2_runs_no_op_replicated():
+    """GPT-2's mask construction (index, where) has rules too: no op runs replicated,
+    so the compile gives no "no sharding rule" warning."""
     model, kwargs = build("gpt2", 2, 2)
     _, messages = simulate_quietly(model, 2, 2, kwargs)
-    reports = [message for message in messages if "no sharding rule" in message]
-    assert len(reports) == 1, reports
-    forward = inspect.unwrap(transformers.GPT2Model.forward)
-    source, first = inspect.getsourcelines(forward)
-    line = first + next(i for i, text in enumerate(source) if "causal_mask = create_causal_mask(" in text)
-    where = f"{inspect.getsourcefile(forward)}:{line}"
-    assert f"  aten.index.Tensor x4 at {where}: gathers 0 bytes a rank" in reports[0].splitlines(), reports[0]
-    assert reports[0].startswith("4 op(s) have no sharding rule and run replicated on mesh [q=2, q=2, d=2]")
+    assert not [message for message in messages if "no sharding rule" in message], messages
