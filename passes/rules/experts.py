@@ -1,8 +1,8 @@
 """Placement rules of mixture-of-experts layers with token-choice routing and
 static shapes: the router's `topk`, the tokens repeated once per chosen expert
 (`repeat_interleave`), each token's expert weights gathered from the stacked
-`[E, out, in]` table (`index`), and the fused gate/up projection's halves
-(`chunk`). The expert products themselves are batched matmuls (`bmm`) of the
+`[E, out, in]` table (`index`); the fused gate/up projection's halves are
+`chunk`s, placed as splits (views). The expert products themselves are batched matmuls (`bmm`) of the
 gathered weights and the tokens, placed by the product rules.
 
 Tokens stay split as they come (over depth and row in 2.5-D; whole in 1-D).
@@ -44,7 +44,7 @@ def _whole_on(layout: Layout, dim: int) -> Layout:
 
 def _along_dim(dim_of):
     """Rule for an op that works along one dim and returns several tensors of the
-    input's rank (`topk`, `chunk`): that dim whole, the other splits kept."""
+    input's rank (`topk`): that dim whole, the other splits kept."""
 
     def rule(node: Node, ctx) -> Decision:
         x = node.args[0]
@@ -121,7 +121,6 @@ def place_index(node: Node, ctx) -> Decision:
 
 EXPERT_RULES = {
     aten.topk.default: _along_dim(lambda node: get_arg(node, 2, "dim", -1)),
-    aten.chunk.default: _along_dim(lambda node: get_arg(node, 2, "dim", 0)),
     aten.repeat_interleave.self_int: place_repeat_interleave,
     aten.index.Tensor: place_index,
 }

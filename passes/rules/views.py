@@ -1,5 +1,5 @@
 """Placement rules of views and data movement: view/reshape, expand, repeat,
-permute, slice/select, split, unbind and cat.
+permute, slice/select, split and chunk, unbind and cat.
 
 A view keeps a split where the split dim's outer factor survives (a hidden
 dim `h` split over col becomes heads `[n, h/n]` split on `n`); a split
@@ -85,7 +85,7 @@ _ATTENTION_OPS = (
 # Consumers that cut a fused value apart (Falcon's [n + 2] heads into q, k, v).
 _TAKING_APART = (
     aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.unbind.int,
+    aten.chunk.default, aten.unbind.int,
 )
 _PERMUTATIONS = (aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default)
 _MAX_CONSUMERS = 8
@@ -231,13 +231,9 @@ def place_unbind(node: Node, ctx) -> Decision:
     return Decision({x: needed}, tuple(out for _ in range(shape_of(x)[dim])))
 
 
-def _split_sizes(node: Node) -> list[int]:
-    x, size_or_sizes = node.args[0], node.args[1]
-    dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
-    if isinstance(size_or_sizes, int):
-        total = shape_of(x)[dim]
-        return [min(size_or_sizes, total - s) for s in range(0, total, size_or_sizes)]
-    return list(size_or_sizes)
+def _split_sizes(node: Node, dim: int) -> list[int]:
+    """The sizes along `dim` of the pieces a split or chunk returns."""
+    return [piece.shape[dim] for piece in node.meta["val"]]
 
 
 def place_split(node: Node, ctx) -> Decision:
@@ -245,7 +241,7 @@ def place_split(node: Node, ctx) -> Decision:
     of the groups); a free parameter cut into chunks is split so, over col."""
     x = node.args[0]
     dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
-    sizes = _split_sizes(node)
+    sizes = _split_sizes(node, dim)
     layout = layout_of(ctx, x) if ctx.layout(x) or not is_param(x) else _chunked_param(ctx, shape_of(x)[dim], sizes, dim)
     needed, outs = [], [[] for _ in sizes]
     for axis, p in zip(AXES, layout.placements):
@@ -316,5 +312,6 @@ VIEW_RULES = {
     aten.split.Tensor: place_split,
     aten.unbind.int: place_unbind,
     aten.split_with_sizes.default: place_split,
+    aten.chunk.default: place_split,
     aten.cat.default: place_cat,
 }
