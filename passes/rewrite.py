@@ -7,8 +7,9 @@ the global user inputs; each op runs on local tensors (`LOWERING_RULES`),
 with the collectives of `redistribute` wherever a value's layout differs
 from the layout its consumer needs. Writes `meta["layout"]`,
 `meta["global_shape"]` and `meta["replicated"]` on the node that holds each
-original value, and `meta["recompute"]` on every node emitted for a node
-of a recompute region.
+original value, `meta["global_node"]` (the original node's name) on it and
+on every node emitted for an original op, and `meta["recompute"]` on every
+node emitted for a node of a recompute region.
 
 Replicated parameters pass through `grad_sync` over their replica axes;
 outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
@@ -76,7 +77,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n)))
             out = rules.get(node.target, lower_default)(b, node, args, kwargs)
             _annotate(out, node)
-            _mark_region(b, last, node.meta.get("recompute"))
+            _mark_emitted(b, last, node)
             env[node] = out
         elif node.op == "output":
             needed = node.meta["arg_layouts"]
@@ -96,21 +97,22 @@ def _last_node(b: Builder) -> Node:
     return next(reversed(b.graph.nodes))
 
 
-def _mark_region(b: Builder, last: Node, region: str | None) -> None:
-    """Every node emitted after `last` (one captured node's conversions and kernels)
-    belongs to the captured node's recompute region, if it has one."""
-    if region is None:
-        return
+def _mark_emitted(b: Builder, last: Node, original: Node) -> None:
+    """Every node emitted after `last` (one captured node's conversions and kernels) records
+    the captured node's name, and belongs to its recompute region if it has one."""
+    region = original.meta.get("recompute")
     node = last.next
     while node.op != "root":
-        node.meta["recompute"] = region
+        node.meta["global_node"] = original.name
+        if region is not None:
+            node.meta["recompute"] = region
         node = node.next
 
 
 def _placeholder(b: Builder, node: Node) -> Node:
     role, layout = node.meta["role"][0], node.meta["layout"]
     x = b.graph.placeholder(node.name)
-    x.meta["role"] = node.meta["role"]
+    x.meta.update(role=node.meta["role"], global_node=node.name)
     if "weight_input" in node.meta:
         x.meta["weight_input"] = node.meta["weight_input"]
     if not isinstance(node.meta["val"], torch.Tensor):
@@ -141,10 +143,12 @@ def _seed(b: Builder, x: Node, layout: Layout) -> Node:
 
 
 def _annotate(out, node: Node) -> None:
-    """Mark the per-rank node that holds `node`'s value with its layout and global
-    shape, and whether it runs replicated."""
+    """Mark the per-rank node that holds `node`'s value with its layout, global
+    shape and name, and whether it runs replicated."""
     if isinstance(out, Node) and "replicated" in node.meta:
         out.meta["replicated"] = node.meta["replicated"]
+    if isinstance(out, Node):
+        out.meta.setdefault("global_node", node.name)
     if isinstance(out, Node) and isinstance(node.meta.get("layout"), Layout):
         out.meta.setdefault("layout", node.meta["layout"])
         out.meta.setdefault("global_shape", tuple(node.meta["val"].shape))

@@ -1,9 +1,10 @@
 """The pipeline driver: runs the passes on a model and packs the result.
 
 `compile_model` captures the model, then runs `pipeline(...)` (place,
-verify, rewrite, verify), naming the pass that fails. The result, a `Program`, is
-what both runtimes execute: the per-rank graph plus, for each of its
-placeholders, what feeds it.
+verify, rewrite), naming the pass that fails, then always verifies the
+per-rank graph (`verify_rewritten`, a fake forward run). The result, a
+`Program`, is what both runtimes execute: the per-rank graph plus, for
+each of its placeholders, what feeds it.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False, summa:
     stages.append(("rewrite", lambda gm, mesh: rewrite(gm, mesh, summa=summa, keep_blocks=keep_blocks)))
     if checkpoint == "selective":
         stages.append(("recompute selective", mark_selective))
-    if verify:
-        stages.append(("verify rewritten", verify_rewritten))
     return stages
 
 
@@ -339,6 +338,8 @@ def compile_model(
         if name == "place":
             placed = gm
         dumper.write(name, before, gm)
+    gm = verify_rewritten(gm, mesh, placed=placed)  # always: a wrong rule shows here, not at the first forward
+    dumper.write("verify rewritten", len(gm.graph.nodes), gm)
     log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
     return Program(
         mesh=mesh,
