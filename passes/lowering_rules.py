@@ -19,7 +19,8 @@ from torch.fx.node import has_side_effect, map_arg
 
 from passes.builder import Builder, aten
 from passes.capture import device_of
-from passes.rules.common import display_name
+from passes.rules.common import display_name, get_arg
+from passes.rules.convolutions import conv_groups, groups_index
 from passes.rules.embeddings import vocab_parallel
 from passes.rules.losses import cross_entropy_is_split
 from passes.rules.products import uses_summa
@@ -167,6 +168,50 @@ def lower_rms_norm(b: Builder, node: Node, args, kwargs):
     return b.call(split_norm, x, None, rstd, weight, None, tuple(axes), dims, count)
 
 
+def lower_conv(b: Builder, node: Node, args, kwargs):
+    """A grouped conv with its channels split runs its own `groups / parts` groups; a
+    row-parallel conv (partial output) adds its bias on the rank at col 0 only."""
+    args, kwargs = list(args), dict(kwargs)
+    channel_axes = _split_axes(b, node.meta["arg_layouts"][node.args[0]], [1])
+    groups, parts = conv_groups(node), math.prod(b.mesh.size(axis) for axis in channel_axes)
+    if groups > 1 and parts > 1:
+        if len(args) > groups_index(node):
+            args[groups_index(node)] = groups // parts
+        else:
+            kwargs["groups"] = groups // parts
+    if isinstance(node.meta["layout"].col, Partial) and len(args) > 2 and args[2] is not None:
+        args[2] = b.collective(c.keep_first, args[2], "col")
+    return b.call(node.target, *args, **kwargs)
+
+
+def lower_batch_norm(b: Builder, node: Node, args, kwargs):
+    """Training batch norm over dims split on some axes: per-channel mean, then centred
+    variance, each all-reduced along those axes (as `lower_layer_norm`'s), `split_norm`
+    to normalise, and the running statistics updated in place with the global ones.
+    Evaluation, and training with the batch and space whole, run as they are."""
+    x, weight, bias, running_mean, running_var, training, momentum, eps = args[:8]
+    val = node.args[0].meta["val"]
+    dims = [0, *range(2, val.dim())]
+    axes = _split_axes(b, node.meta["arg_layouts"][node.args[0]], dims)
+    if not training or not axes:
+        return lower_default(b, node, args, kwargs)
+    count = math.prod(val.shape[d] for d in dims)
+    xs = _statistics_input(b, b.call(aten.detach.default, x), val.dtype)
+    mean = b.call(aten.div.Tensor, _sum_over(b, xs, dims, axes), count)
+    centred = b.call(aten.sub.Tensor, xs, mean)
+    var = b.call(aten.div.Tensor, _sum_over(b, b.call(aten.mul.Tensor, centred, centred), dims, axes), count)
+    rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, var, eps))
+    if running_mean is not None:
+        buffer_dtype = node.args[3].meta["val"].dtype
+        unbiased = b.call(aten.mul.Tensor, var, count / max(count - 1, 1))
+        for running, value in ((running_mean, mean), (running_var, unbiased)):
+            value = b.call(aten.to.dtype, b.call(aten.reshape.default, value, [-1]), buffer_dtype)
+            b.call(aten.lerp_.Scalar, running, value, momentum)  # (1 - m) * running + m * value
+    shape = [-1] + [1] * (val.dim() - 2)  # per-channel vectors broadcast over space
+    weight, bias = (v if v is None else b.call(aten.reshape.default, v, shape) for v in (weight, bias))
+    return b.call(split_norm, x, mean, rstd, weight, bias, tuple(axes), dims, count)
+
+
 def lower_dropout(b: Builder, node: Node, args, kwargs):
     p = args[1] if len(args) > 1 else kwargs.get("p")
     train = args[2] if len(args) > 2 else kwargs.get("train")
@@ -229,15 +274,20 @@ def _sum_all(b: Builder, x: Node, axes) -> Node:
     return total
 
 
-def masked_lookup(b: Builder, table: Node, ids: Node, vocab: int, axis: str) -> Node:
+def masked_lookup(b: Builder, table: Node, ids: Node, vocab: int, axis: str, padding_idx: int = -1) -> Node:
     """Rows of this rank's vocab block (split over `axis`) for `ids`; ids outside the
     block give zeros, so the sum over `axis` is the whole lookup (ids outside the
-    table are refused before, by `check_lookup_ids`)."""
+    table are refused before, by `check_lookup_ids`). A `padding_idx` (global; -1:
+    none) row is looked up but gets no gradient, as in torch: its lookups are
+    detached (the graph is one for all ranks, so no rank-local index can say it)."""
     parts = b.mesh.size(axis)
     block = b.split_op(c.shard_slice, b.call(arange_like, ids, vocab), axis, 0, 1)
     local = b.call(aten.sub.Tensor, ids, b.call(aten.select.int, block, 0, 0))
     inside = b.call(aten.logical_and.default, b.call(aten.ge.Scalar, local, 0), b.call(aten.lt.Scalar, local, vocab // parts))
     rows = b.call(aten.embedding.default, table, b.call(aten.where.ScalarOther, inside, local, 0))
+    if padding_idx != -1:
+        padding = b.call(aten.unsqueeze.default, b.call(aten.eq.Scalar, ids, padding_idx), -1)
+        rows = b.call(aten.where.self, padding, b.call(aten.detach.default, rows), rows)
     return b.call(aten.mul.Tensor, rows, b.call(aten.unsqueeze.default, inside, -1))
 
 
@@ -251,7 +301,7 @@ def lower_embedding(b: Builder, node: Node, args, kwargs):
     if not vocab_parallel(node, w_layout) or b.mesh.size("row") == 1:
         return lower_default(b, node, args, kwargs)
     all_ids = b.split_op(c.all_gather, args[1], "row", 0, 1)
-    rows = masked_lookup(b, args[0], all_ids, weight_node.meta["val"].shape[0], "row")
+    rows = masked_lookup(b, args[0], all_ids, weight_node.meta["val"].shape[0], "row", get_arg(node, 2, "padding_idx", -1))
     return b.split_op(c.reduce_scatter, rows, "row", 0, 1)
 
 
@@ -436,6 +486,14 @@ LOWERING_RULES = {
     aten.layer_norm.default: lower_layer_norm,
     aten.rms_norm.default: lower_rms_norm,
     aten.dropout.default: lower_dropout,
+    aten.conv1d.default: lower_conv,
+    aten.conv2d.default: lower_conv,
+    aten.conv3d.default: lower_conv,
+    aten.conv1d.padding: lower_conv,
+    aten.conv2d.padding: lower_conv,
+    aten.conv3d.padding: lower_conv,
+    aten.convolution.default: lower_conv,
+    aten.batch_norm.default: lower_batch_norm,
     aten.cross_entropy_loss.default: lower_cross_entropy,
     aten.embedding.default: lower_embedding,
 }

@@ -7,7 +7,10 @@ its weight's out features are split over col and so is its output, with no
 communication. A linear whose input has its features split is row-parallel:
 its weight's in features are split, and each rank's product is a partial
 sum over col; the consumer that needs the whole value (the residual add)
-all-reduces it. Attention between the two runs on the heads of each rank.
+all-reduces it. One that widens (a vocabulary head after a split
+LayerNorm) is column-parallel instead: gathering its input is cheaper than
+all-reducing its output, and the loss takes the logits split. Attention
+between the two runs on the heads of each rank.
 A free embedding table is split by vocab over col; each rank looks up the
 ids inside its block, and the partial sums are all-reduced by the consumer
 (ids outside the table raise IndexError first, as in torch).
@@ -43,9 +46,17 @@ def _split_last(layout: Layout, ndim: int) -> Shard | None:
     return col if isinstance(col, Shard) and col.dim == ndim - 1 else None
 
 
+def _widens(node: Node, ctx, w: Node, w_in: int, w_out: int) -> bool:
+    """Whether a product has more out features than in features, split evenly over col."""
+    num_in, num_out = shape_of(w)[w_in], shape_of(w)[w_out]
+    return num_out > num_in and num_out % (ctx.mesh.size("col") * ctx.hints.get(node, 1)) == 0
+
+
 def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
-    """x @ W row-parallel if x's features are split over col (or W's in features
-    already are), else column-parallel; see the module docstring."""
+    """x @ W row-parallel if W's in features are split over col, or if W is free, x's
+    features are split and the product does not widen; else column-parallel (a
+    widening product, such as a vocabulary head after a split LayerNorm, gathers
+    x rather than all-reducing its wider output); see the module docstring."""
     ndim = len(shape_of(x))
     x_split = _split_last(without_partial(layout_of(ctx, x)), ndim)
     w_layout = ctx.layout(w)
@@ -54,7 +65,7 @@ def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None,
     if w_layout is not None:
         row_parallel = isinstance(w_layout.col, Shard) and w_layout.col.dim == w_in
     else:
-        row_parallel = x_split is not None
+        row_parallel = x_split is not None and not _widens(node, ctx, w, w_in, w_out)
     if row_parallel:
         groups = w_layout.col.groups if w_layout is not None else x_split.groups
         check_divisible("in features", w, shape_of(w)[w_in], parts * groups, ctx, fix)
@@ -95,13 +106,17 @@ def _vocab_split(layout: Layout | None) -> bool:
 
 def place_embedding_1d(node: Node, ctx) -> Decision:
     """A free table (or one tied to a column-parallel head) split by vocab over col:
-    the lookup gives partial sums. Otherwise the table is whole."""
+    the lookup gives partial sums. Otherwise the table is whole.
+
+    `padding_idx` changes backward only (that row gets no gradient; see
+    `masked_lookup`), so it splits too. `scale_grad_by_freq` stays whole: a
+    masked lookup sends other blocks' ids to local row 0, which would count
+    them. (`max_norm` renorms the table before, replicated, leaving it whole.)"""
     weight, ids = node.args[:2]
     w_layout = ctx.layout(weight)
     vocab = shape_of(weight)[0]
-    plain = get_arg(node, 2, "padding_idx", -1) == -1 and not get_arg(node, 3, "scale_grad_by_freq", False)
     free = w_layout is None and vocab % ctx.mesh.size("col") == 0
-    if plain and (free or _vocab_split(w_layout)):
+    if not get_arg(node, 3, "scale_grad_by_freq", False) and (free or _vocab_split(w_layout)):
         return Decision({weight: Layout(R, R, Shard(0)), ids: WHOLE}, Layout(R, R, P))
     return Decision({weight: WHOLE, ids: WHOLE}, WHOLE)
 
@@ -135,7 +150,7 @@ def lower_embedding_1d(b: Builder, node: Node, args, kwargs):
     if not _vocab_split(node.meta["arg_layouts"][node.args[0]]) or b.mesh.size("col") == 1:
         return lower_default(b, node, args, kwargs)
     vocab = node.args[0].meta["val"].shape[0]
-    return masked_lookup(b, args[0], args[1], vocab, "col")
+    return masked_lookup(b, args[0], args[1], vocab, "col", get_arg(node, 2, "padding_idx", -1))
 
 
 LOWERING_RULES_1D = {

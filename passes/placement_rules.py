@@ -18,6 +18,7 @@ from passes.rules.factories import FACTORY_RULES
 from passes.rules.losses import LOSS_RULES
 from passes.rules.norms import NORM_RULES
 from passes.rules.pointwise import POINTWISE_RULES
+from passes.rules.pooling import POOLING_RULES
 from passes.rules.products import PRODUCT_RULES
 from passes.rules.reductions import REDUCTION_RULES
 from passes.rules.views import VIEW_RULES
@@ -38,6 +39,7 @@ RULE_FAMILIES = {
     "convolutions": CONVOLUTION_RULES,
     "complex_numbers": COMPLEX_RULES,
     "experts": EXPERT_RULES,
+    "pooling": POOLING_RULES,
 }
 
 PLACEMENT_RULES = {op: rule for family in RULE_FAMILIES.values() for op, rule in family.items()}

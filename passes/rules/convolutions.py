@@ -1,34 +1,145 @@
-"""Placement rules of convolutions: column-parallel over output channels,
-batch kept split over depth and row.
+"""Placement rules of convolutions (conv1d/2d/3d and `convolution`, not transposed).
+
+The batch is split over depth and row (a whole batch is sliced, for free);
+channels are split over col in one of three ways:
+
+- grouped (`groups > 1`, groups divisible by col's size): the input's
+  channels and the output's are split by whole groups, and each rank runs
+  its `groups / parts` groups with its block of the weight: local, no
+  communication (a depthwise conv is the case of one channel a group);
+- column-parallel (input channels whole): the weight's out channels and the
+  output's channels are split, no communication;
+- row-parallel (input channels split over col): the weight's in channels
+  are split and each rank's output is a partial sum over col, reduced by
+  its consumer (a batch norm or pooling takes it split by channels, see
+  `channels_layout`). This keeps only the rank's channel block of the input
+  for backward; gathering the channels for a column-parallel conv instead
+  would move the input rather than the output, but keep it whole on every
+  rank of col until backward.
+
+A conv whose channels fit none of these runs with them whole on every rank
+of col (a warning says so); its batch stays split.
 """
 
 from __future__ import annotations
 
+import warnings
+
 from torch.fx import Node
 
-from passes.rules.common import R, Decision, aten, get_arg, layout_of, shape_of
-from tess_compile.layout import Layout, Shard
+from passes.rules.common import (
+    P, R, Decision, aten, display_name, get_arg, layout_of, place_replicated, shape_of, without_partial,
+)
+from tess_compile.layout import Layout, Partial, Shard
 
-__all__ = ["CONVOLUTION_RULES"]
+__all__ = ["CONVOLUTION_RULES", "batch_placements", "channels_layout", "conv_groups", "groups_index"]
+
+
+def groups_index(node: Node) -> int:
+    """The position of a conv node's `groups` argument."""
+    return 8 if node.target is aten.convolution.default else 6
+
+
+def conv_groups(node: Node) -> int:
+    """The `groups` argument of a conv node."""
+    return get_arg(node, groups_index(node), "groups", 1)
+
+
+def channels_layout(ctx, x: Node, channel_dim: int) -> Layout:
+    """x's layout with partial sums resolved: on col, split by channels where they divide
+    and no other axis splits them (a reduce, then a slice); elsewhere replicated."""
+    layout = without_partial(layout_of(ctx, x))
+    if not isinstance(layout_of(ctx, x).col, Partial):
+        return layout
+    taken = any(isinstance(p, Shard) and p.dim == channel_dim for p in layout.placements)
+    divides = shape_of(x)[channel_dim] % ctx.mesh.size("col") == 0
+    return layout.with_axis("col", Shard(channel_dim) if divides and not taken else R)
+
+
+def batch_placements(ctx, layout: Layout, batch: int) -> list:
+    """Placements on depth and row that split dim 0 (the batch) where it divides,
+    outermost first; an axis of size 1 stays as it is."""
+    out, parts = [], 1
+    for axis, p in zip(("depth", "row"), layout.placements[:2]):
+        size = ctx.mesh.size(axis)
+        if size == 1:
+            out.append(p if isinstance(p, Shard) and p.dim == 0 else R)
+        elif batch % (parts * size) == 0:
+            out.append(Shard(0))
+            parts *= size
+        else:
+            out.append(R)
+    return out
+
+
+def _col_split(node: Node, ctx, x_col, weight: Node) -> str:
+    """How col splits the channels: "grouped", "column", "row" or "whole"."""
+    parts = ctx.mesh.size("col")
+    c_out, c_in = shape_of(weight)[:2]
+    groups = conv_groups(node)
+    w_layout = ctx.layout(weight)
+    w_col = w_layout.col if w_layout is not None else None
+    if parts == 1:
+        return "whole"
+    if groups > 1:
+        return "grouped" if groups % parts == 0 and w_col in (None, Shard(0)) else "whole"
+    if w_col is not None:
+        return {Shard(0): "column", Shard(1): "row"}.get(w_col, "whole")
+    column = c_out % parts == 0
+    row = c_in % parts == 0
+    if row and (x_col == Shard(1) or (x_col == R and not column)):
+        return "row"
+    return "column" if column else "whole"
+
+
+def _warn(node: Node, ctx, what: str) -> None:
+    weight = node.args[1]
+    warnings.warn(
+        f"{node.target} with weight {display_name(weight)!r} of shape {list(shape_of(weight))} and groups "
+        f"{conv_groups(node)} on mesh {ctx.mesh}: {what}",
+        stacklevel=2,
+    )
+
+
+# (x's channels, weight, bias, output's channels) on col, per kind of split.
+_COL = {
+    "grouped": (Shard(1), Shard(0), Shard(0), Shard(1)),
+    "column": (R, Shard(0), Shard(0), Shard(1)),
+    "row": (Shard(1), Shard(1), R, P),
+    "whole": (R, R, R, R),
+}
 
 
 def place_conv(node: Node, ctx) -> Decision:
-    """convNd(x, W, b): batch kept split over depth and row; out channels over col
-    (a column-parallel conv, no communication); x's channels and space whole."""
+    """conv(x, W, b): batch split over depth and row, channels over col as the module
+    docstring says; spatial dims whole."""
     x, weight = node.args[:2]
     bias = get_arg(node, 2, "bias")
-    x_layout = layout_of(ctx, x)
-    batch = [p if isinstance(p, Shard) and p.dim == 0 else R for p in x_layout.placements[:2]]
-    split_out = shape_of(weight)[0] % ctx.mesh.size("col") == 0
-    col = Shard(0) if split_out else R
-    args = {x: Layout(*batch, R), weight: Layout(R, R, col)}
+    transposed = node.target is aten.convolution.default and get_arg(node, 6, "transposed")
+    if transposed or len(shape_of(x)) != len(shape_of(weight)):
+        _warn(node, ctx, "transposed convs and unbatched inputs have no sharding rule, so it runs replicated; "
+                         "give the input a batch dim")
+        return place_replicated(node, ctx)
+    layout = channels_layout(ctx, x, 1)
+    batch = batch_placements(ctx, layout, shape_of(x)[0])
+    kind = _col_split(node, ctx, layout.col, weight)
+    if kind == "whole" and ctx.mesh.size("col") > 1 and ctx.layout(weight) is None:
+        _warn(node, ctx, f"neither its groups nor its channels divide by col's {ctx.mesh.size('col')} ranks, so its "
+                         "channels are whole on every rank of col (the batch stays split); use channel and group "
+                         "counts that are multiples of q")
+    x_col, w_col, b_col, out_col = _COL[kind]
+    args = {x: Layout(*batch, x_col), weight: Layout(R, R, w_col)}
     if isinstance(bias, Node):
-        args[bias] = Layout(R, R, col)
-    return Decision(args, Layout(*batch, Shard(1) if split_out else R))
+        args[bias] = Layout(R, R, b_col)
+    return Decision(args, Layout(*batch, out_col))
 
 
 CONVOLUTION_RULES = {
     aten.conv1d.default: place_conv,
     aten.conv2d.default: place_conv,
     aten.conv3d.default: place_conv,
+    aten.conv1d.padding: place_conv,
+    aten.conv2d.padding: place_conv,
+    aten.conv3d.padding: place_conv,
+    aten.convolution.default: place_conv,
 }

@@ -23,16 +23,22 @@ def place_embedding(node: Node, ctx) -> Decision:
     (1/q^2 of it a rank, and a tied output head multiplies it where it lies); each
     rank looks up the ids of its row group that fall in its vocab block, and a
     reduce-scatter along row sums and splits them. Ids not split over row (e.g.
-    positions) use a table split over col only."""
+    positions) use a table split over col only.
+
+    `padding_idx` changes backward only (that row gets no gradient), so it splits
+    as a plain lookup does. `scale_grad_by_freq` divides each row's gradient by the
+    id's count in the whole batch, so its ids are looked up whole. `max_norm`
+    renorms the table in place before the lookup (`embedding_renorm_`, which runs
+    replicated and so leaves the table whole)."""
     weight, ids = node.args[:2]
-    ids_layout = without_partial(layout_of(ctx, ids))
+    by_freq = get_arg(node, 3, "scale_grad_by_freq", False)
+    ids_layout = Layout.replicated() if by_freq else without_partial(layout_of(ctx, ids))
     w_layout = ctx.layout(weight)
     vocab, hidden = shape_of(weight)
     n_ids = len(shape_of(ids))
     q = ctx.mesh.q
     batch_split = ids_layout.row == Shard(0) and ids_layout.col == R
-    plain_lookup = get_arg(node, 2, "padding_idx", -1) == -1 and not get_arg(node, 3, "scale_grad_by_freq", False)
-    if batch_split and plain_lookup and (vocab_parallel(node, w_layout) or (w_layout is None and vocab % q == 0 and hidden % q == 0)):
+    if batch_split and (vocab_parallel(node, w_layout) or (w_layout is None and vocab % q == 0 and hidden % q == 0)):
         w_needed = Layout(R, Shard(0), Shard(1))
         return Decision({weight: w_needed, ids: ids_layout}, Layout(ids_layout.depth, Shard(0), Shard(n_ids)))
     w_needed, out = [], []

@@ -1,0 +1,53 @@
+"""Placement rules of pooling (max, average, adaptive; 1-, 2- and 3-d): each
+channel plane is pooled on its own, so batch and channel splits stay and the
+spatial dims are whole. The batch is split over depth and row as a
+convolution's is; partial sums (a row-parallel conv's output) are resolved
+by channels.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from passes.rules.common import R, Decision, aten, shape_of
+from passes.rules.convolutions import batch_placements, channels_layout
+from tess_compile.layout import Layout, Shard
+
+__all__ = ["POOLING_RULES"]
+
+
+def pooling(num_spatial: int, num_outputs: int = 1):
+    """Rule of a pooling over the last `num_spatial` dims returning `num_outputs`
+    tensors laid out alike (values, and indices within each plane)."""
+
+    def rule(node: Node, ctx) -> Decision:
+        x = node.args[0]
+        ndim = len(shape_of(x))
+        channel_dim = ndim - num_spatial - 1
+        layout = channels_layout(ctx, x, channel_dim)
+        placements = [R if isinstance(p, Shard) and p.dim > channel_dim else p for p in layout.placements]
+        if channel_dim == 1:
+            placements[:2] = batch_placements(ctx, Layout(*placements), shape_of(x)[0])
+        needed = Layout(*placements)
+        return Decision({x: needed}, needed if num_outputs == 1 else (needed,) * num_outputs)
+
+    return rule
+
+
+POOLING_RULES = {
+    aten.max_pool1d.default: pooling(1),
+    aten.max_pool2d.default: pooling(2),
+    aten.max_pool3d.default: pooling(3),
+    aten.max_pool1d_with_indices.default: pooling(1, 2),
+    aten.max_pool2d_with_indices.default: pooling(2, 2),
+    aten.max_pool3d_with_indices.default: pooling(3, 2),
+    aten.avg_pool1d.default: pooling(1),
+    aten.avg_pool2d.default: pooling(2),
+    aten.avg_pool3d.default: pooling(3),
+    aten.adaptive_avg_pool1d.default: pooling(1),
+    aten.adaptive_avg_pool2d.default: pooling(2),
+    aten.adaptive_avg_pool3d.default: pooling(3),
+    aten.adaptive_max_pool1d.default: pooling(1, 2),
+    aten.adaptive_max_pool2d.default: pooling(2, 2),
+    aten.adaptive_max_pool3d.default: pooling(3, 2),
+}
