@@ -73,3 +73,27 @@ def test_a_region_with_autocast_on_is_refused():
 
     with pytest.raises(ValueError, match=r"enters torch.autocast\('cpu', dtype=torch.bfloat16\)"):
         tess_compile.simulate(Mixed(), 2, 2, example_inputs=(torch.randn(4, 2, 8),))
+
+
+class Activations(nn.Module):
+    """Elementwise activations of vision and language models, in place too."""
+
+    def __init__(self, hidden: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        y = self.fc(x)
+        y = nn.functional.hardtanh(y, -0.5, 0.5) + nn.functional.hardswish(y) + nn.functional.hardsigmoid(y)
+        y = y + nn.functional.leaky_relu(y, 0.1) + nn.functional.elu(y) + nn.functional.softplus(y)
+        y = y + nn.functional.mish(y) + y.clamp_min(-0.2) + y.clamp_max(0.3) + y.abs().log1p() + y.expm1()
+        return nn.functional.relu6(y, inplace=True) + nn.functional.relu(y.clone(), inplace=True)
+
+
+@pytest.mark.parametrize("mode", ["2.5d", "1d"])
+def test_activations_run_sharded(mode):
+    torch.manual_seed(4)
+    model = Activations().double()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    sim = tess_compile.simulate(model, 2, 2 if mode == "2.5d" else 1, example_inputs=(x,), mode=mode, strict=True)
+    assert_matches_model(sim, model, x, rtol=1e-12)

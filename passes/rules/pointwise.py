@@ -143,6 +143,9 @@ _POINTWISE = [
     aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
     aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
     aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.square.default, aten.reciprocal.default,
+    aten.hardtanh.default, aten.relu6.default, aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default,
+    aten.elu.default, aten.softplus.default, aten.mish.default, aten.clamp_min.default, aten.clamp_max.default,
+    aten.log1p.default, aten.expm1.default, aten.sign.default, aten.floor.default, aten.ceil.default,
 ]
 
 
@@ -150,5 +153,6 @@ POINTWISE_RULES = {
     **{op: place_pointwise for op in _POINTWISE},
     aten.dropout.default: place_dropout,
     aten.type_as.default: place_type_as,
-    **{op: place_inplace for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor)},
+    **{op: place_inplace for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
+                                    aten.relu_.default, aten.relu6_.default, aten.hardtanh_.default)},
 }
