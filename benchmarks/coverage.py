@@ -11,9 +11,10 @@ forward and backward is compared with the unsharded model's:
   (`tess_compile.accounting.redundant_work`; 1.00: no rank repeats another's
   matmul-like work);
 - `replicated`: the ops with no sharding rule (they run whole on every rank);
-- `computes in`: the least precise floating dtype of the model's own graph
-  (float32 where its code casts a float64 model down, as Llama's RMSNorm does:
-  then float32 rounding in another summation order bounds the error).
+- `computes in`: float64, or the least precise dtype the model's own graph
+  casts a float64 value down to (Llama's RMSNorm computes in float32 even in
+  a float64 model: then float32 rounding in another summation order bounds
+  the error).
 
 A model that does not compile gets its error's first line instead.
 
@@ -100,17 +101,26 @@ def measure(name: str, label: str, q: int, d: int, mode: str) -> Row:
 
 @functools.cache
 def _model_facts(name: str) -> tuple[int, torch.dtype]:
-    """The unsharded model's forward FLOPs, and the floating dtype of least precision
-    among the values of its captured graph (one capture, shared by every mesh)."""
+    """The unsharded model's forward FLOPs, and the dtype it computes in: float64, or the
+    least precise dtype its own graph casts a float64 value down to (one capture, shared
+    by every mesh)."""
     case = build(name)
     args, kwargs = split_example_inputs(case.inputs)
     gm = capture(case.model, args, kwargs)
-    dtypes = {
-        node.meta["val"].dtype
-        for node in gm.graph.nodes
-        if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].is_floating_point()
-    }
+    dtypes = {torch.float64} | {_cast_down(node) for node in gm.graph.nodes} - {None}
     return captured_forward_flops(gm), max(dtypes, key=lambda dtype: torch.finfo(dtype).eps)
+
+
+def _cast_down(node) -> torch.dtype | None:
+    """The dtype of `node`'s value if it is floating and less precise than one of its
+    floating inputs (a cast such as `.to(torch.float32)` of a float64 value)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+        return None
+    inputs = [arg.meta.get("val") for arg in node.all_input_nodes]
+    finer = [v for v in inputs if isinstance(v, torch.Tensor) and v.is_floating_point()
+             and torch.finfo(v.dtype).eps < torch.finfo(val.dtype).eps]
+    return val.dtype if finer else None
 
 
 def _replicated_ops(caught) -> list[str]:
