@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.paper_tables import Block  # noqa: E402
 from tess_compile import state  # noqa: E402
-from tess_compile.accounting import predict_bytes  # noqa: E402
+from tess_compile.accounting import predict_bytes, saved_bytes  # noqa: E402
 from tess_compile.collectives import use_comm  # noqa: E402
 from tess_compile.cost_model import predict_memory  # noqa: E402
 from tess_compile.simulator import run_lockstep  # noqa: E402
@@ -85,23 +85,6 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
         return x
-
-
-def saved_bytes(run, parameters) -> int:
-    """Bytes of the storages autograd saves for backward while `run()` runs, each storage
-    once, the storages of `parameters` left out."""
-    skip = {p.untyped_storage()._cdata for p in parameters}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in skip:  # `_cdata`: the storage itself, the same for all its views
-            storages[storage._cdata] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(storages.values())
 
 
 def forward_own_inputs(sim, *args) -> list:

@@ -27,9 +27,9 @@ time of a round is the slowest rank's; the table gives the median over
 rounds. Alternating rounds spread the machine's drift over all rows.
 
 Columns: ms/step, its ratio to DTensor eager, bytes saved for backward per
-rank in one forward (`saved_local_bytes`: storages autograd keeps, each
-once, parameters' left out, as `benchmarks.memory.saved_bytes` counts them;
-a DTensor by its local tensor), and bytes moved per rank per step: the
+rank in one forward (`tess_compile.accounting.saved_bytes`: storages
+autograd keeps, each once, parameters' left out, a DTensor by its local
+tensor), and bytes moved per rank per step: the
 payload a rank hands each collective (its input tensor's bytes, the
 convention of `tess_compile.accounting`). For tess-compile these are the
 runtime's `comm.records`; for DTensor, the collectives that `CommDebugMode`
@@ -68,6 +68,7 @@ from torch.utils import _pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
+from tess_compile.accounting import saved_bytes  # noqa: E402
 from tess_compile.launch import run_local  # noqa: E402
 
 SIZES = {"dim": 128, "layers": 2, "heads": 8, "vocab": 512, "batch": 16, "seq": 32}
@@ -146,26 +147,6 @@ class CommBytes(CommDebugMode):
         return out
 
 
-def saved_local_bytes(run, parameters) -> int:
-    """`benchmarks.memory.saved_bytes`, a DTensor counted by its local tensor's storage.
-
-    (A DTensor's own storage is a placeholder of the global size, a new one
-    for every DTensor, so `saved_bytes` would count global sizes and weights.)
-    """
-    skip = {p.untyped_storage()._cdata for p in parameters}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
-        if storage._cdata not in skip:
-            storages[storage._cdata] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(storages.values())
-
-
 class Trainer:
     """One configuration on this rank: its module, AdamW, and the global batch."""
 
@@ -187,7 +168,7 @@ class Trainer:
         """One step; the bytes its forward saves for backward."""
         parameters = [p.to_local() if isinstance(p, DTensor) else p for p in self.module.parameters()]
         losses = []
-        saved = saved_local_bytes(lambda: losses.append(self.forward()), parameters)
+        saved = saved_bytes(lambda: losses.append(self.forward()), parameters)
         self.step(lambda: losses[0])
         return saved
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils import _pytree as pytree
@@ -64,6 +65,7 @@ __all__ = [
     "forward_flops",
     "predict_bytes",
     "redundant_work",
+    "saved_bytes",
     "requires_grad",
     "tensor_bytes",
     "transfers",
@@ -148,6 +150,25 @@ def _global_placeholder(node: Node):
         return val
     weight = node.meta.get("role", ("",))[0] == "param" and (val.is_floating_point() or val.is_complex())
     return torch.empty(val.shape, dtype=val.dtype, requires_grad=weight)
+
+
+def saved_bytes(run, parameters) -> int:
+    """Bytes of the storages autograd saves for backward while `run()` runs, each storage
+    once (its views too), the storages of `parameters` left out. A DTensor counts by its
+    local tensor (its own storage is a placeholder of the global size)."""
+    local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)
+    skip = {local(p).untyped_storage()._cdata for p in parameters}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = local(tensor).untyped_storage()
+        if storage._cdata not in skip:  # `_cdata`: the storage itself, the same for all its views
+            storages[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())
 
 
 def redundant_work(program: Program, unsharded_flops: int) -> float | None:

@@ -17,29 +17,13 @@ from torch import nn
 import tess_compile
 from conftest import assert_matches_model
 from models import GPTStack
-from tess_compile.accounting import bytes_from_records, predict_bytes
+from tess_compile.accounting import bytes_from_records, predict_bytes, saved_bytes
 from tess_compile.cost_model import activation_bytes
 
 HIDDEN, HEADS, LAYERS, BATCH, SEQ = 32, 8, 2, 16, 8
 # (q, d, mode) of the issue: 2.5-D [2,2,2], 2-D [4,4,1], 2.5-D [4,4,2].
 MESHES = [(2, 2, "2.5d"), (4, 1, "2d"), (4, 2, "2.5d")]
 BOUND = 1.25  # total over ranks / unsharded
-
-
-def saved_bytes(run, params) -> int:
-    """Bytes of the distinct storages autograd saves during `run()`, parameters' left out."""
-    skip = {p.untyped_storage()._cdata for p in params}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in skip:
-            storages[storage._cdata] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(storages.values())
 
 
 def measure(model: nn.Module, q: int, d: int, mode: str, **options) -> tuple[float, int, int]:
