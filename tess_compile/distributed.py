@@ -140,13 +140,19 @@ class DistComm(Comm):
         return x.clone() if self._coord(axis) == 0 else torch.zeros_like(x)
 
     def _all_gather(self, x, axis, parts, dim, groups):
-        blocks = [torch.empty_like(x) for _ in range(parts)]
-        dist.all_gather(blocks, x, group=self.groups[axis])
-        return put_blocks(blocks, dim, groups)
+        """One `all_gather_into_tensor` of the flattened blocks (NCCL's native call; gloo
+        takes only the concatenated form)."""
+        flat = x.reshape(-1)
+        gathered = flat.new_empty(parts * flat.numel())
+        dist.all_gather_into_tensor(gathered, flat, group=self.groups[axis])
+        return put_blocks([block.view(x.shape) for block in gathered.chunk(parts)], dim, groups)
 
     def _reduce_scatter(self, x, axis, parts, dim, groups):
-        # gloo has no reduce-scatter; an all-reduce then this rank's block is exact.
-        return take_block(self._all_reduce(x, axis), dim, groups, parts, self._coord(axis)).contiguous()
+        """One `reduce_scatter_single` of the blocks flattened in rank order (NCCL's native call)."""
+        blocks = [take_block(x, dim, groups, parts, t) for t in range(parts)]
+        out = blocks[0].new_empty(blocks[0].numel())
+        dist.reduce_scatter_single(out, torch.cat([block.reshape(-1) for block in blocks]), group=self.groups[axis])
+        return out.view(blocks[0].shape)
 
     def _shard_slice(self, x, axis, parts, dim, groups):
         return take_block(x, dim, groups, parts, self._coord(axis)).clone()

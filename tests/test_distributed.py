@@ -221,11 +221,12 @@ def simulated_counts(label: str, q: int, d: int, mode: str, summa: str):
     return sim.comm.counts("forward"), sim.comm.counts("backward")
 
 
-# (q, d, mode, summa): the overlapped schedule runs its broadcasts asynchronously on gloo.
-WORLDS = [(2, 1, "2.5d", "overlap"), (2, 2, "2.5d", "broadcast"), (1, 2, "1d", "broadcast")]
+# (q, d, mode, summa): the overlapped schedule runs its broadcasts asynchronously on gloo;
+# the gather schedule runs all_gather_into_tensor and, in backward, reduce_scatter_single.
+WORLDS = [(2, 1, "2.5d", "overlap"), (2, 1, "2.5d", "gather"), (2, 2, "2.5d", "broadcast"), (1, 2, "1d", "broadcast")]
 
 
-@pytest.mark.parametrize("q, d, mode, summa", WORLDS, ids=["q2d1-overlap", "q2d2", "1d-p2"])
+@pytest.mark.parametrize("q, d, mode, summa", WORLDS, ids=["q2d1-overlap", "q2d1-gather", "q2d2", "1d-p2"])
 def test_sharded_parity_training_and_replicas(q, d, mode, summa):
     mesh = Mesh(q, d, mode)
     world = mesh.num_ranks
