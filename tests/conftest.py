@@ -19,10 +19,19 @@ def _deterministic():
     """TF32 off (an oracle at fp32 needs fp32 matmuls) and fixed seeds."""
     old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    _set_cudnn_tf32(False)
     torch.manual_seed(0)
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    torch.backends.cuda.matmul.allow_tf32 = old[0]
+    _set_cudnn_tf32(old[1])
+
+
+def _set_cudnn_tf32(value: bool) -> None:
+    """cudnn's TF32 switch. torch's own test utilities (imported by PyTorch's test
+    Transformer in the coverage zoo) freeze cudnn's flags; frozen, the switch stays
+    as it is, off since the first test."""
+    if torch.backends.cudnn.allow_tf32 != value and not torch.backends.flags_frozen():
+        torch.backends.cudnn.allow_tf32 = value
 
 
 def assert_close_rel(actual, expected, rtol: float = 1e-5, name: str = "tensor") -> None:
