@@ -140,11 +140,11 @@ class DistComm(Comm):
         return x.clone() if self._coord(axis) == 0 else torch.zeros_like(x)
 
     def _all_gather(self, x, axis, parts, dim, groups):
-        """One `all_gather_into_tensor` of the flattened blocks (NCCL's native call; gloo
-        takes only the concatenated form)."""
+        """One `all_gather_single` of the flattened blocks (NCCL's native all-gather into
+        one tensor; gloo takes only the concatenated form)."""
         flat = x.reshape(-1)
         gathered = flat.new_empty(parts * flat.numel())
-        dist.all_gather_into_tensor(gathered, flat, group=self.groups[axis])
+        dist.all_gather_single(gathered, flat, group=self.groups[axis])
         return put_blocks([block.view(x.shape) for block in gathered.chunk(parts)], dim, groups)
 
     def _reduce_scatter(self, x, axis, parts, dim, groups):

@@ -222,7 +222,7 @@ def simulated_counts(label: str, q: int, d: int, mode: str, summa: str):
 
 
 # (q, d, mode, summa): the overlapped schedule runs its broadcasts asynchronously on gloo;
-# the gather schedule runs all_gather_into_tensor and, in backward, reduce_scatter_single.
+# the gather schedule runs all_gather_single and, in backward, reduce_scatter_single.
 WORLDS = [(2, 1, "2.5d", "overlap"), (2, 1, "2.5d", "gather"), (2, 2, "2.5d", "broadcast"), (1, 2, "1d", "broadcast")]
 
 
