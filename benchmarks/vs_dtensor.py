@@ -18,7 +18,10 @@ Configurations (`CONFIGS`), each on all 8 ranks of one launch:
   `torch.compile`;
 - tess-compile: `tess_compile.shard(model, 2, 2, mode="1d")` (Megatron-LM
   over p=8) and mode "2.5d" (the `[2,2,2]` mesh), eager and with
-  `compile=True` (the per-rank programs through inductor).
+  `compile=True` (the per-rank programs through inductor). 2.5d runs its
+  matrix products in the papers' schedule (q broadcasts of each operand,
+  the default) and with `summa="gather"` (one all-gather of each operand:
+  fewer, larger messages; the same bytes saved for backward).
 
 Every configuration is built and runs `--warmup` steps (compilation
 included), then two measured steps, then `--rounds` rounds: round r runs
@@ -114,10 +117,11 @@ def dtensor(model: WithLoss, batch, q: int, d: int, *, compiled: bool) -> nn.Mod
     return torch.compile(model) if compiled else model
 
 
-def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool) -> nn.Module:
+def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool, summa: str = "broadcast") -> nn.Module:
     """tess-compile's module of `model` on the q*q*d ranks in `mode` (1d: all ranks on one
-    axis); `compiled`: its per-rank program through inductor (`compile=True`)."""
-    return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300, compile=compiled)
+    axis), its matrix products in the schedule `summa`; `compiled`: its per-rank program
+    through inductor (`compile=True`)."""
+    return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300, compile=compiled, summa=summa)
 
 
 # name: (build(model, batch, q, d) -> module, compiled)
@@ -126,8 +130,9 @@ CONFIGS = {
     "DTensor compiled": (functools.partial(dtensor, compiled=True), True),
     "tess 1d": (functools.partial(tess, mode="1d", compiled=False), False),
     "tess 2.5d": (functools.partial(tess, mode="2.5d", compiled=False), False),
+    "tess 2.5d gather": (functools.partial(tess, mode="2.5d", compiled=False, summa="gather"), False),
     "tess 1d compiled": (functools.partial(tess, mode="1d", compiled=True), True),
-    "tess 2.5d compiled": (functools.partial(tess, mode="2.5d", compiled=True), True),
+    "tess 2.5d gather compiled": (functools.partial(tess, mode="2.5d", compiled=True, summa="gather"), True),
 }
 
 
@@ -234,12 +239,12 @@ def main(argv=None) -> int:
 
 def print_table(names: list, results: list) -> None:
     """One row per configuration: median ms/step over rounds (slowest rank per round), bytes of rank 0."""
-    print(f"{'configuration':<18} {'ms/step':>9} {'vs DTensor':>10} {'saved B/rank':>13} {'moved B/rank/step':>18}")
+    print(f"{'configuration':<26} {'ms/step':>9} {'vs DTensor':>10} {'saved B/rank':>13} {'moved B/rank/step':>18}")
     medians = [statistics.median(max(times) for times in zip(*(rank[index]["times"] for rank in results)))
                for index in range(len(names))]
     for index, name in enumerate(names):
         row = results[0][index]
-        print(f"{name:<18} {medians[index] * 1e3:9.1f} {medians[index] / medians[0]:10.2f} "
+        print(f"{name:<26} {medians[index] * 1e3:9.1f} {medians[index] / medians[0]:10.2f} "
               f"{row['saved']:>13,} {row['moved']:>18,}")
 
 

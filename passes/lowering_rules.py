@@ -116,6 +116,29 @@ def _sum_over(b: Builder, x: Node, dims, axes) -> Node:
     return total
 
 
+def _mean_and_variance(b: Builder, xs: Node, dims: list[int], axes: list[str], count: int) -> tuple[Node, Node]:
+    """Mean and (biased) variance over `dims` of `count` elements, split over `axes`, with one
+    collective an axis: each rank's own mean and centred sum of squares side by side,
+    all-gathered, then merged by Chan et al.'s pairwise formula (every rank holds
+    `count / parts` of them): `M2 = sum M2_r + n_r * sum (mean_r - mean)^2`. As stable as
+    a two-pass variance; a sum of squares minus a squared sum would cancel."""
+    own = count // math.prod(b.mesh.size(axis) for axis in axes)
+    at = dims[-1]  # the statistics lie side by side along one reduced dim (kept, size 1)
+    own_mean = b.call(aten.div.Tensor, b.call(aten.sum.dim_IntList, xs, dims, True), own)
+    centred = b.call(aten.sub.Tensor, xs, own_mean)
+    own_m2 = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, centred, centred), dims, True)
+    stats = b.call(aten.cat.default, [own_mean, own_m2], at)
+    for axis in axes:
+        stats = b.split_op(c.all_gather, stats, axis, at, 1)
+    means = b.call(aten.slice.Tensor, stats, at, 0, None, 2)
+    m2s = b.call(aten.slice.Tensor, stats, at, 1, None, 2)
+    mean = b.call(aten.mean.dim, means, [at], True)
+    spread = b.call(aten.sub.Tensor, means, mean)
+    between = b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, spread, spread), [at], True), own)
+    m2 = b.call(aten.add.Tensor, b.call(aten.sum.dim_IntList, m2s, [at], True), between)
+    return mean, b.call(aten.div.Tensor, m2, count)
+
+
 HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
@@ -126,9 +149,9 @@ def _statistics_input(b: Builder, x: Node, dtype: torch.dtype) -> Node:
 
 
 def lower_layer_norm(b: Builder, node: Node, args, kwargs):
-    """LayerNorm over a split hidden dim: mean, then centred variance, each all-reduced
-    (in fp32 for half inputs, in the input's dtype otherwise, as torch's own kernel),
-    on the detached input; `split_norm` normalises and keeps only x and the statistics."""
+    """LayerNorm over a split hidden dim: mean and variance by `_mean_and_variance` (in
+    fp32 for half inputs, in the input's dtype otherwise, as torch's own kernel), on the
+    detached input; `split_norm` normalises and keeps only x and the statistics."""
     x, shape = args[0], args[1]
     weight, bias = (list(args[2:4]) + [None, None])[:2]
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
@@ -139,10 +162,7 @@ def lower_layer_norm(b: Builder, node: Node, args, kwargs):
         return lower_default(b, node, args, kwargs)
     count = math.prod(shape)
     xs = _statistics_input(b, b.call(aten.detach.default, x), node.args[0].meta["val"].dtype)
-    mean = b.call(aten.div.Tensor, _sum_over(b, xs, dims, axes), count)
-    centred = b.call(aten.sub.Tensor, xs, mean)
-    squares = b.call(aten.mul.Tensor, centred, centred)
-    var = b.call(aten.div.Tensor, _sum_over(b, squares, dims, axes), count)
+    mean, var = _mean_and_variance(b, xs, dims, axes, count)
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, var, eps))
     return b.call(split_norm, x, mean, rstd, weight, bias, tuple(axes), dims, count)
 
@@ -185,8 +205,8 @@ def lower_conv(b: Builder, node: Node, args, kwargs):
 
 
 def lower_batch_norm(b: Builder, node: Node, args, kwargs):
-    """Training batch norm over dims split on some axes: per-channel mean, then centred
-    variance, each all-reduced along those axes (as `lower_layer_norm`'s), `split_norm`
+    """Training batch norm over dims split on some axes: per-channel mean and variance by
+    `_mean_and_variance` (as `lower_layer_norm`'s), `split_norm`
     to normalise, and the running statistics updated in place with the global ones.
     Evaluation, and training with the batch and space whole, run as they are."""
     x, weight, bias, running_mean, running_var, training, momentum, eps = args[:8]
@@ -197,9 +217,7 @@ def lower_batch_norm(b: Builder, node: Node, args, kwargs):
         return lower_default(b, node, args, kwargs)
     count = math.prod(val.shape[d] for d in dims)
     xs = _statistics_input(b, b.call(aten.detach.default, x), val.dtype)
-    mean = b.call(aten.div.Tensor, _sum_over(b, xs, dims, axes), count)
-    centred = b.call(aten.sub.Tensor, xs, mean)
-    var = b.call(aten.div.Tensor, _sum_over(b, b.call(aten.mul.Tensor, centred, centred), dims, axes), count)
+    mean, var = _mean_and_variance(b, xs, dims, axes, count)
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, var, eps))
     if running_mean is not None:
         buffer_dtype = node.args[3].meta["val"].dtype

@@ -14,7 +14,9 @@ grad. Then, per collective that sends bytes:
 A `fetched_product` (`tess_compile.products`) fetches its operands again in
 backward: each fetch whose block the backward needs counts in backward, with
 the bytes of the own block it sends. A `split_norm` (`tess_compile.norms`)
-all-reduces its backward statistics when x's gradient is needed.
+all-reduces its backward statistics when x's gradient is needed. A
+`grad_bucket` (`tess_compile.grad_buckets`) all-reduces its members'
+gradients in backward, a few per collective, counted as `grad_sync`.
 
 A recompute region (`tess_compile.regions`) that backward reaches runs
 again there: its collectives count in backward once more, with their
@@ -49,6 +51,7 @@ from passes.verify import local_placeholder
 from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
 from tess_compile.compiler import Program, split_example_inputs
 from tess_compile.mesh import Mesh
+from tess_compile.grad_buckets import bucket_groups, grad_bucket
 from tess_compile.norms import split_norm
 from tess_compile.products import fetched_product
 from tess_compile.regions import region_runs
@@ -205,10 +208,10 @@ class CollectiveCost:
     forward_bytes: int | None  # its input's bytes; None if it sends nothing
     backward_op: str  # its adjoint
     backward_bytes: int | None  # its output's bytes; None if the adjoint sends nothing or does not run
-    backward_of: Node | None = None  # the node whose local tensor backward sends, if not `node`
+    backward_of: Node | tuple[Node, ...] | None = None  # the node(s) whose local tensors backward sends, if not `node`
 
     @property
-    def backward_value(self) -> Node:
+    def backward_value(self) -> Node | tuple[Node, ...]:
         return self.node if self.backward_of is None else self.backward_of
 
 
@@ -262,19 +265,31 @@ def _fetch_costs(node: Node, values: dict[Node, object], reached: set) -> list[C
 
 
 def _norm_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
-    """The backward all-reduces of a `split_norm` node: one (RMSNorm) or two (LayerNorm)
-    statistics a row, per axis, when x's gradient is needed."""
+    """The backward all-reduces of a `split_norm` node, one per axis when x's gradient is
+    needed, of one (RMSNorm) or two (LayerNorm) statistics a row side by side."""
     x, mean, rstd, _, _, axes, _, _ = node.args
     if values[node].grad_fn not in reached or not values[x].requires_grad:
         return []
-    num_sums = 1 if mean is None else 2
-    num_bytes = tensor_bytes(values[rstd])
-    return [CollectiveCost(node, "all_reduce", axis, None, "all_reduce", num_bytes, backward_of=rstd)
-            for _ in range(num_sums) for axis in axes]
+    statistics = (rstd,) if mean is None else (rstd, rstd)  # each of rstd's shape
+    num_bytes = sum(tensor_bytes(values[s]) for s in statistics)
+    return [CollectiveCost(node, "all_reduce", axis, None, "all_reduce", num_bytes, backward_of=statistics)
+            for axis in axes]
+
+
+def _bucket_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
+    """The backward all-reduces of a `grad_bucket` node (`tess_compile.grad_buckets`): one per
+    group of `bucket_groups`, of its members' bytes, when backward reaches the bucket."""
+    members, axes = node.args
+    if not any(fn in reached for fn in _grad_fns(values[node])):
+        return []
+    tensors = [values[member] for member in members]
+    groups = bucket_groups(axes, [t.dtype for t in tensors], [t.requires_grad for t in tensors])
+    return [CollectiveCost(node, "grad_sync", axis, None, "all_reduce", sum(tensor_bytes(tensors[m]) for m in group),
+                           backward_of=tuple(members[m] for m in group)) for axis, group in groups]
 
 
 # Graph targets that communicate in backward only, by the function that gives those costs.
-_BACKWARD_COSTS = {fetched_product: _fetch_costs, split_norm: _norm_costs}
+_BACKWARD_COSTS = {fetched_product: _fetch_costs, split_norm: _norm_costs, grad_bucket: _bucket_costs}
 
 
 def transfers(costs: Iterable[CollectiveCost]) -> Iterator[tuple[str, str, str, int]]:

@@ -357,11 +357,11 @@ def cluster_of(args):
 
     try:
         return Cluster(gpus_per_node=args.gpus_per_node,
-                       intra_bandwidth=args.intra_bandwidth * 1e9, intra_latency=args.intra_latency * 1e-6,
-                       inter_bandwidth=args.inter_bandwidth * 1e9, inter_latency=args.inter_latency * 1e-6,
+                       intra_bandwidth=args.intra_bandwidth * 1e9, intra_latency=args.intra_latency / 1e6,
+                       inter_bandwidth=args.inter_bandwidth * 1e9, inter_latency=args.inter_latency / 1e6,
                        flops=args.tflops * 1e12, memory=args.memory_gb * 1e9, algorithm=args.algorithm,
                        matmul_half_size=args.matmul_half_size, memory_bandwidth=args.memory_bandwidth * 1e9,
-                       kernel_overhead=args.kernel_overhead * 1e-6)
+                       kernel_overhead=args.kernel_overhead / 1e6)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

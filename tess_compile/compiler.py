@@ -1,7 +1,7 @@
 """The pipeline driver: runs the passes on a model and packs the result.
 
 `compile_model` captures the model, then runs `pipeline(...)` (place,
-verify, rewrite), naming the pass that fails, then always verifies the
+verify, rewrite, gradient buckets), naming the pass that fails, then always verifies the
 per-rank graph (`verify_rewritten`, a fake forward run). The result, a
 `Program`, is what both runtimes execute: the per-rank graph plus, for
 each of its placeholders, what feeds it.
@@ -20,6 +20,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from passes import capture, place, rewrite, verify_placed, verify_rewritten
+from passes.buckets import bucket_gradients
 from passes.recompute import CHECKPOINTS, mark_blocks, mark_selective
 from tess_compile.layout import Layout, local_block
 from tess_compile.mesh import Mesh
@@ -50,6 +51,7 @@ def pipeline(strict: bool, verify: bool, replicate_outputs: bool = False, summa:
     stages.append(("rewrite", lambda gm, mesh: rewrite(gm, mesh, summa=summa, keep_blocks=keep_blocks)))
     if checkpoint == "selective":
         stages.append(("recompute selective", mark_selective))
+    stages.append(("bucket gradients", bucket_gradients))
     return stages
 
 

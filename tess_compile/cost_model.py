@@ -12,7 +12,8 @@ on a `Cluster`, and `predict_time` does both. Per phase (forward, backward):
 - every other kernel (elementwise ops, norms, softmax, copies): the bytes it
   reads and writes at `memory_bandwidth`;
 - `kernel_overhead` seconds per kernel launched (views and allocations
-  launch none; collectives are priced below);
+  launch none; collectives are priced below, with the copies that pack a
+  gradient bucket, `tess_compile.grad_buckets`, as part of its all-reduce);
 - a collective of `n` bytes over a group of `g` ranks on a link of latency
   `alpha` (seconds) and bandwidth `B` (bytes/s): `steps(g) * alpha +
   factor(g) * n / B`, with `steps` and `factor` from `COLLECTIVE_RULES`. A
@@ -63,6 +64,7 @@ from tess_compile.accounting import (
 )
 from tess_compile.collectives import Comm, broadcast_start, use_comm
 from tess_compile.compiler import Program
+from tess_compile.grad_buckets import packing
 from tess_compile.mesh import AXES, Mesh
 from tess_compile.products import fetched_product
 
@@ -225,16 +227,16 @@ PAPER_CLUSTER = Cluster(
 # the fit still gives these values.
 CALIBRATED_CLUSTER = Cluster(
     gpus_per_node=4,
-    intra_bandwidth=122.34e9,
-    intra_latency=1.4372e-6,
+    intra_bandwidth=98.083e9,
+    intra_latency=2.3065e-6,
     inter_bandwidth=25e9,
-    inter_latency=1.4372e-6,
+    inter_latency=2.3065e-6,
     flops=312e12,
     memory=40e9,
     algorithm="ring",
     matmul_half_size=1024.0,
-    memory_bandwidth=504.87e9,
-    kernel_overhead=22.116e-6,
+    memory_bandwidth=727.25e9,
+    kernel_overhead=15.114e-6,
 )
 
 
@@ -372,8 +374,8 @@ class _KernelRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._overloadpacket.__name__
-        if func.namespace != "aten" or func.is_view or name in _NO_KERNEL:
-            return out  # collectives (priced apart), views and allocations
+        if func.namespace != "aten" or func.is_view or name in _NO_KERNEL or packing():
+            return out  # collectives (priced apart, a gradient bucket's copies with them), views and allocations
         totals = self.totals[self.phase]
         totals["num_kernels"] += 1
         if name in _MATMULS:

@@ -44,6 +44,7 @@ from tess_compile.compiler import Program, compile_model, split_example_inputs
 from tess_compile.cost_model import predict_memory
 from tess_compile.layout import Layout
 from tess_compile.mesh import AXES, Mesh
+from tess_compile.grad_buckets import grad_bucket
 from tess_compile.norms import split_norm
 from tess_compile.products import fetched_product
 from tess_compile.symbolic import format_symbolic, formulas_by_phase, mesh_values, symbolic_costs
@@ -193,7 +194,7 @@ def _arg(value) -> str:
 
 
 def _target_name(target) -> str:
-    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm):  # by its own name: broadcast_start, not broadcast
+    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm, grad_bucket):  # by its own name: broadcast_start, not broadcast
         return f"tess.{getattr(target, '_opname', None) or target.__name__}"
     if isinstance(target, torch._ops.OpOverload):
         return str(target).removesuffix(".default")

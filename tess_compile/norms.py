@@ -5,8 +5,8 @@ all-reduces are the forward's collectives); `split_norm` then normalises
 and keeps only the input, the statistics and the affine weight for
 backward. Its backward is paper eq. 13/14: with `g = dy * weight` and
 `x_hat` the normalised input, `dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`
-(RMSNorm: no `mean(g)` term), the two means over the split dim all-reduced
-along its axes. Works on lists of per-rank tensors, as `tess_compile.products`.
+(RMSNorm: no `mean(g)` term), the two sums over the split dim all-reduced
+together along its axes, one collective an axis. Works on lists of per-rank tensors, as `tess_compile.products`.
 """
 
 from __future__ import annotations
@@ -59,17 +59,18 @@ class _SplitNorm(torch.autograd.Function):
 
 
 def _grad_x(ctx, xs, x_hats, rstds, gs) -> list[torch.Tensor]:
-    """Eq. 13/14: the means over the split dim of `g * x_hat` (and, with a mean, of `g`)
-    all-reduced along the norm's axes, in that order."""
+    """Eq. 13/14: the sums over the split dim of `g * x_hat` (and, with a mean, of `g`), side
+    by side along one reduced dim, all-reduced along the norm's axes: one collective an axis."""
     n, dims = ctx.n, ctx.dims
-    sums = [_all_reduced(ctx, [(g * x_hat).sum(dims, keepdim=True) for g, x_hat in zip(gs, x_hats)])]
+    sums = [(g * x_hat).sum(dims, keepdim=True) for g, x_hat in zip(gs, x_hats)]
     if ctx.has_mean:
-        sums.append(_all_reduced(ctx, [g.sum(dims, keepdim=True) for g in gs]))
+        sums = [torch.cat([s, g.sum(dims, keepdim=True)], dims[-1]) for s, g in zip(sums, gs)]
+    sums = _all_reduced(ctx, sums)
     grad_x = []
     for r in range(n):
-        inner = gs[r] - x_hats[r] * (sums[0][r] / ctx.count)
+        inner = gs[r] - x_hats[r] * (sums[r].narrow(dims[-1], 0, 1) / ctx.count)
         if ctx.has_mean:
-            inner = inner - sums[1][r] / ctx.count
+            inner = inner - sums[r].narrow(dims[-1], 1, 1) / ctx.count
         grad_x.append((rstds[r] * inner).to(xs[r].dtype))
     return grad_x
 

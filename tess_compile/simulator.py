@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from tess_compile import state
 from tess_compile.collectives import ADJOINT, ASYNC_OF, COLLECTIVE_OPS, Comm, current_comm, use_comm
 from tess_compile.compiler import Program
+from tess_compile.grad_buckets import grad_bucket, lockstep_bucket
 from tess_compile.layout import assemble, put_blocks, take_block
 from tess_compile.mesh import Mesh
 from tess_compile.norms import lockstep_norm, split_norm
@@ -121,7 +122,7 @@ class _Collective(torch.autograd.Function):
 
 
 # Graph targets that communicate in backward, by their versions over every rank's tensors.
-_LOCKSTEP = {fetched_product: lockstep_product, split_norm: lockstep_norm}
+_LOCKSTEP = {fetched_product: lockstep_product, split_norm: lockstep_norm, grad_bucket: lockstep_bucket}
 
 
 def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> list:

@@ -303,14 +303,17 @@ class _Shapes:
         self.axis_sizes = AXIS_SYMBOLS[mesh.mode]
         self.known: dict[Node, Shape] = {}
 
-    def bytes_of(self, node: Node, num_bytes: int | None, repeat: sympy.Expr) -> ByteFormula | None:
-        """The formula of `num_bytes`, the bytes of `node`'s local tensor, `repeat` times."""
+    def bytes_of(self, nodes: Node | tuple[Node, ...], num_bytes: int | None, repeat: sympy.Expr) -> ByteFormula | None:
+        """The formula of `num_bytes`, the bytes of the local tensor of `nodes` (one node or
+        several, summed), `repeat` times."""
         if num_bytes is None:
             return None
-        value = self.values[node]
-        elements = math.prod(self.of(node), start=sympy.Integer(1))
-        assert int(elements.subs(self.at)) * value.element_size() == num_bytes, (node.name, elements, num_bytes)
-        return ByteFormula(((value.element_size(), repeat * elements),))
+        parts: dict[int, sympy.Expr] = {}
+        for node in nodes if isinstance(nodes, tuple) else (nodes,):
+            size = self.values[node].element_size()
+            parts[size] = parts.get(size, 0) + math.prod(self.of(node), start=sympy.Integer(1))
+        assert sum(int(e.subs(self.at)) * size for size, e in parts.items()) == num_bytes, (nodes, parts, num_bytes)
+        return ByteFormula(tuple((size, repeat * parts[size]) for size in sorted(parts)))
 
     def of(self, node: Node) -> Shape:
         if node not in self.known:
@@ -403,6 +406,27 @@ def _reduced(shapes: _Shapes, node: Node) -> Shape:
     return tuple(e for i, e in enumerate(dims) if i not in chosen)
 
 
+def _cat(shapes: _Shapes, node: Node) -> Shape:
+    """Tensors joined along `args[1]` (default 0): that dim is the sum of theirs."""
+    parts = [shapes.of(t) for t in node.args[0]]
+    dims = list(parts[0])
+    at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(dims)
+    dims[at] = sympy.Add(*(part[at] for part in parts))
+    return tuple(dims)
+
+
+def _slice(shapes: _Shapes, node: Node) -> Shape | None:
+    """`x[start::step]` along `args[1]`: ceil((size - start) / step) elements. A slice that
+    ends before the dim does, or counts from its end, has no rule."""
+    dims = list(shapes.of(node.args[0]))
+    at, start, end, step = (list(node.args[1:]) + [0, 0, None, 1][len(node.args) - 1:])[:4]
+    at, start = at % len(dims), start or 0
+    if start < 0 or (end is not None and end < int(dims[at].subs(shapes.at))):
+        return None
+    dims[at] = sympy.ceiling((dims[at] - start) / step)
+    return tuple(dims)
+
+
 def _scalar(shapes: _Shapes, node: Node) -> Shape:
     return ()
 
@@ -490,6 +514,8 @@ SHAPE_RULES = {
     aten.logsumexp.default: _reduced,
     aten.amax.default: _reduced,
     aten.amin.default: _reduced,
+    aten.cat.default: _cat,
+    aten.slice.Tensor: _slice,
     aten.sum.default: _scalar,
     aten.mean.default: _scalar,
     aten.linear.default: _linear,

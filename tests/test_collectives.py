@@ -7,14 +7,15 @@ Expectations are derived from the algorithms, not read off the library:
   only the own blocks and broadcasts them again (dX needs W's blocks, dW
   X's: q each along row and col), and the forward broadcasts' adjoints
   are reduces: dX reduces along col, dW along row (q each). W is
-  replicated over depth, so dW is then all-reduced along depth once. With
+  replicated over depth, so dW is then all-reduced along depth. With
   `keep_blocks=True` the backward broadcasts are not made.
 - A bias (R R S(0)) is replicated over row and depth: its gradient is
-  all-reduced along row and depth, once each.
-- LayerNorm over the col-split hidden dim: all-reduce along col of the sum
-  (mean), then of the centred squares (variance); the adjoint of an
-  all-reduce is an all-reduce, so backward repeats both; weight and bias
-  gradients are all-reduced along row and depth.
+  all-reduced along row and depth.
+- The gradients of all replicated parameters are bucketed
+  (`passes.buckets`): one all-reduce per axis for the whole model here.
+- LayerNorm over the col-split hidden dim: one all-gather along col of each
+  rank's mean and centred sum of squares (two numbers a row); backward
+  all-reduces its two sums along col together, once.
 - Axes of size 1 emit nothing.
 
 One record per collective call; num_bytes is one rank's local tensor.
@@ -55,9 +56,11 @@ def bytes_by_key(sim, phase: str) -> dict[tuple[str, str], set[int]]:
     return out
 
 
-def with_depth(counts: dict, d: int, num_depth_all_reduces: int) -> dict:
+def with_depth(counts: dict, d: int) -> dict:
+    """`counts` and, with d > 1, the one bucketed all-reduce along depth of the gradients of
+    the parameters replicated over depth."""
     if d > 1:
-        counts[("all_reduce", "depth")] = num_depth_all_reduces
+        counts[("all_reduce", "depth")] = 1
     return counts
 
 
@@ -67,7 +70,7 @@ def test_linear_no_bias_counts(q, d):
     sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden)
     fetches = {("broadcast", "col"): q, ("broadcast", "row"): q}
     assert sim.comm.counts("forward") == fetches
-    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q, **fetches}, d, 1)
+    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q, **fetches}, d)
 
     local_batch = 1  # the input's batch is d*q
     activation = local_batch * SEQ * (hidden // q) * F32  # [b/(d*q), s, h/q]
@@ -75,8 +78,8 @@ def test_linear_no_bias_counts(q, d):
     blocks = {("broadcast", "col"): {activation}, ("broadcast", "row"): {weight}}
     assert bytes_by_key(sim, "forward") == blocks
     assert bytes_by_key(sim, "backward") == with_depth(
-        {("reduce", "col"): {activation}, ("reduce", "row"): {weight}, **blocks}, d, {weight}
-    )
+        {("reduce", "col"): {activation}, ("reduce", "row"): {weight}, **blocks}, d
+    ) | ({("all_reduce", "depth"): {weight}} if d > 1 else {})
 
 
 @pytest.mark.parametrize("q, d", LINEAR_MESHES, ids=[mesh_id(q, d) for q, d in LINEAR_MESHES])
@@ -84,7 +87,7 @@ def test_linear_keeping_blocks_skips_backward_broadcasts(q, d):
     hidden = 4 * q
     sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden, keep_blocks=True)
     assert sim.comm.counts("forward") == {("broadcast", "col"): q, ("broadcast", "row"): q}
-    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q}, d, 1)
+    assert sim.comm.counts("backward") == with_depth({("reduce", "col"): q, ("reduce", "row"): q}, d)
 
 
 @pytest.mark.parametrize("q, d", LINEAR_MESHES, ids=[mesh_id(q, d) for q, d in LINEAR_MESHES])
@@ -94,14 +97,14 @@ def test_linear_with_bias_counts(q, d):
     assert sim.comm.counts("forward") == {("broadcast", "col"): q, ("broadcast", "row"): q}
     assert sim.comm.counts("backward") == with_depth(
         {("reduce", "col"): q, ("reduce", "row"): q, ("broadcast", "col"): q, ("broadcast", "row"): q,
-         ("all_reduce", "row"): 1}, d, 2
+         ("all_reduce", "row"): 1}, d
     )
     weight = (hidden // q) ** 2 * F32
     bias = (hidden // q) * F32
     backward = bytes_by_key(sim, "backward")
     assert backward[("all_reduce", "row")] == {bias}
     if d > 1:
-        assert backward[("all_reduce", "depth")] == {weight, bias}
+        assert backward[("all_reduce", "depth")] == {weight + bias}  # one bucket
 
 
 @pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (4, 2)], ids=["q2d1", "q2d2", "q4d2"])
@@ -110,21 +113,21 @@ def test_linear_input_without_grad_skips_reduce_along_col(q, d):
     fetched again along row) is not computed; dW fetches X's blocks along col."""
     hidden = 4 * q
     sim = run(nn.Linear(hidden, hidden, bias=False), q, d, hidden, input_grad=False)
-    assert sim.comm.counts("backward") == with_depth({("reduce", "row"): q, ("broadcast", "col"): q}, d, 1)
+    assert sim.comm.counts("backward") == with_depth({("reduce", "row"): q, ("broadcast", "col"): q}, d)
 
 
 @pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (3, 3)], ids=["q2d1", "q2d2", "q3d3"])
 def test_layer_norm_counts(q, d):
     hidden = 4 * q
     sim = run(nn.LayerNorm(hidden), q, d, hidden)
-    assert sim.comm.counts("forward") == {("all_reduce", "col"): 2}
-    assert sim.comm.counts("backward") == with_depth({("all_reduce", "col"): 2, ("all_reduce", "row"): 2}, d, 2)
-    statistic = 1 * SEQ * 1 * F32  # [b/(d*q), s, 1]: one number per row
+    assert sim.comm.counts("forward") == {("all_gather", "col"): 1}
+    assert sim.comm.counts("backward") == with_depth({("all_reduce", "col"): 1, ("all_reduce", "row"): 1}, d)
+    statistics = 1 * SEQ * 2 * F32  # [b/(d*q), s, 2]: two numbers per row
     vector = (hidden // q) * F32
-    assert bytes_by_key(sim, "forward") == {("all_reduce", "col"): {statistic}}
+    assert bytes_by_key(sim, "forward") == {("all_gather", "col"): {statistics}}
     backward = bytes_by_key(sim, "backward")
-    assert backward[("all_reduce", "col")] == {statistic}
-    assert backward[("all_reduce", "row")] == {vector}
+    assert backward[("all_reduce", "col")] == {statistics}
+    assert backward[("all_reduce", "row")] == {2 * vector}  # weight and bias in one bucket
 
 
 @pytest.mark.parametrize("q, d", [(2, 1), (2, 2)], ids=["q2d1", "q2d2"])
@@ -132,7 +135,7 @@ def test_rms_norm_counts(q, d):
     hidden = 4 * q
     sim = run(nn.RMSNorm(hidden), q, d, hidden)
     assert sim.comm.counts("forward") == {("all_reduce", "col"): 1}
-    assert sim.comm.counts("backward") == with_depth({("all_reduce", "col"): 1, ("all_reduce", "row"): 1}, d, 1)
+    assert sim.comm.counts("backward") == with_depth({("all_reduce", "col"): 1, ("all_reduce", "row"): 1}, d)
 
 
 def test_single_rank_mesh_sends_nothing():
@@ -166,14 +169,12 @@ def test_block_counts(kind, q, d):
     """
     hidden = 4 * q
     sim = run(make_block(kind, hidden, q), q, d, hidden)
-    if kind == "gpt":
-        num_linear, num_norm_reduces, num_vectors = 4, 2 * 2, 4 + 2 * 2
-    else:
-        num_linear, num_norm_reduces, num_vectors = 7, 2 * 1, 2
+    num_linear = 4 if kind == "gpt" else 7
+    norm_statistics = ("all_gather", "col") if kind == "gpt" else ("all_reduce", "col")  # LayerNorm, RMSNorm
     assert sim.comm.counts("forward") == {
         ("broadcast", "col"): num_linear * q,
         ("broadcast", "row"): num_linear * q,
-        ("all_reduce", "col"): num_norm_reduces,
+        norm_statistics: 2,
     }
     assert sim.comm.counts("backward") == with_depth(
         {
@@ -181,9 +182,8 @@ def test_block_counts(kind, q, d):
             ("reduce", "row"): num_linear * q,
             ("broadcast", "col"): num_linear * q,
             ("broadcast", "row"): num_linear * q,
-            ("all_reduce", "col"): num_norm_reduces,
-            ("all_reduce", "row"): num_vectors,
+            ("all_reduce", "col"): 2,  # one a norm
+            ("all_reduce", "row"): 1,  # the biases and norm weights, one bucket
         },
         d,
-        num_linear + num_vectors,
     )

@@ -20,7 +20,8 @@ def test_debug_switch_dumps_every_stage(tmp_path, monkeypatch):
         "01 place",
         "02 verify placed",
         "03 rewrite",
-        "04 verify rewritten",
+        "04 bucket gradients",
+        "05 verify rewritten",
     ]
     assert summary[0] == "00 capture: 8 nodes"
     assert summary[1] == "01 place: 8 nodes (8 -> 8, +0)", "placement is an analysis: no node added"

@@ -32,22 +32,22 @@ GOLDEN_LINEAR_RANK0 = """\
 #   backward broadcast along col: 32
 #   backward reduce along row: 32
 p_weight = param("weight")  # RS(1)S(0) local [2, 2] float32
-grad_sync = tess.grad_sync(p_weight, along="depth")  # RS(1)S(0) local [2, 2] float32 peers [0, 4] bytes 0; backward all_reduce bytes 16
 p_bias = param("bias")  # RRS(0) local [2] float32
-grad_sync_1 = tess.grad_sync(p_bias, along="depth")  # local [2] float32 peers [0, 4] bytes 0; backward all_reduce bytes 8
-grad_sync_2 = tess.grad_sync(grad_sync_1, along="row")  # RRS(0) local [2] float32 peers [0, 2] bytes 0; backward all_reduce bytes 8
+grad_bucket = tess.grad_bucket([p_bias, p_weight], (("depth", "row"), ("depth",)))  # (local [2] float32, local [2, 2] float32) backward all_reduce along depth peers [0, 4] bytes 24 backward all_reduce along row peers [0, 2] bytes 8
+p_bias_synced = grad_bucket[0]  # RRS(0) local [2] float32
+p_weight_synced = grad_bucket[1]  # RS(1)S(0) local [2, 2] float32
 input_1 = input(0)  # RRR local [4, 2, 4] float32
 shard_slice = tess.shard_slice(input_1, along="depth", parts=2, dim=0, groups=1)  # local [2, 2, 4] float32 peers [0, 4] bytes 0
 shard_slice_1 = tess.shard_slice(shard_slice, along="row", parts=2, dim=0, groups=1)  # local [1, 2, 4] float32 peers [0, 2] bytes 0
 shard_slice_2 = tess.shard_slice(shard_slice_1, along="col", parts=2, dim=2, groups=1)  # S(0)S(0)S(2) local [1, 2, 2] float32 peers [0, 1] bytes 0
 broadcast = tess.broadcast(shard_slice_2, along="col", src=0)  # local [1, 2, 2] float32 peers [0, 1] bytes 16
-broadcast_1 = tess.broadcast(grad_sync, along="row", src=0)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
-fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
+broadcast_1 = tess.broadcast(p_weight_synced, along="row", src=0)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
+fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
 broadcast_2 = tess.broadcast(shard_slice_2, along="col", src=1)  # local [1, 2, 2] float32 peers [0, 1] bytes 16
-broadcast_3 = tess.broadcast(grad_sync, along="row", src=1)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
-fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
+broadcast_3 = tess.broadcast(p_weight_synced, along="row", src=1)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
+fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
 add = aten.add.Tensor(fetched_product, fetched_product_1)  # local [1, 2, 2] float32
-add_1 = aten.add.Tensor(add, grad_sync_2)  # S(0)S(0)S(2) local [1, 2, 2] float32
+add_1 = aten.add.Tensor(add, p_bias_synced)  # S(0)S(0)S(2) local [1, 2, 2] float32
 return (add_1,)
 """
 
@@ -65,22 +65,22 @@ GOLDEN_LINEAR_RANK5 = """\
 #   backward broadcast along col: 32
 #   backward reduce along row: 32
 p_weight = param("weight")  # RS(1)S(0) local [2, 2] float32
-grad_sync = tess.grad_sync(p_weight, along="depth")  # RS(1)S(0) local [2, 2] float32 peers [1, 5] bytes 0; backward all_reduce bytes 16
 p_bias = param("bias")  # RRS(0) local [2] float32
-grad_sync_1 = tess.grad_sync(p_bias, along="depth")  # local [2] float32 peers [1, 5] bytes 0; backward all_reduce bytes 8
-grad_sync_2 = tess.grad_sync(grad_sync_1, along="row")  # RRS(0) local [2] float32 peers [5, 7] bytes 0; backward all_reduce bytes 8
+grad_bucket = tess.grad_bucket([p_bias, p_weight], (("depth", "row"), ("depth",)))  # (local [2] float32, local [2, 2] float32) backward all_reduce along depth peers [1, 5] bytes 24 backward all_reduce along row peers [5, 7] bytes 8
+p_bias_synced = grad_bucket[0]  # RRS(0) local [2] float32
+p_weight_synced = grad_bucket[1]  # RS(1)S(0) local [2, 2] float32
 input_1 = input(0)  # RRR local [4, 2, 4] float32
 shard_slice = tess.shard_slice(input_1, along="depth", parts=2, dim=0, groups=1)  # local [2, 2, 4] float32 peers [1, 5] bytes 0
 shard_slice_1 = tess.shard_slice(shard_slice, along="row", parts=2, dim=0, groups=1)  # local [1, 2, 4] float32 peers [5, 7] bytes 0
 shard_slice_2 = tess.shard_slice(shard_slice_1, along="col", parts=2, dim=2, groups=1)  # S(0)S(0)S(2) local [1, 2, 2] float32 peers [4, 5] bytes 0
 broadcast = tess.broadcast(shard_slice_2, along="col", src=0)  # local [1, 2, 2] float32 peers [4, 5] bytes 16
-broadcast_1 = tess.broadcast(grad_sync, along="row", src=0)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
-fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
+broadcast_1 = tess.broadcast(p_weight_synced, along="row", src=0)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
+fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
 broadcast_2 = tess.broadcast(shard_slice_2, along="col", src=1)  # local [1, 2, 2] float32 peers [4, 5] bytes 16
-broadcast_3 = tess.broadcast(grad_sync, along="row", src=1)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
-fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=grad_sync, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
+broadcast_3 = tess.broadcast(p_weight_synced, along="row", src=1)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
+fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
 add = aten.add.Tensor(fetched_product, fetched_product_1)  # local [1, 2, 2] float32
-add_1 = aten.add.Tensor(add, grad_sync_2)  # S(0)S(0)S(2) local [1, 2, 2] float32
+add_1 = aten.add.Tensor(add, p_bias_synced)  # S(0)S(0)S(2) local [1, 2, 2] float32
 return (add_1,)
 """
 

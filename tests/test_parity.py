@@ -110,10 +110,11 @@ def test_blocks_need_no_fallback(kind):
         sim = tess_compile.simulate(make_block(kind, 8, 2), q, d, example_inputs=(torch.randn(4, 4, 8),), verify=True)
     fallbacks = [str(w.message) for w in caught if "sharding rule" in str(w.message)]
     assert fallbacks == [], fallbacks
-    # No collective gathers a whole activation: the blocks run on local shards only.
+    # No collective gathers a whole activation: the blocks run on local shards only; the
+    # norms gather their statistics, two numbers a row (fp32) of the [1, 4, 8/q] shard.
     sim(torch.randn(4, 4, 8)).sum().backward()
-    ops = {op for op, _ in sim.comm.counts()}
-    assert "all_gather" not in ops, sim.comm.counts()
+    gathered = {record.num_bytes for record in sim.comm.records if record.op == "all_gather"}
+    assert gathered <= {2 * 4 * 4}, sim.comm.counts()
 
 
 class GQAttention(nn.Module):
