@@ -28,8 +28,10 @@ __all__ = ["BUCKET_BYTES", "bucket_gradients"]
 BUCKET_BYTES = 25 * 2**20
 
 
-def bucket_gradients(gm: GraphModule, mesh: Mesh, *, bucket_bytes: int = BUCKET_BYTES) -> GraphModule:
-    """`gm` with its `grad_sync` chains replaced by `grad_bucket` nodes; see the module docstring."""
+def bucket_gradients(gm: GraphModule, mesh: Mesh, *, bucket_bytes: int | None = None) -> GraphModule:
+    """`gm` with its `grad_sync` chains replaced by `grad_bucket` nodes of up to `bucket_bytes`
+    (default `BUCKET_BYTES`); see the module docstring."""
+    bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     chains = [chain for chain in map(_chain, gm.graph.nodes) if chain]
     if not chains:
         return gm
