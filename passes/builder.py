@@ -15,6 +15,8 @@ class Builder:
 
     `summa` is the schedule of the matrix products' steps (`passes.summa.SCHEDULES`);
     `keep_blocks` keeps their fetched blocks for backward instead of fetching again.
+    `shared` holds values that later products may read again instead of fetching them
+    once more (`passes.summa`); any in-place op empties it, as it may change a source.
     """
 
     def __init__(self, mesh: Mesh, summa: str = "broadcast", keep_blocks: bool = False):
@@ -22,8 +24,11 @@ class Builder:
         self.summa = summa
         self.keep_blocks = keep_blocks
         self.graph = Graph()
+        self.shared: dict[tuple, Node] = {}
 
     def call(self, target, *args, **kwargs) -> Node:
+        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            self.shared.clear()
         name = getattr(target, "_opname", None)  # "broadcast", not "broadcast_default"
         return self.graph.create_node("call_function", target, args, kwargs, name=name)
 

@@ -124,15 +124,19 @@ def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Nod
 
 def matmul_gathered(b: Builder, a: Node, w: Node, w_layout: Layout, a_dim: int, transposed: bool, product) -> Node:
     """The gather schedule: all-gather W along row (and, for A @ B, A along col), one
-    product; for A @ B^T the product's partial sums are reduce-scattered along col."""
+    product; for A @ B^T the product's partial sums are reduce-scattered along col.
+    Products of the same A read one all-gather of it (its gradient is then reduce-
+    scattered once); each still gathers A again in its own backward."""
     row = w_layout.row
     w_full = b.split_op(c.all_gather, w, "row", row.dim, row.groups)
     w_fetch = _gather_spec(b, "row", row.dim, row.groups)
     if transposed:
         y = _product(b, product, a, w_full, a, w, None, w_fetch)
         return b.split_op(c.reduce_scatter, y, "col", a_dim, row.groups)
-    a_full = b.split_op(c.all_gather, a, "col", a_dim, row.groups)
-    return _product(b, product, a_full, w_full, a, w, _gather_spec(b, "col", a_dim, row.groups), w_fetch)
+    key = ("all_gather", a, "col", a_dim, row.groups)
+    if key not in b.shared:  # products of one input (q, k and v) share its gathered rows
+        b.shared[key] = b.split_op(c.all_gather, a, "col", a_dim, row.groups)
+    return _product(b, product, b.shared[key], w_full, a, w, _gather_spec(b, "col", a_dim, row.groups), w_fetch)
 
 
 def matmul(b: Builder, a: Node, w: Node, w_layout: Layout, out_dim: int, product, a_dim: int) -> Node:

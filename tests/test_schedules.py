@@ -7,12 +7,14 @@ t's product and waits for them only after it.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import tess_compile
 from conftest import assert_matches_model
-from models import GPTBlock, TinyGPT, make_block, mesh_id
+from models import GPTBlock, LlamaBlock, TinyGPT, make_block, mesh_id
 from tess_compile import collectives as c
 from tess_compile.accounting import bytes_from_records, predict_bytes
 from tess_compile.products import fetched_product
@@ -79,3 +81,45 @@ def test_gather_is_one_product_per_linear():
 def test_unknown_schedule():
     with pytest.raises(ValueError, match="summa='ring' is not a schedule: use one of 'broadcast', 'overlap', 'gather'"):
         tess_compile.simulate(GPTBlock(8, 2), 2, 1, example_inputs=(torch.randn(2, 4, 8),), summa="ring")
+
+
+def test_gather_shares_one_input_across_its_products():
+    """Llama: q, k and v read one all-gather of the normed input, gate and up another;
+    each product still gathers it again in its own backward. Exact in float64."""
+    torch.manual_seed(0)
+    model = LlamaBlock(8, 2).to(torch.float64)
+    x = torch.randn(4, 4, 8, dtype=torch.float64)
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), summa="gather", verify=True)
+    gm = sim.program.graph
+    along_col = [n for n in gm.graph.nodes if n.target is c.all_gather and n.args[1] == "col"]
+    assert len(along_col) == 4, "q/k/v, o, gate/up, down"
+    assert len(_positions(gm, fetched_product)) == 7
+    assert_matches_model(sim, model, x, rtol=1e-12)
+    assert sim.comm.counts("backward")[("reduce_scatter", "col")] == 4
+
+
+class _ScaledInPlaceBetween(torch.nn.Module):
+    """Two products of one input with an in-place change of that input between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8, bias=False)
+        self.second = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        y = x * 1.0
+        a = self.first(y)
+        y.mul_(2.0)
+        return a + self.second(y)
+
+
+def test_gather_is_not_shared_across_an_in_place_change():
+    """(Without grad: autograd refuses an in-place change of a product's saved input.)"""
+    torch.manual_seed(0)
+    model = _ScaledInPlaceBetween().to(torch.float64)
+    x = torch.randn(4, 4, 8, dtype=torch.float64)
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), summa="gather", verify=True)
+    along_col = [n for n in sim.program.graph.graph.nodes if n.target is c.all_gather and n.args[1] == "col"]
+    assert len(along_col) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(sim(x), model(x), rtol=1e-12, atol=1e-12)
