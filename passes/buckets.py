@@ -8,8 +8,8 @@ axis in backward. This pass replaces the chains by `grad_bucket` nodes
 the reverse order of first use, so that the bucket of the last layers is
 complete, and reduced, first in backward. The buckets go where the chains
 were, before any kernel; each parameter's uses read the bucket's output
-instead, which carries the chain's `meta`. Reads `meta["role"]`; writes
-nothing else.
+instead, which takes over the chain's `meta`. Reads `meta["role"]`; writes
+`meta["global_node"]` on the bucket.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def bucket_gradients(gm: GraphModule, mesh: Mesh, *, bucket_bytes: int | None = 
     if not chains:
         return gm
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
-    chains.sort(key=lambda chain: -min(order[user] for user in chain[-1].users))
+    chains.sort(key=lambda chain: -min((order[user] for user in chain[-1].users), default=len(order)))
     last_sync = max((chain[-1] for chain in chains), key=order.__getitem__)
     with gm.graph.inserting_before(last_sync.next):
         for bucket in _fill(chains, mesh, bucket_bytes):

@@ -50,8 +50,8 @@ from passes import capture
 from passes.verify import local_placeholder
 from tess_compile.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
 from tess_compile.compiler import Program, split_example_inputs
-from tess_compile.mesh import Mesh
 from tess_compile.grad_buckets import bucket_groups, grad_bucket
+from tess_compile.mesh import Mesh
 from tess_compile.norms import split_norm
 from tess_compile.products import fetched_product
 from tess_compile.regions import region_runs

@@ -1,8 +1,8 @@
 """The pipeline driver: runs the passes on a model and packs the result.
 
 `compile_model` captures the model, then runs `pipeline(...)` (place,
-verify, rewrite, gradient buckets), naming the pass that fails, then always verifies the
-per-rank graph (`verify_rewritten`, a fake forward run). The result, a
+verify, rewrite, gradient buckets), naming the pass that fails, then
+always verifies the per-rank graph (`verify_rewritten`, a fake forward run). The result, a
 `Program`, is what both runtimes execute: the per-rank graph plus, for
 each of its placeholders, what feeds it.
 """

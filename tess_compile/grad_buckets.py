@@ -8,7 +8,9 @@ is the identity on a list of parameters; its backward, which autograd runs
 once the gradients of all of them are known, concatenates them and runs one
 all-reduce per axis and dtype (the members replicated over that axis), as
 DistributedDataParallel's buckets do. A member that does not require grad
-is left out at run time. Works on lists of per-rank tensors, as
+is left out at run time; one that backward does not reach (a parameter of
+an output the loss does not use) is reduced as zeros, so that every rank
+runs the same collectives, and keeps no gradient (None), as in PyTorch. Works on lists of per-rank tensors, as
 `tess_compile.norms`. The copies that pack and unpack a bucket are the
 collective's own work, as a communicator's internal copies are: `packing()`
 tells the cost model not to price them as kernels.
@@ -64,13 +66,17 @@ class _GradBucket(torch.autograd.Function):
     def forward(ctx, comm, axes, num_ranks, *tensors):
         ctx.comm, ctx.axes, ctx.num_ranks = comm, axes, num_ranks
         ctx.dtypes = [tensors[m * num_ranks].dtype for m in range(len(axes))]
+        ctx.like = [(t.shape, t.dtype, t.device) for t in tensors]  # for the zeros of unreached members
+        ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         n = ctx.num_ranks
         needed = [ctx.needs_input_grad[3 + m * n] for m in range(len(ctx.axes))]
-        grads = list(grads)
+        reached = [g is not None for g in grads]
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, ctx.like)]
         comm = ctx.comm or current_comm()
         with use_comm(comm, phase="backward"), _packing():
             for axis, members in bucket_groups(ctx.axes, ctx.dtypes, needed):
@@ -80,7 +86,8 @@ class _GradBucket(torch.autograd.Function):
                     pieces = flat.split([grads[m * n + r].numel() for m in members])
                     for m, piece in zip(members, pieces):
                         grads[m * n + r] = piece.view_as(grads[m * n + r])
-        return (None, None, None, *(g if needed[index // n] else None for index, g in enumerate(grads)))
+        kept = (g if needed[index // n] and reached[index] else None for index, g in enumerate(grads))
+        return (None, None, None, *kept)
 
 
 def lockstep_bucket(comm: Comm, xs: list[list[torch.Tensor]], axes: tuple) -> list[tuple[torch.Tensor, ...]]:

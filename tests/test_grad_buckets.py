@@ -120,3 +120,32 @@ def _distributed_step(rank: int, world_size: int, mode: str, q: int, d: int):
     sharded(x).square().sum().backward()
     grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
     return grads, sharded.comm.counts("backward")
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.used = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.unused = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.used(y), self.unused(y)
+
+
+def test_parameters_backward_does_not_reach_keep_no_gradient():
+    """As in PyTorch: the head the loss does not use gets no gradient (None, not zeros, which
+    AdamW would decay), while its bucket still runs the same collectives on every rank."""
+    torch.manual_seed(0)
+    model = _TwoHeads().to(torch.float64)
+    x = torch.randn(Q * Q * D, 4, HIDDEN, dtype=torch.float64)
+    sim = tess_compile.simulate(copy.deepcopy(model), Q, D, example_inputs=(x,), verify=True)
+    sim(x)[0].square().sum().backward()
+    model(x)[0].square().sum().backward()
+    for name, param in sim.named_parameters():
+        assert (param.grad is None) == ("unused" in name), name
+    grads = sim.full_grads()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
