@@ -18,7 +18,7 @@ import operator
 
 from torch.fx import GraphModule, Node
 
-from passes.verify import local_placeholder
+from passes.verify import local_bytes
 from tess_compile import collectives as c
 from tess_compile.grad_buckets import grad_bucket
 from tess_compile.mesh import Mesh
@@ -64,8 +64,7 @@ def _fill(chains: list[list[Node]], mesh: Mesh, bucket_bytes: int) -> list[list[
     buckets: list[list[list[Node]]] = [[]]
     filled = 0
     for chain in chains:
-        value = local_placeholder(chain[0], mesh)
-        size = value.numel() * value.element_size()
+        size = local_bytes(chain[0], mesh)
         if buckets[-1] and filled + size > bucket_bytes:
             buckets.append([])
             filled = 0

@@ -122,7 +122,9 @@ def _mean_and_variance(b: Builder, xs: Node, dims: list[int], axes: list[str], c
     all-gathered, then merged by Chan et al.'s pairwise formula (every rank holds
     `count / parts` of them): `M2 = sum M2_r + n_r * sum (mean_r - mean)^2`. As stable as
     a two-pass variance; a sum of squares minus a squared sum would cancel."""
-    own = count // math.prod(b.mesh.size(axis) for axis in axes)
+    parts = math.prod(b.mesh.size(axis) for axis in axes)
+    assert count % parts == 0, "placement splits norm dims evenly"
+    own = count // parts
     at = dims[-1]  # the statistics lie side by side along one reduced dim (kept, size 1)
     own_mean = b.call(aten.div.Tensor, b.call(aten.sum.dim_IntList, xs, dims, True), own)
     centred = b.call(aten.sub.Tensor, xs, own_mean)

@@ -21,11 +21,11 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from passes.place import source_line
 from passes.placement_rules import RULE_FAMILIES
-from tess_compile.collectives import COLLECTIVE_OPS
+from tess_compile.collectives import COLLECTIVE_OPS, output_like
 from tess_compile.layout import Layout, Shard
 from tess_compile.mesh import AXES, Mesh
 
-__all__ = ["local_placeholder", "verify_placed", "verify_rewritten"]
+__all__ = ["local_bytes", "local_placeholder", "verify_placed", "verify_rewritten"]
 
 
 def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
@@ -69,6 +69,12 @@ def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
     return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=requires_grad)
 
 
+def local_bytes(node, mesh: Mesh) -> int:
+    """The bytes of the local tensor a per-rank tensor placeholder takes (nothing allocated)."""
+    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
+    return torch.Size(shape).numel() * node.meta["dtype"].itemsize
+
+
 def verify_rewritten(gm: GraphModule, mesh: Mesh, *, placed: GraphModule) -> GraphModule:
     """A forward run of the per-rank `gm` on fake tensors (see the module docstring);
     `placed` is the global graph it was rewritten from."""
@@ -90,11 +96,6 @@ _UNCHECKABLE = (
     fake_tensor.UnsupportedOperatorException,
     fake_tensor.FakeTensorDeviceMismatchError,
 )
-# Collectives by their output's shape: the input's, or the input's with dim `dim` times or
-# over `parts` (their arguments: x, axis, parts, dim, groups).
-_SAME_SHAPE = ("broadcast", "reduce", "all_reduce", "keep_first", "grad_sync", "seed_once")
-_GATHERING = ("all_gather", "shard_pad")
-_SPLITTING = ("reduce_scatter", "shard_slice")
 
 
 class _LocalRun(Interpreter):
@@ -127,13 +128,8 @@ class _LocalRun(Interpreter):
     def call_function(self, target, args, kwargs):
         """A collective's value without dispatching it (see the module docstring)."""
         op = COLLECTIVE_OPS.get(target)
-        x = args[0] if op else None
-        if op in _SAME_SHAPE:
-            return x
-        if op in _GATHERING + _SPLITTING:
-            shape, parts, dim = list(x.shape), args[2], args[3]
-            shape[dim] = shape[dim] * parts if op in _GATHERING else shape[dim] // parts
-            return x.new_empty(shape)
+        if op is not None:
+            return output_like(op, *args)
         return super().call_function(target, args, kwargs)
 
     def _call(self, node: Node) -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "current_comm",
     "current_phase",
     "grad_sync",
+    "output_like",
     "seed_once",
     "use_comm",
     "wait",
@@ -153,8 +154,19 @@ def _backward_through(op: str):
     return backward, setup_context
 
 
+# op name -> its fake kernel: an empty tensor of its output's shape, from its arguments.
+_FAKES = {}
+
+
+def output_like(op: str, x: torch.Tensor, *args) -> torch.Tensor:
+    """An empty tensor of the shape that `op` gives for input `x` and its other arguments
+    (axis, then the op's own), without communicating: for runs on fake tensors."""
+    return _FAKES[op](x, *args)
+
+
 def _define(name: str, schema: str, fake):
     lib_name = f"tess::{name}"
+    _FAKES[name] = fake
 
     def impl(x, *args):
         return _run(name, x, *args)
@@ -192,6 +204,7 @@ all_gather = _define("all_gather", _SPLIT_SCHEMA, _gathered)
 reduce_scatter = _define("reduce_scatter", _SPLIT_SCHEMA, _scattered)
 shard_slice = _define("shard_slice", _SPLIT_SCHEMA, _scattered)
 shard_pad = _define("shard_pad", _SPLIT_SCHEMA, _gathered)
+_FAKES.update(grad_sync=_same_shape, seed_once=_same_shape)  # identities (autograd functions below)
 
 
 class _IdentityWithAdjoint(torch.autograd.Function):

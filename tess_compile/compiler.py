@@ -2,9 +2,9 @@
 
 `compile_model` captures the model, then runs `pipeline(...)` (place,
 verify, rewrite, gradient buckets), naming the pass that fails, then
-always verifies the per-rank graph (`verify_rewritten`, a fake forward run). The result, a
-`Program`, is what both runtimes execute: the per-rank graph plus, for
-each of its placeholders, what feeds it.
+always verifies the per-rank graph (`verify_rewritten`, a fake forward
+run). The result, a `Program`, is what both runtimes execute: the per-rank
+graph plus, for each of its placeholders, what feeds it.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from tess_compile.accounting import (
     tensor_bytes,
     transfers,
 )
-from tess_compile.collectives import Comm, broadcast_start, use_comm
+from tess_compile.collectives import Comm, broadcast_start, output_like, use_comm
 from tess_compile.compiler import Program
 from tess_compile.grad_buckets import packing
 from tess_compile.mesh import AXES, Mesh
@@ -404,12 +404,7 @@ class _ShapeComm(Comm):
     """A communicator for fake runs: each collective returns an empty tensor of its output's shape."""
 
     def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
-        shape = list(x.shape)
-        if op in ("all_gather", "shard_pad"):  # args: axis, parts, dim, groups
-            shape[args[2]] *= args[1]
-        elif op in ("reduce_scatter", "shard_slice"):
-            shape[args[2]] //= args[1]
-        return x.new_empty(shape)
+        return output_like(op, x, *args)
 
 
 def _fake_step(program: Program, inputs_require_grad: bool) -> dict[str, PhaseProfile]:

@@ -29,6 +29,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from passes import capture, place
+from passes.verify import local_bytes
 from tess_compile.accounting import (
     PHASES,
     CollectiveCost,
@@ -43,8 +44,8 @@ from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
 from tess_compile.compiler import Program, compile_model, split_example_inputs
 from tess_compile.cost_model import predict_memory
 from tess_compile.layout import Layout
-from tess_compile.mesh import AXES, Mesh
 from tess_compile.grad_buckets import grad_bucket
+from tess_compile.mesh import AXES, Mesh
 from tess_compile.norms import split_norm
 from tess_compile.products import fetched_product
 from tess_compile.symbolic import format_symbolic, formulas_by_phase, mesh_values, symbolic_costs
@@ -372,12 +373,8 @@ def _symbolic_header(gm: GraphModule, mesh: Mesh, sizes: dict[str, int], costs: 
 
 
 def _parameter_bytes(gm: GraphModule, mesh: Mesh) -> int:
-    total = 0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta["role"][0] == "param":
-            shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
-            total += torch.Size(shape).numel() * node.meta["dtype"].itemsize
-    return total
+    return sum(local_bytes(node, mesh) for node in gm.graph.nodes
+               if node.op == "placeholder" and node.meta["role"][0] == "param")
 
 
 _STAGE_VIEWS = {"captured": _captured_view, "placed": _placed_view, "rewritten": _rewritten_view}
