@@ -4,7 +4,7 @@ Part 1, predicted at the paper's scale: one `Block` per row of the Tesseract
 paper's Tables 1 and 2, compiled on the meta device for that row's method
 and mesh; the per-rank bytes of one forward and one backward (the layer's
 input requires grad, as inside a network) come from the per-rank graph
-(`tess_compile.accounting.predict_bytes`: the bytes of each tensor a rank
+(`tess_compile.analysis.accounting.predict_bytes`: the bytes of each tensor a rank
 passes to a collective).
 
 Part 2, measured at small scale: the same meshes run in the simulator on a
@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, Block, compile_layer  # noqa: E402
-from tess_compile.accounting import bytes_by_phase, bytes_from_records, collective_costs, predict_bytes  # noqa: E402
-from tess_compile.compiler import compile_model  # noqa: E402
-from tess_compile.cost_model import ring_wire_bytes  # noqa: E402
-from tess_compile.simulator import SimulatedModule  # noqa: E402
+from passes.driver import compile_model
+from tess_compile.analysis.accounting import bytes_by_phase, bytes_from_records, collective_costs, predict_bytes
+from tess_compile.analysis.cost_model import ring_wire_bytes
+from tess_compile.runtime.simulator import SimulatedModule
 
 MB = 1e6
 SMALL = {"hidden": 128, "heads": 64, "batch": 16, "seq": 8}

@@ -20,8 +20,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.paper_tables import Block  # noqa: E402
-from passes import capture, place, rewrite  # noqa: E402
-from tess_compile.mesh import Mesh  # noqa: E402
+from passes.capture import capture
+from passes.place import place
+from passes.rewrite import rewrite
+from tess_compile.core.mesh import Mesh
 
 MESHES = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1)]
 

@@ -8,7 +8,7 @@ forward and backward is compared with the unsharded model's:
   gradient, relative to the largest gradient of the model (some gradients
   are mathematically zero, so each is measured on the model's scale);
 - `redundant`: forward FLOPs over all ranks over the unsharded model's
-  (`tess_compile.accounting.redundant_work`; 1.00: no rank repeats another's
+  (`tess_compile.analysis.accounting.redundant_work`; 1.00: no rank repeats another's
   matmul-like work);
 - `replicated`: the ops with no sharding rule (they run whole on every rank);
 - `computes in`: float64, or the least precise dtype the model's own graph
@@ -36,9 +36,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.architectures import ARCHITECTURES, build  # noqa: E402
-from passes import capture  # noqa: E402
-from tess_compile.accounting import captured_forward_flops, redundant_work  # noqa: E402
-from tess_compile.compiler import split_example_inputs  # noqa: E402
+from passes.capture import capture
+from tess_compile.analysis.accounting import captured_forward_flops, redundant_work
+from tess_compile.core.program import split_example_inputs
 
 __all__ = ["MESHES", "Row", "main", "measure"]
 

@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.paper_tables import Block  # noqa: E402
-from tess_compile.launch import run_local  # noqa: E402
+from tess_compile.runtime.launch import run_local
 
 WORLD = 8
 # (label, q, d, mode, summa)

@@ -8,7 +8,7 @@ counted by its storage (views of one storage count once), parameters'
 storages left out. The hooks see every rank of the simulator, so that is the
 total over ranks; ranks are symmetric, so per rank = total / p. Beside it:
 
-- predicted: `tess_compile.cost_model.predict_memory(program).activations`
+- predicted: `tess_compile.analysis.memory.predict_memory(program).activations`
   (a fake run of one rank's graph);
 - total / unsharded: the total over ranks over the unsharded model's saved
   bytes, measured the same way with the same checkpointing (the model's
@@ -18,12 +18,12 @@ total over ranks; ranks are symmetric, so per rank = total / p. Beside it:
 - ideal: unsharded / p, what a rank would save if nothing were replicated;
 - parameter, gradient and AdamW bytes per rank (`predict_memory`) and the
   bytes a rank moves in one forward and backward
-  (`tess_compile.accounting.predict_bytes`, inputs requiring grad).
+  (`tess_compile.analysis.accounting.predict_bytes`, inputs requiring grad).
 
 Checkpointing: "none"; "blocks" and "selective" are the compiler's
-`checkpoint=` option; "model" is the stack whose own forward wraps each block
+`recompute=` option; "model" is the stack whose own forward wraps each block
 in `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`,
-compiled with `checkpoint="none"` (`--checkpoint-model` runs only those).
+compiled with `recompute="none"` (`--checkpoint-model` runs only those).
 "+keep" is `keep_blocks=True`.
 
     python3 benchmarks/memory.py [--layers 4] [--hidden 128] [--heads 8] [--batch 16] [--seq 32] [--checkpoint-model]
@@ -43,11 +43,11 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.paper_tables import Block  # noqa: E402
-from tess_compile import state  # noqa: E402
-from tess_compile.accounting import predict_bytes, saved_bytes  # noqa: E402
-from tess_compile.collectives import use_comm  # noqa: E402
-from tess_compile.cost_model import predict_memory  # noqa: E402
-from tess_compile.simulator import run_lockstep  # noqa: E402
+from tess_compile.analysis.accounting import predict_bytes, saved_bytes
+from tess_compile.analysis.memory import predict_memory
+from tess_compile.ops.collectives import use_comm
+from tess_compile.runtime import state
+from tess_compile.runtime.simulator import run_lockstep
 
 
 class Config(NamedTuple):
@@ -113,7 +113,7 @@ def unsharded_bytes(args, x: torch.Tensor, variant: str) -> int:
     """Saved bytes of the unsharded stack with the checkpointing of `variant`."""
     model = make_stack(args, checkpoint_blocks=variant in ("blocks", "model"))
     if variant == "selective":
-        sim = tess_compile.simulate(model, 1, 1, example_inputs=(x,), checkpoint="selective")
+        sim = tess_compile.simulate(model, 1, 1, example_inputs=(x,), recompute="selective")
         return saved_bytes(lambda: forward_own_inputs(sim, x), sim.parameters())
     return saved_bytes(lambda: model(x), model.parameters())
 
@@ -123,7 +123,7 @@ def measure(args, config: Config, x: torch.Tensor) -> dict:
     model = make_stack(args, checkpoint_blocks=config.checkpoint == "model")
     compiler_checkpoint = "none" if config.checkpoint == "model" else config.checkpoint
     sim = tess_compile.simulate(model, config.q, config.d, example_inputs=(x,), mode=config.mode,
-                                keep_blocks=config.keep_blocks, checkpoint=compiler_checkpoint)
+                                keep_blocks=config.keep_blocks, recompute=compiler_checkpoint)
     total = saved_bytes(lambda: forward_own_inputs(sim, x), sim.parameters())
     memory = predict_memory(sim.program)
     moved = predict_bytes(sim.program, inputs_require_grad=True)

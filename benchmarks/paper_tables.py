@@ -28,8 +28,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from tess_compile.compiler import Program, compile_model
-from tess_compile.mesh import Mesh
+from passes.driver import compile_model
+from tess_compile.core.mesh import Mesh
+from tess_compile.core.program import Program
 
 __all__ = ["PAPER_DTYPE", "SEQ", "TABLE_1", "TABLE_2", "Block", "CheckpointedBlock", "PaperRow", "compile_layer",
            "compile_paper_layer"]

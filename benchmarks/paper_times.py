@@ -8,7 +8,7 @@ replicated parameters are left out of the predicted backward: the paper's
 timed backward does not hold them (see docs/planner.md). Then:
 
 - the cost model's constants are fitted to one table and the other is held
-  out, both ways (`tess_compile.calibration.fit_cluster`; the scale, i.e. the
+  out, both ways (`tess_compile.analysis.calibration.fit_cluster`; the scale, i.e. the
   number of layers behind the paper's seconds per batch, is fitted per
   table: Kendall's tau does not depend on it);
 - the Kendall tau (tau-b) of predicted against measured forward + backward
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.paper_tables import PAPER_DTYPE, SEQ, TABLE_1, TABLE_2, Block, compile_paper_layer  # noqa: E402
-from tess_compile.calibration import (  # noqa: E402
+from tess_compile.analysis.calibration import (
     BOUNDS,
     FIT_PARAMETERS,
     Observation,
@@ -46,8 +46,9 @@ from tess_compile.calibration import (  # noqa: E402
     max_kendall_tau,
     predicted_seconds,
 )
-from tess_compile.cost_model import CALIBRATED_CLUSTER, PAPER_CLUSTER, profile_program, time_terms  # noqa: E402
-from tess_compile.planner import format_table, plan  # noqa: E402
+from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER
+from tess_compile.analysis.cost_model import profile_program, time_terms
+from tess_compile.analysis.planner import format_table, plan
 
 TABLES = {"1": ("Table 1 (strong scaling)", TABLE_1), "2": ("Table 2 (weak scaling)", TABLE_2)}
 GRAD_SYNC = False  # the paper's timed backward holds no gradient all-reduce of replicated parameters

@@ -30,11 +30,11 @@ time of a round is the slowest rank's; the table gives the median over
 rounds. Alternating rounds spread the machine's drift over all rows.
 
 Columns: ms/step, its ratio to DTensor eager, bytes saved for backward per
-rank in one forward (`tess_compile.accounting.saved_bytes`: storages
+rank in one forward (`tess_compile.analysis.accounting.saved_bytes`: storages
 autograd keeps, each once, parameters' left out, a DTensor by its local
 tensor), and bytes moved per rank per step: the
 payload a rank hands each collective (its input tensor's bytes, the
-convention of `tess_compile.accounting`). For tess-compile these are the
+convention of `tess_compile.analysis.accounting`). For tess-compile these are the
 runtime's `comm.records`; for DTensor, the collectives that `CommDebugMode`
 counts (`CommBytes` adds their input bytes). Under a dispatch mode such as
 CommDebugMode dynamo runs the module eagerly, so the compiled row's are
@@ -71,8 +71,8 @@ from torch.utils import _pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
-from tess_compile.accounting import saved_bytes  # noqa: E402
-from tess_compile.launch import run_local  # noqa: E402
+from tess_compile.analysis.accounting import saved_bytes
+from tess_compile.runtime.launch import run_local
 
 SIZES = {"dim": 128, "layers": 2, "heads": 8, "vocab": 512, "batch": 16, "seq": 32}
 QUICK_SIZES = {"dim": 32, "layers": 1, "heads": 8, "vocab": 64, "batch": 8, "seq": 8}

@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
-from tess_compile.launch import run_local  # noqa: E402
+from tess_compile.runtime.launch import run_local
 
 DP, Q, D = 2, 2, 1
 

@@ -57,7 +57,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tess_compile
-from tess_compile.launch import run_local
+from tess_compile import run_local
 
 log = logging.getLogger("finetune_gpt2")
 

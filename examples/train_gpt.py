@@ -32,8 +32,8 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tess_compile
-from tess_compile.launch import run_local
-from tess_compile.mesh import MODES
+from tess_compile import run_local
+from tess_compile.core.mesh import MODES
 
 log = logging.getLogger("train_gpt")
 

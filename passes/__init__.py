@@ -1,8 +1,19 @@
-"""The compiler: capture -> place -> verify -> rewrite -> verify, one stage a file."""
+"""The compiler: a model's graph in, one SPMD per-rank graph out, one pass a file.
 
-from passes.capture import capture
-from passes.place import place
-from passes.rewrite import rewrite
-from passes.verify import verify_placed, verify_rewritten
+    capture -> place -> verify -> rewrite -> bucket gradients -> verify
 
-__all__ = ["capture", "place", "rewrite", "verify_placed", "verify_rewritten"]
+`passes.driver.compile_model` calls the passes in that order and packs the
+result in a `Program` (`tess_compile.core.program`). The op families' rules
+are in `passes/rules/`, one file a family. The compiler builds on
+tess_compile's core (mesh, layouts, options, programs) and ops (what a
+per-rank graph calls), and on nothing else of it.
+"""
+
+# isort: off
+# First tess_compile: its face imports this package's driver, and must do so before any
+# module of this package is half imported (so that either package may be imported first).
+from tess_compile.core.program import Program
+from passes.driver import compile_model, mode_compiler
+# isort: on
+
+__all__ = ["Program", "compile_model", "mode_compiler"]

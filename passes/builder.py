@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-from tess_compile.mesh import Mesh
+from tess_compile.core.mesh import Mesh
 
 __all__ = ["Builder"]
 
@@ -13,7 +13,7 @@ __all__ = ["Builder"]
 class Builder:
     """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish.
 
-    `summa` is the schedule of the matrix products' steps (`passes.summa.SCHEDULES`);
+    `summa` is the schedule of the matrix products' steps (`tess_compile.core.options.SCHEDULES`);
     `keep_blocks` keeps their fetched blocks for backward instead of fetching again.
     `shared` holds values that later products may read again instead of fetching them
     once more (`passes.summa`); any in-place op empties it, as it may change a source.
@@ -44,6 +44,3 @@ class Builder:
         if parts == 1:
             return x
         return self.call(op, x, axis, parts, dim, groups)
-
-
-aten = torch.ops.aten

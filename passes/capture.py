@@ -7,7 +7,7 @@ tensor constants to placeholders.
 Calls of `torch.utils.checkpoint.checkpoint` in the model (reentrant or
 not) are traced as plain ops, each call's nodes marked
 `meta["recompute"] = "checkpoint N"`: the runtimes recompute that region in
-backward (`tess_compile.regions`).
+backward (`tess_compile.ops.recompute_region`).
 
 Writes `node.meta["role"]` on every placeholder: `("param", fqn)`,
 `("buffer", fqn)` (persistent buffers), `("constant", name)` (tensor
@@ -38,9 +38,12 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.node import map_aggregate
 from torch.fx.traceback import annotate, preserve_node_meta
 
-__all__ = ["capture", "device_of"]
+from tess_compile.ops.local import device_of
+
+__all__ = ["capture"]
 
 log = logging.getLogger("tess_compile.passes")
+
 
 _ROLE = {
     InputKind.PARAMETER: "param",
@@ -219,11 +222,6 @@ def _detached(gm: torch.fx.GraphModule, at: torch.fx.Node, value: torch.fx.Node)
         out = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
     out.meta.update(value.meta)
     return out
-
-
-def device_of(x: torch.Tensor) -> torch.device:
-    """x's device (a graph target: the device is known at run time only)."""
-    return x.device
 
 
 def _devices_at_run_time(gm: torch.fx.GraphModule) -> None:

@@ -13,8 +13,8 @@ last dim over col; whole in mode "1d"), and outputs of a pipeline stage
 (`meta["local_outputs"]`) leave in the home layout of their shape, so that
 one stage's output blocks are the next stage's input blocks. Parameters, buffers, constants and weights that arrive
 as inputs (`meta["weight_input"]`) are free until their first consumer
-fixes their layout. Ops are looked up in `PLACEMENT_RULES` (mode "1d":
-`PLACEMENT_RULES_1D`);
+fixes their layout. Ops are looked up in the rule table of the mesh's mode
+(`passes.rules.placement_rules`);
 an op with no rule runs replicated (`strict=True`: a ValueError), and one
 warning per call lists them all: a line per op and source line, with the
 number of such nodes and the input bytes a rank gathers to run them whole.
@@ -34,11 +34,11 @@ import warnings
 import torch
 from torch.fx import GraphModule, Node
 
-from passes.megatron_rules import PLACEMENT_RULES_1D
-from passes.placement_rules import PLACEMENT_RULES
-from passes.rules.common import Decision, place_replicated, tensor_inputs
-from tess_compile.layout import Layout, Partial, Replicate, Shard
-from tess_compile.mesh import Mesh
+from passes.rules import placement_rules
+from passes.rules.common import place_replicated, tensor_inputs
+from passes.rules.family import Decision
+from tess_compile.core.layout import Layout, Partial, Replicate, Shard
+from tess_compile.core.mesh import Mesh
 
 __all__ = ["PlacementContext", "home_layout", "place", "source_line"]
 
@@ -197,8 +197,7 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
         source, index = node.args
         decision = Decision({}, ctx.layouts[source][index])
     else:
-        rules = PLACEMENT_RULES_1D if ctx.mesh.mode == "1d" else PLACEMENT_RULES
-        rule = rules.get(node.target)
+        rule = placement_rules(ctx.mesh.mode).get(node.target)
         if rule is None:
             node.meta["replicated"] = source_line(node)
             if strict:

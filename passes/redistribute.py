@@ -10,9 +10,9 @@ from __future__ import annotations
 from torch.fx import Node
 
 from passes.builder import Builder
-from tess_compile import collectives as c
-from tess_compile.layout import Layout, Partial, Replicate, Shard
-from tess_compile.mesh import AXES
+from tess_compile.core.layout import Layout, Partial, Replicate, Shard
+from tess_compile.core.mesh import AXES
+from tess_compile.ops import collectives as c
 
 __all__ = ["redistribute"]
 

@@ -3,7 +3,7 @@
 Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["role"]`,
 `meta["val"]` and `meta["recompute"]`. Emits a new GraphModule whose placeholders are, in the
 captured order, the local shards of parameters, buffers and constants and
-the global user inputs; each op runs on local tensors (`LOWERING_RULES`),
+the global user inputs; each op runs on local tensors (`passes.rules.lowering_rules`),
 with the collectives of `redistribute` wherever a value's layout differs
 from the layout its consumer needs. Writes `meta["layout"]`,
 `meta["global_shape"]` and `meta["replicated"]` on the node that holds each
@@ -33,13 +33,13 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from passes.builder import Builder
-from passes.lowering_rules import LOWERING_RULES, lower_default
-from passes.megatron_rules import LOWERING_RULES_1D
 from passes.redistribute import redistribute
-from passes.summa import SCHEDULES
-from tess_compile import collectives as c
-from tess_compile.layout import Layout, Replicate
-from tess_compile.mesh import Mesh
+from passes.rules import lowering_rules
+from passes.rules.common import lower_default
+from tess_compile.core.layout import Layout, Replicate
+from tess_compile.core.mesh import Mesh
+from tess_compile.core.options import SCHEDULES
+from tess_compile.ops import collectives as c
 
 __all__ = ["rewrite"]
 
@@ -49,7 +49,7 @@ log = logging.getLogger("tess_compile.passes")
 def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_blocks: bool = False) -> GraphModule:
     """The per-rank graph of the placed graph `gm`; see the module docstring.
 
-    `summa` schedules the steps of the matrix products (`passes.summa.SCHEDULES`);
+    `summa` schedules the steps of the matrix products (`tess_compile.core.options.SCHEDULES`);
     `keep_blocks` keeps their fetched blocks for backward (see `passes.summa`).
     """
     if summa not in SCHEDULES:
@@ -58,7 +58,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
     b = Builder(mesh, summa, keep_blocks)
     env: dict[Node, object] = {}
     converted: dict[tuple[Node, Layout], Node] = {}
-    rules = LOWERING_RULES_1D if mesh.mode == "1d" else LOWERING_RULES
+    rules = lowering_rules(mesh.mode)
 
     def local(node: Node, needed: Layout | None) -> Node:
         if needed is None:

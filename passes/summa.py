@@ -8,7 +8,7 @@ adjoint is a reduce), so the backward of `C = A @ B` is made of the reduces
 of `dA = dC @ B^T` and `dB = A^T @ dC`.
 
 No fetched block outlives its product: each product is a
-`tess_compile.products.fetched_product` that keeps this rank's own blocks
+`tess_compile.ops.fetched_product.fetched_product` that keeps this rank's own blocks
 for backward and fetches again there (the papers' backward: 2q broadcasts
 and 2q reduces for `C = A @ B`). With `keep_blocks` the products are plain
 kernels that keep the fetched blocks instead: 2q fewer backward
@@ -19,25 +19,22 @@ over col, as when an earlier consumer fixed it) is used as it is by
 `C = A @ B^T` (Optimus Alg. 2) instead of being moved.
 
 Writes `meta["summa_step"] = t` on the collectives of step t of a loop, so
-that an analysis can count one step q times (`tess_compile.symbolic`).
+that an analysis can count one step q times (`tess_compile.analysis.symbolic`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
-from passes.builder import Builder, aten
-from tess_compile import collectives as c
-from tess_compile.layout import Layout, Shard
-from tess_compile.products import fetched_product
+from passes.builder import Builder
+from tess_compile.core.layout import Layout, Shard
+from tess_compile.ops import collectives as c
+from tess_compile.ops.fetched_product import fetched_product
 
-__all__ = ["SCHEDULES", "matmul", "matmul_ab", "matmul_abt"]
+__all__ = ["matmul", "matmul_ab", "matmul_abt", "matmul_gathered"]
 
-# How the q steps run: "broadcast" one after another (the papers' algorithms);
-# "overlap": step t+1's broadcasts are in flight while step t multiplies
-# (asynchronous, double-buffered); "gather": one all-gather of each operand
-# and one product (fewer, larger messages and one large kernel).
-SCHEDULES = ("broadcast", "overlap", "gather")
+aten = torch.ops.aten
 
 # Product kernels by the name `fetched_product` knows them by.
 _PRODUCT_NAMES = {aten.linear.default: "linear", aten.matmul.default: "matmul"}
@@ -69,7 +66,7 @@ def _fetch(b: Builder, x: Node, axis: str, t: int) -> Node:
 
 def _mark_step(node: Node, x: Node, t: int) -> Node:
     """Write `meta["summa_step"] = t` on a collective or product of step t of a q-step
-    loop (the steps move equal bytes; `tess_compile.symbolic` counts step 0 q times).
+    loop (the steps move equal bytes; `tess_compile.analysis.symbolic` counts step 0 q times).
     `node` is `x` itself when the axis has size 1: nothing was emitted, nothing is marked."""
     if node is not x:
         node.meta["summa_step"] = t

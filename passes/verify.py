@@ -20,12 +20,13 @@ from torch._subclasses import fake_tensor
 from torch.fx import GraphModule, Interpreter, Node
 
 from passes.place import source_line
-from passes.placement_rules import RULE_FAMILIES
-from tess_compile.collectives import COLLECTIVE_OPS, output_like
-from tess_compile.layout import Layout, Shard
-from tess_compile.mesh import AXES, Mesh
+from passes.rules import family_of
+from tess_compile.core.fake_run import local_placeholder
+from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.ops.collectives import COLLECTIVE_OPS, output_like
 
-__all__ = ["local_bytes", "local_placeholder", "verify_placed", "verify_rewritten"]
+__all__ = ["verify_placed", "verify_rewritten"]
 
 
 def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
@@ -58,21 +59,6 @@ def _check_fits(what: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh) -
         if p.dim >= len(local) or local[p.dim] % (parts * p.groups):
             raise AssertionError(f"{what}: layout {layout} does not fit shape {list(shape)} on mesh {mesh}")
         local[p.dim] //= parts
-
-
-def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
-    """The value a per-rank placeholder takes: an empty tensor of its local shape (call
-    inside a FakeTensorMode for a fake one), or the flag or number the model takes there."""
-    if "constant_value" in node.meta:
-        return node.meta["constant_value"]
-    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
-    return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=requires_grad)
-
-
-def local_bytes(node, mesh: Mesh) -> int:
-    """The bytes of the local tensor a per-rank tensor placeholder takes (nothing allocated)."""
-    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
-    return torch.Size(shape).numel() * node.meta["dtype"].itemsize
 
 
 def verify_rewritten(gm: GraphModule, mesh: Mesh, *, placed: GraphModule) -> GraphModule:
@@ -159,12 +145,11 @@ def _rule_of(node: Node, mesh: Mesh) -> str:
         return _rule_of(node.args[0], mesh)
     if "replicated" in node.meta:
         return "the replicated fallback (the op has no rule)"
-    if mesh.mode == "1d":
-        return "the rule of passes/megatron_rules.py (PLACEMENT_RULES_1D)"
-    family = next((name for name, rules in RULE_FAMILIES.items() if node.target in rules), None)
+    family = family_of(node.target)
     if family is None:
         return f"the placement pass ({node.op})"
-    return f"the rule of family {family!r} (passes/rules/{family}.py)"
+    mode = ", mode 1d" if mesh.mode == "1d" else ""
+    return f"the rule of family {family!r}{mode} (passes/rules/{family}.py)"
 
 
 def _describe_call(node: Node, args: tuple, kwargs: dict) -> str:

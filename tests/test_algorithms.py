@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close_rel, assert_matches_model
+from models import mesh_id
 from torch import nn
 
 import tess_compile
-from conftest import assert_close_rel, assert_matches_model
-from models import mesh_id
 
 MESHES = [(2, 1), (2, 2), (3, 1), (3, 3)]
 

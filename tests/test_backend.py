@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-
-import tess_compile
 from conftest import assert_close_rel
 from models import GPTBlock, LlamaBlock, mesh_id
-from tess_compile.launch import run_local
+
+import tess_compile
+from tess_compile.runtime.launch import run_local
 
 MESHES = [(2, 1), (2, 2)]
 
@@ -78,6 +78,7 @@ def _gloo_worker(rank, world_size, q, d):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q, d", MESHES, ids=[mesh_id(q, d) for q, d in MESHES])
 def test_gloo_backend_parity(q, d):
     results = run_local(_gloo_worker, q * q * d, args=(q, d), timeout_s=240)
@@ -85,7 +86,7 @@ def test_gloo_backend_parity(q, d):
         assert result == {"gpt": "ok", "graph-break": "ok"}, f"rank {rank}: {result}"
 
 
-@pytest.mark.parametrize("options", [{"checkpoint": "blocks"}, {"keep_blocks": True}], ids=["blocks", "keep"])
+@pytest.mark.parametrize("options", [{"recompute": "blocks"}, {"keep_blocks": True}], ids=["blocks", "keep"])
 def test_backend_memory_options(options):
     """A stack of blocks through Dynamo, recomputed per block or keeping fetched blocks."""
     from models import GPTStack

@@ -16,14 +16,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close_rel
+from models import TinyGPT
 from torch import nn
 
 import tess_compile
-from conftest import assert_close_rel
-from models import TinyGPT
-from passes.lowering_rules import check_in_range
-from tess_compile.collectives import COLLECTIVE_OPS, COMMUNICATING
-from tess_compile.launch import run_local
+from tess_compile.ops.collectives import COLLECTIVE_OPS, COMMUNICATING
+from tess_compile.ops.local import check_in_range
+from tess_compile.runtime.launch import run_local
 
 VOCAB, HIDDEN, HEADS, SEQ = 16, 8, 4, 4
 MESHES = [pytest.param(2, 2, "2.5d", id="q2d2"), pytest.param(2, 1, "1d", id="1d-p4")]
@@ -167,6 +167,7 @@ def _gloo_rank(rank: int, world_size: int) -> tuple[str, float]:
     return message, float((out - model(ids)).abs().max())
 
 
+@pytest.mark.slow
 def test_every_gloo_rank_raises():
     results = run_local(_gloo_rank, 4, timeout_s=240, collective_timeout_s=30)
     for rank, (message, error) in enumerate(results):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the whole file: benchmark smoke runs
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

@@ -12,9 +12,9 @@ import copy
 
 import pytest
 import torch
+from models import GPTBlock, LlamaBlock, mesh_id
 
 import tess_compile
-from models import GPTBlock, LlamaBlock, mesh_id
 
 
 def _rel(actual: torch.Tensor, truth: torch.Tensor) -> float:

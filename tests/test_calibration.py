@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from tess_compile.calibration import (
+from tess_compile.analysis.calibration import (
     BOUNDS,
     FIT_PARAMETERS,
     Observation,
@@ -22,7 +22,7 @@ from tess_compile.calibration import (
     max_kendall_tau,
     predicted_seconds,
 )
-from tess_compile.cost_model import CALIBRATED_CLUSTER, PAPER_CLUSTER
+from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER
 
 # --------------------------------------------------------------------------- Kendall's tau
 

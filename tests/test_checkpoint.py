@@ -3,7 +3,7 @@
 A small GPT-2 (`hf_models.build`, tied embeddings, a fused QKV whose weight
 and bias are grouped splits `S(dim,g=3)`) is built on the meta device, so
 its shards start uninitialised and of local size, and then takes its
-weights from each kind of checkpoint (`tess_compile.checkpoint`): a
+weights from each kind of checkpoint (`tess_compile.training.shard_loading`): a
 `save_pretrained` directory (one file, and sharded with an index), one
 `.safetensors` file, a `torch.save` file (memory-mapped), and
 torch.distributed.checkpoint (DCP) directories saved unsharded and sharded.
@@ -34,20 +34,20 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hf_models import build
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2LMHeadModel
 
 import tess_compile
-from hf_models import build
-from tess_compile import state
-from tess_compile.checkpoint import load_pretrained_shards, load_shards_from
-from tess_compile.compiler import compile_model
-from tess_compile.launch import run_local
-from tess_compile.layout import local_block
-from tess_compile.mesh import Mesh
-from tess_compile.simulator import SimulatedModule
+from passes.driver import compile_model
+from tess_compile.core.layout import local_block
+from tess_compile.core.mesh import Mesh
+from tess_compile.runtime import state
+from tess_compile.runtime.launch import run_local
+from tess_compile.runtime.simulator import SimulatedModule
+from tess_compile.training.shard_loading import load_pretrained_shards, load_shards_from
 
 ATOL = 1e-6  # sharded against unsharded logits
 QKV = "transformer.h.0.attn.c_attn.weight"  # a grouped split: S(1,g=3) over col
@@ -317,6 +317,7 @@ def test_full_state_dict_round_trips_through_save_pretrained(gpt2, meta_program,
     assert all(torch.equal(again.full_state_dict()[k], v) for k, v in full.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [Mesh(2, 1), Mesh(1, 4, "1d")], ids=["q2d1", "1d-p4"])
 def test_dcp_checkpoint_of_q2d2_loads_into_simulator_q2d1(gpt2, saved_at_q2d2, paths, mesh):
     """A DCP checkpoint saved at [2,2,2] loads by DTensor resharding into another mesh,
@@ -389,6 +390,7 @@ def test_meta_constant_is_refused():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dcp_and_file_sources_on_q2d2(gpt2, saved_at_q2d2):
     model, kwargs = gpt2
     for rank, res in enumerate(saved_at_q2d2):
@@ -400,6 +402,7 @@ def test_dcp_and_file_sources_on_q2d2(gpt2, saved_at_q2d2):
     assert (logits - model(**kwargs).logits).abs().max().item() <= ATOL
 
 
+@pytest.mark.slow
 def test_dcp_q2d2_checkpoint_loads_on_q2d1(gpt2, saved_at_q2d2, paths):
     model, _ = gpt2
     _, kwargs = build("gpt2", 2, 1)

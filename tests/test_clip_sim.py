@@ -17,12 +17,12 @@ import math
 
 import pytest
 import torch
+from conftest import assert_close_rel
+from models import LlamaBlock
 from torch import nn
 
 import tess_compile
-from conftest import assert_close_rel
-from models import LlamaBlock
-from tess_compile.layout import local_block
+from tess_compile.core.layout import local_block
 
 RTOL = 1e-12
 MESHES = [

@@ -12,7 +12,7 @@ Expectations are derived from the algorithms, not read off the library:
 - A bias (R R S(0)) is replicated over row and depth: its gradient is
   all-reduced along row and depth.
 - The gradients of all replicated parameters are bucketed
-  (`passes.buckets`): one all-reduce per axis for the whole model here.
+  (`passes.bucket_gradients`): one all-reduce per axis for the whole model here.
 - LayerNorm over the col-split hidden dim: one all-gather along col of each
   rank's mean and centred sum of squares (two numbers a row); backward
   all-reduces its two sums along col together, once.
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import make_block, mesh_id
 from torch import nn
 
 import tess_compile
-from models import make_block, mesh_id
 
 F32 = 4  # bytes per element
 LINEAR_MESHES = [(2, 1), (2, 2), (3, 3), (4, 2)]

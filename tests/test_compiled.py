@@ -15,12 +15,12 @@ import copy
 
 import pytest
 import torch
+from models import GPTBlock
 
 import tess_compile
-from models import GPTBlock
-from tess_compile.launch import run_local
-from tess_compile.layout import local_block
-from tess_compile.mesh import Mesh
+from tess_compile.core.layout import local_block
+from tess_compile.core.mesh import Mesh
+from tess_compile.runtime.launch import run_local
 
 TOL = 1e-12
 # (q, d, mode, heads, checkpoint): one program per runtime, see the module docstring.
@@ -53,11 +53,12 @@ def oracle(model, x, target):
     return y, {name: p.grad for name, p in reference.named_parameters()}
 
 
-@pytest.mark.parametrize("q, d, mode, heads, checkpoint", SIMULATED, ids=["q2d2-selective", "1d-p4"])
+@pytest.mark.parametrize("q, d, mode, heads, checkpoint", [pytest.param(*SIMULATED[0], marks=pytest.mark.slow),
+                                                            SIMULATED[1]], ids=["q2d2-selective", "1d-p4"])
 def test_simulated_compiled_parity(q, d, mode, heads, checkpoint):
     model, x, target = make_case(heads)
     expected, grads = oracle(model, x, target)
-    options = dict(example_inputs=(x,), mode=mode, checkpoint=checkpoint)
+    options = dict(example_inputs=(x,), mode=mode, recompute=checkpoint)
     sim = tess_compile.simulate(model, q, d, compile=True, **options)
     y = sim(x)
     (y * target).sum().backward()
@@ -107,6 +108,7 @@ def _gloo_worker(rank, world_size):
     return errors, sm.comm.counts("forward"), sm.comm.counts("backward")
 
 
+@pytest.mark.slow
 def test_gloo_compiled_parity():
     q, d, mode, heads, _ = SIMULATED[1]
     results = run_local(_gloo_worker, Mesh(q, d, mode).num_ranks, timeout_s=300, collective_timeout_s=60)

@@ -11,11 +11,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import assert_close_rel
 from torch import nn
 
 import tess_compile
-from conftest import assert_close_rel
-from tess_compile.accounting import redundant_work, unsharded_forward_flops
+from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 
 # num_batches_tracked += 1 may run replicated (an in-place add_ on a scalar: 8 bytes, no work).
 pytestmark = pytest.mark.filterwarnings("ignore:.*have no sharding rule")

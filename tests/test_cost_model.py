@@ -11,22 +11,19 @@ import pytest
 import torch
 from torch import nn
 
-from tess_compile.accounting import collective_costs, forward_flops, predict_bytes
-from tess_compile.compiler import compile_model
-from tess_compile.cost_model import (
-    CALIBRATED_CLUSTER,
-    PAPER_CLUSTER,
-    Link,
+from passes.driver import compile_model
+from tess_compile.analysis.accounting import collective_costs, forward_flops, predict_bytes
+from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER, Link, collective_time
+from tess_compile.analysis.cost_model import (
     PhaseProfile,
-    collective_time,
     comm_seconds,
-    predict_memory,
     predict_time,
     profile_program,
     ring_wire_bytes,
     step_time,
 )
-from tess_compile.mesh import Mesh
+from tess_compile.analysis.memory import predict_memory
+from tess_compile.core.mesh import Mesh
 
 ALPHA, BANDWIDTH, N = 1e-6, 1e9, 1_000_000  # seconds, bytes/s, bytes
 LINK = Link(BANDWIDTH, ALPHA)

@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import coverage  # noqa: E402
 from benchmarks.architectures import ARCHITECTURES  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the whole file: the architecture zoo
+
 MAX_REDUNDANT = 1.05
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 

@@ -32,15 +32,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from test_training_loop import SEQ, VOCAB, TiedAttentionLM, error_text, rel_err
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import tess_compile
-from tess_compile.distributed import _placements, fingerprint
-from tess_compile.launch import run_local
-from tess_compile.layout import local_block
-from test_training_loop import SEQ, VOCAB, TiedAttentionLM, error_text, rel_err
+from tess_compile.core.layout import local_block
+from tess_compile.runtime.consistency import fingerprint
+from tess_compile.runtime.dtensors import placements_of
+from tess_compile.runtime.launch import run_local
 
 TOL = 1e-12
 LR = 1e-2
@@ -126,7 +127,7 @@ def _dp_worker(rank, world_size, checkpoint_dir):
         problems.append("the module's mesh is not the (depth, row, col) submesh of mesh=")
     slots = {s.name: s for s in sm.program.params}
     for name, param in sm.named_parameters():
-        if param.device_mesh is not sm.device_mesh or tuple(param.placements) != _placements(slots[name].layout):
+        if param.device_mesh is not sm.device_mesh or tuple(param.placements) != placements_of(slots[name].layout):
             problems.append(f"{name}: placements {param.placements} on {param.device_mesh}")
         if not torch.equal(param.to_local(), local_block(reference.state_dict()[name], slots[name].layout, sm.mesh, tp_rank)):
             problems.append(f"{name}: the local tensor is not the block of tensor-parallel rank {tp_rank}")
@@ -180,6 +181,7 @@ def _dp_worker(rank, world_size, checkpoint_dir):
     return out
 
 
+@pytest.mark.slow
 def test_data_parallel_mesh_and_zero_over_gloo(tmp_path):
     results = run_local(_dp_worker, DP * Q * Q * D, args=(str(tmp_path / "dcp"),), timeout_s=600,
                         collective_timeout_s=300, env={"TESS_COMPILE_DEBUG": "1"})

@@ -9,16 +9,16 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_close_rel
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
 
 import tess_compile
-from conftest import assert_close_rel
-from passes.capture import device_of
-from passes.verify import local_placeholder
-from tess_compile.compiler import compile_model
-from tess_compile.mesh import Mesh
+from passes.driver import compile_model
+from tess_compile.core.fake_run import local_placeholder
+from tess_compile.core.mesh import Mesh
+from tess_compile.ops.local import device_of
 
 
 class MaskedMixer(nn.Module):

@@ -1,6 +1,6 @@
 """Real multi-process runs of `tess_compile.shard` on gloo (CPU).
 
-Each test starts a few local processes with `tess_compile.launch.run_local`;
+Each test starts a few local processes with `tess_compile.runtime.launch.run_local`;
 launches are expensive (8 processes on a small machine take ~15-20 s), so
 one launch per mesh does many checks and returns numbers and small tensors
 that the parent asserts on.
@@ -26,12 +26,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from models import GPTBlock, LlamaBlock
 
 import tess_compile
-from models import GPTBlock, LlamaBlock
-from tess_compile.launch import run_local
-from tess_compile.layout import Shard, local_block
-from tess_compile.mesh import Mesh
+from tess_compile.core.layout import Shard, local_block
+from tess_compile.core.mesh import Mesh
+from tess_compile.runtime.launch import run_local
+
+pytestmark = pytest.mark.slow  # the whole file: real multi-process gloo runs
 
 HIDDEN, HEADS, SEQ = 8, 2, 4
 RTOL = 1e-5

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import GPTBlock, LlamaBlock, mesh_id
 from torch import nn
 
 import tess_compile
-from models import GPTBlock, LlamaBlock, mesh_id
-from tess_compile.accounting import bytes_from_records, predict_bytes
-from tess_compile.graph_dump import dump, dump_program
+from tess_compile.analysis.accounting import bytes_from_records, predict_bytes
+from tess_compile.analysis.graph_dump import dump, dump_program
 
 GOLDEN_LINEAR_RANK0 = """\
 # tess-compile rewritten graph, mesh [q=2, q=2, d=2], 8 ranks

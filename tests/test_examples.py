@@ -44,6 +44,7 @@ def test_train_gpt_simulated():
     check_table(proc, steps=3)
 
 
+@pytest.mark.slow
 def test_train_gpt_gloo_processes():
     proc = run_example("--steps", "2", *TINY, "--q", "2", "--d", "1")
     check_table(proc, steps=2)

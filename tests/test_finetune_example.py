@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINETUNE = os.path.join(ROOT, "examples", "finetune_gpt2.py")
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8", "--batch", "4"]
@@ -53,11 +55,13 @@ def test_finetune_gpt2_simulated():
     check_run(proc, steps=3)
 
 
+@pytest.mark.slow
 def test_finetune_gpt2_gloo_processes():
     proc = run_example("--steps", "2", *TINY, "--q", "2", "--d", "1")
     check_run(proc, steps=2)
 
 
+@pytest.mark.slow
 def test_finetune_gpt2_rejects_bad_batch():
     proc = run_example("--simulate", "--batch", "6", timeout=60)
     assert proc.returncode == 2, proc.stderr

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import GPTBlock, LlamaBlock, mesh_id
 from torch.utils.flop_counter import FlopCounterMode
 
 import tess_compile
-from models import GPTBlock, LlamaBlock, mesh_id
-from tess_compile.accounting import forward_flops
+from tess_compile.analysis.accounting import forward_flops
 
 MESHES = [(2, 1), (2, 2), (3, 3), (4, 2)]
 

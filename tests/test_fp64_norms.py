@@ -12,10 +12,10 @@ import copy
 
 import pytest
 import torch
-
-import tess_compile
 from conftest import assert_matches_model
 from models import GPTBlock, LlamaBlock
+
+import tess_compile
 
 Q, D, HIDDEN, HEADS = 2, 2, 8, 2
 

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 import transformers
+from conftest import assert_close_rel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tess_compile
-from conftest import assert_close_rel
 
 transformers.logging.set_verbosity_error()
 

@@ -1,4 +1,4 @@
-"""Gradient buckets (passes/buckets.py, tess_compile/grad_buckets.py).
+"""Gradient buckets (passes/bucket_gradients.py, tess_compile/ops/grad_bucket.py).
 
 The gradients of the parameters replicated over an axis are all-reduced
 together: one collective per axis (and dtype) for each bucket, instead of
@@ -14,12 +14,12 @@ import copy
 
 import pytest
 import torch
-
-import tess_compile
 from conftest import assert_matches_model
 from models import GPTBlock
-from passes import buckets
-from tess_compile.grad_buckets import grad_bucket
+
+import tess_compile
+from passes import bucket_gradients
+from tess_compile.ops.grad_bucket import grad_bucket
 
 Q, D, HIDDEN, HEADS = 2, 2, 8, 4
 
@@ -48,7 +48,7 @@ def test_one_all_reduce_per_axis_for_a_block():
 
 
 def test_small_buckets_fill_last_used_first(monkeypatch):
-    monkeypatch.setattr(buckets, "BUCKET_BYTES", 1)
+    monkeypatch.setattr(bucket_gradients, "BUCKET_BYTES", 1)
     model, x = _block_and_input()
     sim = tess_compile.simulate(copy.deepcopy(model), Q, D, example_inputs=(x,), verify=True)
     nodes = _bucket_nodes(sim)
@@ -93,10 +93,11 @@ def test_gradients_accumulate_over_steps():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["2.5d", "1d"])
 def test_distributed_buckets_match_the_simulator(mode):
     """Over gloo (4 processes) the bucketed gradients equal the simulator's, collective for collective."""
-    from tess_compile.launch import run_local
+    from tess_compile.runtime.launch import run_local
 
     q, d = (2, 1) if mode == "2.5d" else (1, 4)
     results = run_local(_distributed_step, 4, args=(mode, q, d), timeout_s=300)

@@ -39,15 +39,14 @@ import warnings
 
 import pytest
 import torch
-import transformers
-from torch.distributed.tensor import DTensor
-
-import tess_compile
 from conftest import assert_close_rel
 from hf_models import MODEL_NAMES, build
 from models import mesh_id
-from tess_compile.launch import run_local
-from tess_compile.layout import local_block
+from torch.distributed.tensor import DTensor
+
+import tess_compile
+from tess_compile.core.layout import local_block
+from tess_compile.runtime.launch import run_local
 
 RTOL = 1e-4
 GRAD_FLOOR = 1e-4  # a gradient's scale is at least this fraction of the model's largest gradient
@@ -225,6 +224,7 @@ def _dist_worker(rank, world_size, q, d):
     return out
 
 
+@pytest.mark.slow
 def test_gloo_gpt2_and_llama_q2d2():
     """8 gloo processes at (2, 2); float32, gradients as in the module docstring."""
     q, d = 2, 2

@@ -1,7 +1,9 @@
-"""The packages import in either order, and the public names resolve."""
+"""The import structure: no circles, layers that only import downwards, and every
+module importable first in a fresh interpreter."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -9,14 +11,161 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tess_compile", "passes")
+
+# tess_compile's layers, lowest first: a module imports only from its own layer and those
+# below it. The compiler (`passes`) sits on core and ops; the face on everything.
+LAYERS = (
+    ("tess_compile.core",),
+    ("tess_compile.ops",),
+    ("passes", "tess_compile.runtime"),
+    ("tess_compile.analysis",),
+    ("tess_compile.training", "tess_compile.scale_out"),
+    ("tess_compile", "tess_compile.backend", "tess_compile.cli", "tess_compile.moved"),
+)
 
 
-@pytest.mark.parametrize("first", ["passes", "tess_compile"])
-def test_import_order_and_public_names(first):
-    code = (
-        f"import {first}, passes, tess_compile\n"
-        "names = [getattr(tess_compile, n) for n in tess_compile.__all__]\n"
-        "assert all(callable(v) for v in names), names\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _known(name: str, modules) -> str | None:
+    """`name`, or the innermost module of ours that holds it (`a.b.c` of a function c: `a.b`)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path, modules) -> set[str]:
+    """The modules of ours that `module` imports, at any depth of its code (functions too).
+    `from package import name` counts as an import of `package.name` where that is a module.
+    A package's `__init__`, which Python runs before any of its submodules, is not counted
+    for the submodules: each module imports its names from the module that defines them."""
+    out = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(filter(None, (_known(alias.name, modules) for alias in node.names)))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                target = _known(f"{base}.{alias.name}", modules)
+                out.add(target if target == f"{base}.{alias.name}" else _known(base, modules))
+    out.discard(None)
+    out.discard(module)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {module: _imports(module, path, modules) for module, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (its modules in order), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str):
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circles(graph):
+    cycle = _cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _layer(module: str) -> int:
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or (module.startswith(prefix + ".") and prefix != "tess_compile")
+            if matches and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    assert best is not None, f"{module} is in no layer of LAYERS: add it"
+    return best[0]
+
+
+def test_layers_import_only_downwards(graph):
+    upward = [f"{module} -> {target}" for module, targets in sorted(graph.items()) for target in sorted(targets)
+              if _layer(target) > _layer(module)]
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_compiler_imports_only_core_and_ops(graph):
+    wrong = [f"{module} -> {target}" for module, targets in sorted(graph.items()) if module.startswith("passes")
+             for target in sorted(targets) if target.startswith("tess_compile")
+             and not target.startswith(("tess_compile.core", "tess_compile.ops"))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_names_from_a_package_of_the_other(graph):
+    """A module takes names from the module that defines them, never from the other package's
+    `__init__`: so either package may be imported first (see `test_import_first`)."""
+    modules = _modules()
+    wrong = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in PACKAGES and node.module != module.split(".")[0]:
+                wrong.append(f"{module}: from {node.module} import ...")
+    assert not wrong, "\n".join(wrong)
+
+
+# Each module imported first, in one interpreter: our modules are dropped from `sys.modules`
+# between imports (torch stays loaded), so each import starts from nothing of ours.
+_IMPORT_EACH_FIRST = """
+import importlib, sys
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m.split(".")[0] in ("tess_compile", "passes")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+        import tess_compile
+        assert all(callable(getattr(tess_compile, n)) for n in tess_compile.__all__)
+    except Exception as err:
+        failed.append(f"import {name} first: {type(err).__name__}: {err}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_first():
+    modules = sorted(module for module in _modules() if not module.endswith("__main__"))
+    run = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST, *modules], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]

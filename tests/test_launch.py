@@ -1,4 +1,4 @@
-"""Tests for tess_compile.launch.run_local (real multi-process gloo runs)."""
+"""Tests for tess_compile.runtime.launch.run_local (real multi-process gloo runs)."""
 
 import os
 import time
@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tess_compile.launch import run_local
-
+from tess_compile.runtime.launch import run_local
 
 # Worker functions must live at module level so spawned children can import them.
 
@@ -46,12 +45,14 @@ def _hang_on_rank_1(rank, world_size):
     dist.all_reduce(torch.zeros(1))
 
 
+@pytest.mark.slow
 def test_results_in_rank_order_and_collective_works():
     n = 3
     results = run_local(_all_reduce_rank, n, args=(2,), timeout_s=60)
     assert results == [(rank, 2.0 * sum(range(n))) for rank in range(n)]
 
 
+@pytest.mark.slow
 def test_raising_rank_gives_runtime_error():
     with pytest.raises(RuntimeError) as info:
         run_local(_raise_on_rank_1, 2, timeout_s=60, collective_timeout_s=30)
@@ -62,6 +63,7 @@ def test_raising_rank_gives_runtime_error():
     assert "ValueError: boom from rank 1" in msg
 
 
+@pytest.mark.slow
 def test_dead_rank_ends_with_error_in_bounded_time():
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:  # the launcher sees the death directly
@@ -71,11 +73,13 @@ def test_dead_rank_ends_with_error_in_bounded_time():
     assert "--- rank 1 ---\nprocess exited with code 3" in msg
 
 
+@pytest.mark.slow
 def test_overall_timeout_gives_timeout_error():
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\].*timeout_s=5"):
         run_local(_sleep, 1, timeout_s=5)
 
 
+@pytest.mark.slow
 def test_hung_rank_is_named_with_its_stack():
     with pytest.raises(TimeoutError) as info:
         run_local(_hang_on_rank_1, 2, timeout_s=12, collective_timeout_s=60)

@@ -11,14 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from passes.lowering_rules import LOWERING_RULES
-from passes.megatron_rules import PLACEMENT_RULES_1D
-from passes.placement_rules import PLACEMENT_RULES, RULE_FAMILIES
-from passes.rules.common import Decision
-from tess_compile.collectives import COLLECTIVE_OPS
-from tess_compile.compiler import compile_model
-from tess_compile.layout import Layout, Replicate, Shard
-from tess_compile.mesh import Mesh
+from passes.driver import compile_model
+from passes.rules import lowering_rules, placement_rules
+from passes.rules.family import Decision
+from tess_compile.core.layout import Layout, Replicate, Shard
+from tess_compile.core.mesh import Mesh
+from tess_compile.ops.collectives import COLLECTIVE_OPS
 
 aten = torch.ops.aten
 R = Replicate()
@@ -55,9 +53,8 @@ def claims_whole_output(node, ctx):
     return Decision({x: ctx.layout(x)}, Layout(Shard(0), Shard(0), R))
 
 
-def replace_rule(monkeypatch, family: str, op, rule) -> None:
-    monkeypatch.setitem(RULE_FAMILIES[family], op, rule)
-    monkeypatch.setitem(PLACEMENT_RULES, op, rule)
+def replace_rule(monkeypatch, op, rule) -> None:
+    monkeypatch.setitem(placement_rules("2.5d"), op, rule)
 
 
 def line_of(model: nn.Module, text: str) -> str:
@@ -74,8 +71,8 @@ def compile_error(model, x) -> str:
 
 
 def test_kernel_that_rejects_its_local_inputs(monkeypatch):
-    replace_rule(monkeypatch, "convolutions", aten.conv2d.default, channels_split_groups_kept)
-    monkeypatch.delitem(LOWERING_RULES, aten.conv2d.default)
+    replace_rule(monkeypatch, aten.conv2d.default, channels_split_groups_kept)
+    monkeypatch.delitem(lowering_rules("2.5d"), aten.conv2d.default)
     model = Depthwise()
     msg = compile_error(model, torch.randn(4, 8, 16, 16))
     assert msg.startswith("per-rank node conv2d (aten.conv2d.default), made for conv2d (aten.conv2d.default)"), msg
@@ -90,7 +87,7 @@ def test_kernel_that_rejects_its_local_inputs(monkeypatch):
 
 
 def test_output_of_another_shape_than_its_layout_promises(monkeypatch):
-    replace_rule(monkeypatch, "pointwise", aten.relu.default, claims_whole_output)
+    replace_rule(monkeypatch, aten.relu.default, claims_whole_output)
     model = LinearRelu()
     msg = compile_error(model, torch.randn(4, 4, 8))
     assert msg.startswith("per-rank node relu (aten.relu.default), made for relu (aten.relu.default)"), msg
@@ -120,10 +117,10 @@ def claims_replicated_output(node, ctx):
     return Decision({x: ctx.layout(x)}, Layout.replicated())
 
 
-def test_mode_1d_names_the_megatron_rules(monkeypatch):
-    monkeypatch.setitem(PLACEMENT_RULES_1D, aten.relu.default, claims_replicated_output)
+def test_mode_1d_names_the_family_and_the_mode(monkeypatch):
+    monkeypatch.setitem(placement_rules("1d"), aten.relu.default, claims_replicated_output)
     with pytest.raises(ValueError) as info:
         compile_model(LinearRelu(), Mesh(2, 1, mode="1d"), (torch.randn(4, 4, 8),))
     msg = str(info.value)
     assert "per-rank node relu (aten.relu.default)" in msg and "gives shape [4, 4, 2]" in msg, msg
-    assert "passes/megatron_rules.py (PLACEMENT_RULES_1D)" in msg and "1-D [p=4]" in msg, msg
+    assert "family 'pointwise', mode 1d (passes/rules/pointwise.py)" in msg and "1-D [p=4]" in msg, msg

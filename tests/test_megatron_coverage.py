@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tess_compile
-from tess_compile.accounting import predict_bytes, redundant_work, unsharded_forward_flops
+from tess_compile.analysis.accounting import predict_bytes, redundant_work, unsharded_forward_flops
 
 VOCAB, HIDDEN, HEADS, SEQ, BATCH = 16, 32, 4, 4, 4
 LM_VOCAB = 128  # wider than HIDDEN, as a vocabulary is

@@ -4,10 +4,10 @@ per-rank tensor ever has the full vocabulary as a dim (logits stay split)."""
 from __future__ import annotations
 
 import torch
+from hf_models import build
 
 import tess_compile
-from hf_models import build
-from tess_compile.mesh import AXES
+from tess_compile.core.mesh import AXES
 
 
 def _parts(layout, mesh) -> int:

@@ -4,7 +4,7 @@ For one product C = A @ B, A [a, b] and B [b, c], eq. 7-8 give the elements
 one rank holds under Tesseract, a*b/p + b*c*d/p + a*c/p, and eq. 9-10 under
 Megatron-LM, a*b + b*c/p + a*c/p. Both are checked on the per-rank graph of
 a bias-free nn.Linear (which stores B^T as its weight [c, b]): numerically
-from a fake run, and as formulas (`tess_compile.symbolic`) that equal the
+from a fake run, and as formulas (`tess_compile.analysis.symbolic`) that equal the
 paper's. What autograd saves for backward is A's share, a*b/p (Megatron: a*b). FLOPs: no rank repeats another's matmul work in any mode.
 """
 
@@ -15,16 +15,17 @@ import math
 import pytest
 import sympy
 import torch
+from models import make_block
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import make_block
-from tess_compile.accounting import fake_run, forward_flops
-from tess_compile.collectives import COLLECTIVE_OPS
-from tess_compile.compiler import compile_model
-from tess_compile.cost_model import activation_bytes
-from tess_compile.mesh import Mesh
-from tess_compile.symbolic import symbolic_parameter_bytes, symbolic_shapes
+from passes.driver import compile_model
+from tess_compile.analysis.accounting import forward_flops
+from tess_compile.analysis.memory import activation_bytes
+from tess_compile.analysis.symbolic import symbolic_parameter_bytes, symbolic_shapes
+from tess_compile.core.fake_run import fake_run
+from tess_compile.core.mesh import Mesh
+from tess_compile.ops.collectives import COLLECTIVE_OPS
 
 a, b, c, q, d, p = sympy.symbols("a b c q d p", positive=True, integer=True)
 batch, seq = sympy.symbols("batch seq", positive=True, integer=True)

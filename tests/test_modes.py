@@ -13,14 +13,14 @@ import warnings
 
 import pytest
 import torch
-
-import tess_compile
 from conftest import assert_close_rel, assert_matches_model
 from hf_models import build
 from models import GPTBlock, LlamaBlock, TinyGPT, make_block
-from tess_compile.accounting import bytes_from_records, predict_bytes
-from tess_compile.layout import Layout, Replicate, Shard
-from tess_compile.mesh import Mesh
+
+import tess_compile
+from tess_compile.analysis.accounting import bytes_from_records, predict_bytes
+from tess_compile.core.layout import Layout, Replicate, Shard
+from tess_compile.core.mesh import Mesh
 
 R = Replicate()
 # (mode, q, d): meshes of every mode; 1-D runs p = q*q*d ranks on one axis.

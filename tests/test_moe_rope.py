@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tess_compile
-from tess_compile.accounting import redundant_work, unsharded_forward_flops
+from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 
 HIDDEN, HEADS, SEQ, BATCH = 32, 4, 8, 4
 MESHES = [(2, 2, "2.5d"), (2, 1, "1d")]
@@ -107,8 +107,8 @@ def test_view_as_complex_keeps_the_pair_dim_whole():
     """A split of the real/imaginary pair dim is gathered before `view_as_complex`;
     other splits carry over, and `view_as_real` gives them back."""
     from passes.rules.complex_numbers import place_view_as_complex, place_view_as_real
-    from tess_compile.layout import Layout, Replicate, Shard
-    from tess_compile.mesh import Mesh
+    from tess_compile.core.layout import Layout, Replicate, Shard
+    from tess_compile.core.mesh import Mesh
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

@@ -14,13 +14,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close_rel
+from models import MESHES, GPTBlock, LlamaBlock, TinyGPT, make_block, mesh_id
 from torch import nn
 
 import tess_compile
-from tess_compile.layout import Layout, Shard, assemble, local_block
-from tess_compile.mesh import Mesh
-from conftest import assert_close_rel
-from models import MESHES, GPTBlock, LlamaBlock, TinyGPT, make_block, mesh_id
+from tess_compile.core.layout import Layout, Shard, assemble, local_block
+from tess_compile.core.mesh import Mesh
 
 
 def check_parity(model: torch.nn.Module, x: torch.Tensor, q: int, d: int, *, strict: bool = True):

@@ -22,14 +22,15 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from models import LlamaBlock
 from torch import nn
 
 import tess_compile
-from models import LlamaBlock
-from tess_compile.launch import run_local
-from tess_compile.layout import Layout, R, Shard, local_block
-from tess_compile.mesh import AXES, Mesh
-from tess_compile.pipeline import Port, StagePorts, check_boundaries, simulate_pipeline, stage_ports
+from tess_compile.core.layout import Layout, R, Shard, local_block
+from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.runtime.launch import run_local
+from tess_compile.scale_out.simulated_pipeline import simulate_pipeline
+from tess_compile.scale_out.stage_ports import Port, StagePorts, check_boundaries, stage_ports
 
 VOCAB, HIDDEN, HEADS, SEQ = 16, 8, 2, 4
 TOL = 1e-12
@@ -194,6 +195,7 @@ def _pipeline_worker(rank, world_size, q, d):
     return result
 
 
+@pytest.mark.slow
 def test_pipeline_two_stages_over_gloo_is_exact():
     q, d = 2, 1
     results = run_local(_pipeline_worker, 8, args=(q, d), timeout_s=600, collective_timeout_s=180)
@@ -325,6 +327,7 @@ def test_check_boundaries_names_stages_shapes_and_fix():
     assert replicated.describe(mesh) == "[4, 4] int64 in layout S(0)S(0)R (blocks [1, 4])"
 
 
+@pytest.mark.slow
 def test_train_pipeline_example_simulated():
     """examples/train_pipeline.py --simulate: one table row per step, losses beside the unsharded model's."""
     import os

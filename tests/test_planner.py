@@ -8,14 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from models import GPTBlock
 from torch import nn
 
 import tess_compile
-from tess_compile.cost_model import PAPER_CLUSTER
-from tess_compile.mesh import Mesh
-from tess_compile.planner import candidate_meshes, format_table, mesh_label, plan
-
-from models import GPTBlock
+from tess_compile.analysis.cluster import PAPER_CLUSTER
+from tess_compile.analysis.planner import candidate_meshes, format_table, mesh_label, plan
+from tess_compile.core.mesh import Mesh
 
 
 class MLP(nn.Module):
@@ -236,7 +235,7 @@ def test_format_table():
 def test_data_and_pipeline_parallelism_priced_around_a_mesh():
     """dp replicas add one gradient all-reduce per step and split nothing else; pp stages run
     1/pp of the program per microbatch in microbatches + pp - 1 slots and hold 1/pp of the state."""
-    from tess_compile.parallel_plan import Outer, price
+    from tess_compile.analysis.parallel_plan import Outer, price
 
     (row,) = plan(make_mlp, 8, modes=("2.5d",), summa="broadcast", keep_blocks=False)
     time, memory = row.time, row.memory

@@ -15,13 +15,13 @@ from __future__ import annotations
 import copy
 
 import torch
+from conftest import assert_close_rel
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from models import make_block
 
 import tess_compile
-from conftest import assert_close_rel
-from models import make_block
-from tess_compile.mesh import Mesh
+from tess_compile.core.mesh import Mesh
 
 
 @st.composite

@@ -11,13 +11,13 @@ import copy
 
 import pytest
 import torch
-
-import tess_compile
 from conftest import assert_matches_model
 from models import GPTBlock, LlamaBlock, TinyGPT, make_block, mesh_id
-from tess_compile import collectives as c
-from tess_compile.accounting import bytes_from_records, predict_bytes
-from tess_compile.products import fetched_product
+
+import tess_compile
+from tess_compile.analysis.accounting import bytes_from_records, predict_bytes
+from tess_compile.ops import collectives as c
+from tess_compile.ops.fetched_product import fetched_product
 
 aten = torch.ops.aten
 MESHES = [(2, 1), (2, 2), (3, 3)]

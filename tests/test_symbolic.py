@@ -1,4 +1,4 @@
-"""Bytes moved as formulas (`tess_compile.symbolic`).
+"""Bytes moved as formulas (`tess_compile.analysis.symbolic`).
 
 Derived from one compile, the formulas are exact there (they equal the
 graph's prediction and the runtime's records) and true formulas: at other
@@ -14,21 +14,16 @@ import functools
 import pytest
 import sympy
 import torch
+from models import make_block
 from torch import nn
 
 import tess_compile
-from models import make_block
-from tess_compile.accounting import bytes_from_records, predict_bytes
-from tess_compile.compiler import compile_model
-from tess_compile.graph_dump import dump
-from tess_compile.mesh import Mesh
-from tess_compile.symbolic import (
-    evaluate_bytes,
-    format_symbolic,
-    mesh_values,
-    name_dim,
-    symbolic_bytes,
-)
+from passes.driver import compile_model
+from tess_compile.analysis.accounting import bytes_from_records, predict_bytes
+from tess_compile.analysis.graph_dump import dump
+from tess_compile.analysis.symbolic import evaluate_bytes, format_symbolic, symbolic_bytes
+from tess_compile.analysis.symbolic_shapes import mesh_values, name_dim
+from tess_compile.core.mesh import Mesh
 
 b, s, h, q, d, p = sympy.symbols("b s h q d p", positive=True, integer=True)
 FP32 = 4

@@ -1,6 +1,6 @@
 """train() and eval() after compiling: the mode at call time decides, as in PyTorch.
 
-Each mode runs its own program (`tess_compile.train_eval`); the other mode's
+Each mode runs its own program (`tess_compile.runtime.programs_by_mode`); the other mode's
 is compiled on first use. Dropout drops in train mode only; BatchNorm uses
 and updates batch statistics in train mode and its running ones in eval mode.
 """
@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_close_rel
 from torch import nn
 
 import tess_compile
-from conftest import assert_close_rel
 
 
 class DropoutMLP(nn.Module):
@@ -93,8 +93,9 @@ def _modes_worker(rank, world_size):
     return max(errors), dropped
 
 
+@pytest.mark.slow
 def test_modes_over_gloo():
-    from tess_compile.launch import run_local
+    from tess_compile.runtime.launch import run_local
 
     for error, dropped in run_local(_modes_worker, 8, timeout_s=300):
         assert error <= 1e-12 and dropped

@@ -16,11 +16,11 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_close_rel
+from models import GPTBlock, LlamaBlock, make_block, mesh_id
 from torch import nn
 
 import tess_compile
-from conftest import assert_close_rel
-from models import GPTBlock, LlamaBlock, make_block, mesh_id
 
 TRAIN_MESHES = [(2, 1), (2, 2), (3, 3)]
 MODELS = [

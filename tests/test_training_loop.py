@@ -24,6 +24,7 @@ import math
 import pathlib
 import time
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
@@ -37,9 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import tess_compile
-from tess_compile.distributed import _placements
-from tess_compile.launch import run_local
-from tess_compile.layout import local_block
+from tess_compile.core.layout import local_block
+from tess_compile.runtime.dtensors import placements_of
+from tess_compile.runtime.launch import run_local
 
 VOCAB, HIDDEN, HEADS, SEQ = 16, 8, 2, 4
 TOL = 1e-12  # float64: relative to the largest element
@@ -179,7 +180,7 @@ def _train_worker(rank, world_size, checkpoint_dir):
         if not isinstance(param, DTensor) or param.device_mesh is not sm.device_mesh:
             problems.append(f"{name} is a {type(param).__name__}, not a DTensor on the module's mesh")
             continue
-        if tuple(param.placements) != _placements(slot.layout) or param.shape != ref_params[name].shape:
+        if tuple(param.placements) != placements_of(slot.layout) or param.shape != ref_params[name].shape:
             problems.append(f"{name}: placements {param.placements}, shape {list(param.shape)} for layout {slot.layout}")
         if not torch.equal(param.to_local(), local_block(ref_params[name].detach(), slot.layout, sm.mesh, rank)):
             problems.append(f"{name}: the local tensor is not this rank's block")
@@ -289,6 +290,7 @@ def _consistency_worker(rank, world_size, done_dir):
     return out
 
 
+@pytest.mark.slow
 def test_training_with_torch_tools_on_q2d2(tmp_path):
     results = run_local(_train_worker, 8, args=(str(tmp_path / "dcp"),), timeout_s=300, collective_timeout_s=120)
     for rank, res in enumerate(results):
@@ -304,6 +306,7 @@ def test_training_with_torch_tools_on_q2d2(tmp_path):
         assert total > 0 and unclipped > 0, step
 
 
+@pytest.mark.slow
 def test_rank_consistency_and_timeouts_on_q2d1(tmp_path):
     results = run_local(
         _consistency_worker, 4, args=(str(tmp_path),), timeout_s=240, collective_timeout_s=60,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import tess_compile
-from tess_compile.accounting import redundant_work, unsharded_forward_flops
+from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 
 HIDDEN, HEADS, SEQ, BATCH = 16, 4, 4, 4
 HEAD_DIM = HIDDEN // HEADS

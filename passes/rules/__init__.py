@@ -1,2 +1,64 @@
-"""Placement rules by op family, one file each; `passes.placement_rules`
-assembles them into the table the place pass reads."""
+"""The rule tables of the compiler, assembled from the op families, one file each.
+
+Each family's file (`passes/rules/<family>.py`) holds, for the ops of that
+family, its placement rules, its lowering rules and, where mode "1d"
+(Megatron-LM) differs, those of mode "1d", in one `Family`; the contracts
+are in `passes/rules/family.py`, the helpers they share in `passes/rules/common.py`. A new op's rules go into its family's file;
+a new family's file is added to `FAMILIES` below. No op is in two families.
+
+`placement_rules(mode)` is the table of the place pass, `lowering_rules(mode)`
+that of the rewrite pass; `family_of(op)` names the family whose rule decided
+an op (for the verifier's messages).
+"""
+
+from __future__ import annotations
+
+from passes.rules import (
+    attention,
+    complex_numbers,
+    convolutions,
+    embeddings,
+    experts,
+    factories,
+    losses,
+    norms,
+    pointwise,
+    pooling,
+    products,
+    reductions,
+    views,
+)
+from passes.rules.family import Family
+
+__all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rules"]
+
+FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
+    pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
+    complex_numbers, experts, pooling,
+))
+
+
+def _table(name: str, override_1d: str | None) -> dict:
+    table = {op: rule for family in FAMILIES for op, rule in getattr(family, name).items()}
+    if override_1d is not None:
+        table.update({op: rule for family in FAMILIES for op, rule in getattr(family, override_1d).items()})
+    return table
+
+
+_PLACEMENT = {"2d": _table("placement", None), "1d": _table("placement", "placement_1d")}
+_LOWERING = {"2d": _table("lowering", None), "1d": _table("lowering", "lowering_1d")}
+
+
+def placement_rules(mode: str) -> dict:
+    """`{op: placement rule}` of `mode` (a mesh's mode)."""
+    return _PLACEMENT["1d" if mode == "1d" else "2d"]
+
+
+def lowering_rules(mode: str) -> dict:
+    """`{op: lowering rule}` of `mode`; an op without one runs as it is (`common.lower_default`)."""
+    return _LOWERING["1d" if mode == "1d" else "2d"]
+
+
+def family_of(op) -> str | None:
+    """The name of the family whose rules hold `op`, or None."""
+    return next((family.name for family in FAMILIES if op in family.placement or op in family.placement_1d), None)

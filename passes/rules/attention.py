@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import R, Decision, aten, get_arg, shape_of, tensor_inputs
+from passes.rules.common import R, aten, get_arg, shape_of, tensor_inputs
+from passes.rules.family import Decision, Family
 from passes.rules.pointwise import align
-from tess_compile.layout import Layout, Shard
-from tess_compile.mesh import AXES
+from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.mesh import AXES
 
-__all__ = ["ATTENTION_RULES"]
+__all__ = ["FAMILY", "PLACEMENT", "place_attention"]
 
 
 def place_attention(node: Node, ctx) -> Decision:
@@ -41,6 +42,8 @@ def _keep_gqa_pairing(ctx, node: Node, required: dict, out: list) -> None:
         out[index] = Shard(heads_dim) if split_kv else R
 
 
-ATTENTION_RULES = {
+PLACEMENT = {
     aten.scaled_dot_product_attention.default: place_attention,
 }
+
+FAMILY = Family("attention", PLACEMENT)

@@ -1,26 +1,20 @@
-"""What the placement rules share: the `Decision` a rule returns, helpers for
-arguments, shapes and layouts, and the rules that run an op replicated or
-dims-local.
-
-A rule is `rule(node, ctx) -> Decision`. `ctx` is the placement pass's
-`PlacementContext` (layouts so far, global shapes, the mesh, hints). A
-`None` layout is a free parameter or buffer: the rule's requirement becomes
-its layout. Rules never touch the graph.
-"""
+"""What the rule families share: helpers for arguments, shapes and layouts, and the
+rules that run an op replicated, dims-local or as it is (the rule contracts are in
+`passes/rules/family.py`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
-from tess_compile.layout import Layout, Partial, Replicate, Shard
+from passes.builder import Builder
+from passes.rules.family import Decision
+from tess_compile.core.layout import Layout, Partial, Replicate, Shard
 
 __all__ = [
-    "Decision",
     "P",
     "R",
+    "WHOLE",
     "aten",
     "check_divisible",
     "dim_arg",
@@ -29,23 +23,20 @@ __all__ = [
     "get_arg",
     "is_param",
     "layout_of",
+    "lower_default",
     "normalize_dim",
     "place_replicated",
     "shape_of",
+    "split_axes",
     "tensor_inputs",
     "without_partial",
 ]
 
 aten = torch.ops.aten
+
+
 R, P = Replicate(), Partial()
-
-
-@dataclass
-class Decision:
-    """Layouts an op needs of its tensor inputs, and the layout of its output."""
-
-    args: dict[Node, Layout]
-    out: object  # Layout, or a tuple of Layouts for multi-output ops
+WHOLE = Layout(R, R, R)
 
 
 def tensor_inputs(node: Node) -> list[Node]:
@@ -123,3 +114,12 @@ def dims_local(dims_of):
 
 def dim_arg(node: Node) -> list[int]:
     return [get_arg(node, 1, "dim", 0)]
+
+
+def lower_default(b: Builder, node: Node, args, kwargs):
+    return b.call(node.target, *args, **kwargs)
+
+
+def split_axes(b: Builder, layout: Layout, dims) -> list[str]:
+    """Axes of size > 1 that split one of `dims`."""
+    return [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim in dims]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import R, Decision, aten, shape_of
+from passes.rules.common import R, aten, shape_of
+from passes.rules.family import Decision, Family
 from passes.rules.pointwise import place_pointwise
-from tess_compile.layout import Layout, Shard
+from tess_compile.core.layout import Layout, Shard
 
-__all__ = ["COMPLEX_RULES"]
+__all__ = ["FAMILY", "PLACEMENT", "place_view_as_complex", "place_view_as_real"]
 
 
 def place_view_as_complex(node: Node, ctx) -> Decision:
@@ -39,9 +40,11 @@ def place_view_as_real(node: Node, ctx) -> Decision:
     return Decision({x: layout}, layout)
 
 
-COMPLEX_RULES = {
+PLACEMENT = {
     aten.view_as_complex.default: place_view_as_complex,
     aten.view_as_real.default: place_view_as_real,
     aten.polar.default: place_pointwise,
     aten.complex.default: place_pointwise,
 }
+
+FAMILY = Family("complex_numbers", PLACEMENT)

@@ -1,4 +1,4 @@
-"""Placement rules of convolutions (conv1d/2d/3d and `convolution`, not transposed).
+"""Rules of convolutions (conv1d/2d/3d and `convolution`, not transposed).
 
 The batch is split over depth and row (a whole batch is sliced, for free);
 channels are split over col in one of three ways:
@@ -18,21 +18,46 @@ channels are split over col in one of three ways:
   rank of col until backward.
 
 A conv whose channels fit none of these runs with them whole on every rank
-of col (a warning says so); its batch stays split.
+of col (a warning says so); its batch stays split. The lowering gives a
+grouped conv its own number of groups, and a row-parallel conv adds its bias
+on the rank at col 0 only.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from torch.fx import Node
 
+from passes.builder import Builder
 from passes.rules.common import (
-    P, R, Decision, aten, display_name, get_arg, layout_of, place_replicated, shape_of, without_partial,
+    P,
+    R,
+    aten,
+    display_name,
+    get_arg,
+    layout_of,
+    place_replicated,
+    shape_of,
+    split_axes,
+    without_partial,
 )
-from tess_compile.layout import Layout, Partial, Shard
+from passes.rules.family import Decision, Family
+from tess_compile.core.layout import Layout, Partial, Shard
+from tess_compile.ops import collectives as c
 
-__all__ = ["CONVOLUTION_RULES", "batch_placements", "channels_layout", "conv_groups", "groups_index"]
+__all__ = [
+    "FAMILY",
+    "LOWERING",
+    "PLACEMENT",
+    "batch_placements",
+    "channels_layout",
+    "conv_groups",
+    "groups_index",
+    "lower_conv",
+    "place_conv",
+]
 
 
 def groups_index(node: Node) -> int:
@@ -134,12 +159,36 @@ def place_conv(node: Node, ctx) -> Decision:
     return Decision(args, Layout(*batch, out_col))
 
 
-CONVOLUTION_RULES = {
-    aten.conv1d.default: place_conv,
-    aten.conv2d.default: place_conv,
-    aten.conv3d.default: place_conv,
-    aten.conv1d.padding: place_conv,
-    aten.conv2d.padding: place_conv,
-    aten.conv3d.padding: place_conv,
-    aten.convolution.default: place_conv,
-}
+def lower_conv(b: Builder, node: Node, args, kwargs):
+    """A grouped conv with its channels split runs its own `groups / parts` groups; a
+    row-parallel conv (partial output) adds its bias on the rank at col 0 only."""
+    args, kwargs = list(args), dict(kwargs)
+    channel_axes = split_axes(b, node.meta["arg_layouts"][node.args[0]], [1])
+    groups, parts = conv_groups(node), math.prod(b.mesh.size(axis) for axis in channel_axes)
+    if groups > 1 and parts > 1:
+        if len(args) > groups_index(node):
+            args[groups_index(node)] = groups // parts
+        else:
+            kwargs["groups"] = groups // parts
+    if isinstance(node.meta["layout"].col, Partial) and len(args) > 2 and args[2] is not None:
+        args[2] = b.collective(c.keep_first, args[2], "col")
+    return b.call(node.target, *args, **kwargs)
+
+
+_CONVOLUTIONS = [
+    aten.conv1d.default,
+    aten.conv2d.default,
+    aten.conv3d.default,
+    aten.conv1d.padding,
+    aten.conv2d.padding,
+    aten.conv3d.padding,
+    aten.convolution.default,
+]
+
+
+PLACEMENT = {op: place_conv for op in _CONVOLUTIONS}
+
+
+LOWERING = {op: lower_conv for op in _CONVOLUTIONS}
+
+FAMILY = Family("convolutions", PLACEMENT, lowering=LOWERING)

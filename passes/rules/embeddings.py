@@ -1,16 +1,40 @@
-"""Placement rules of embedding lookups: vocab-parallel tables (`R S(0) S(1)`)
-looked up by the ids of each row group, or tables split over hidden only.
+"""Rules of embedding lookups: vocab-parallel tables (`R S(0) S(1)`) looked up by
+the ids of each row group, or tables split over hidden only.
+
+A vocab-parallel lookup gathers the row group's ids, looks up those in this
+rank's vocab block (`masked_lookup`; other ids give zeros) and reduce-scatters
+the rows along row back to their owners. Every lookup checks its ids first,
+as torch's embedding does (`passes.rules.index_checks`). In mode "1d" a free
+table is split by vocab over col; each rank looks up the ids inside its
+block, and the partial sums are all-reduced by the consumer.
 """
 
 from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import R, Decision, aten, get_arg, layout_of, shape_of, without_partial
-from tess_compile.layout import Layout, Shard
-from tess_compile.mesh import AXES
+from passes.builder import Builder
+from passes.rules.common import WHOLE, P, R, aten, get_arg, layout_of, lower_default, shape_of, without_partial
+from passes.rules.family import Decision, Family
+from passes.rules.index_checks import check_lookup_ids
+from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.mesh import AXES
+from tess_compile.ops import collectives as c
+from tess_compile.ops.local import arange_like
 
-__all__ = ["EMBEDDING_RULES", "vocab_parallel"]
+__all__ = [
+    "FAMILY",
+    "LOWERING",
+    "LOWERING_1D",
+    "PLACEMENT",
+    "PLACEMENT_1D",
+    "lower_embedding",
+    "lower_embedding_1d",
+    "masked_lookup",
+    "place_embedding",
+    "place_embedding_1d",
+    "vocab_parallel",
+]
 
 
 def vocab_parallel(node: Node, weight_layout: Layout | None) -> bool:
@@ -59,6 +83,77 @@ def place_embedding(node: Node, ctx) -> Decision:
     return Decision({weight: Layout(*w_needed), ids: ids_layout}, Layout(*out))
 
 
-EMBEDDING_RULES = {
+def masked_lookup(b: Builder, table: Node, ids: Node, vocab: int, axis: str, padding_idx: int = -1) -> Node:
+    """Rows of this rank's vocab block (split over `axis`) for `ids`; ids outside the
+    block give zeros, so the sum over `axis` is the whole lookup (ids outside the
+    table are refused before, by `check_lookup_ids`). A `padding_idx` (global; -1:
+    none) row is looked up but gets no gradient, as in torch: its lookups are
+    detached (the graph is one for all ranks, so no rank-local index can say it)."""
+    parts = b.mesh.size(axis)
+    block = b.split_op(c.shard_slice, b.call(arange_like, ids, vocab), axis, 0, 1)
+    local = b.call(aten.sub.Tensor, ids, b.call(aten.select.int, block, 0, 0))
+    inside = b.call(aten.logical_and.default, b.call(aten.ge.Scalar, local, 0), b.call(aten.lt.Scalar, local, vocab // parts))
+    rows = b.call(aten.embedding.default, table, b.call(aten.where.ScalarOther, inside, local, 0))
+    if padding_idx != -1:
+        padding = b.call(aten.unsqueeze.default, b.call(aten.eq.Scalar, ids, padding_idx), -1)
+        rows = b.call(aten.where.self, padding, b.call(aten.detach.default, rows), rows)
+    return b.call(aten.mul.Tensor, rows, b.call(aten.unsqueeze.default, inside, -1))
+
+
+def lower_embedding(b: Builder, node: Node, args, kwargs):
+    """Vocab-parallel lookup: gather the row group's ids, look up those in this rank's
+    vocab block, reduce-scatter along row back to own rows. Every lookup checks its
+    ids first, as torch's embedding does (`check_lookup_ids`)."""
+    check_lookup_ids(b, node, args[1])
+    weight_node = node.args[0]
+    w_layout = node.meta["arg_layouts"][weight_node]
+    if not vocab_parallel(node, w_layout) or b.mesh.size("row") == 1:
+        return lower_default(b, node, args, kwargs)
+    all_ids = b.split_op(c.all_gather, args[1], "row", 0, 1)
+    rows = masked_lookup(b, args[0], all_ids, weight_node.meta["val"].shape[0], "row", get_arg(node, 2, "padding_idx", -1))
+    return b.split_op(c.reduce_scatter, rows, "row", 0, 1)
+
+
+def _vocab_split(layout: Layout | None) -> bool:
+    return layout == Layout(R, R, Shard(0))
+
+
+def place_embedding_1d(node: Node, ctx) -> Decision:
+    """A free table (or one tied to a column-parallel head) split by vocab over col:
+    the lookup gives partial sums. Otherwise the table is whole.
+
+    `padding_idx` changes backward only (that row gets no gradient; see
+    `masked_lookup`), so it splits too. `scale_grad_by_freq` stays whole: a
+    masked lookup sends other blocks' ids to local row 0, which would count
+    them. (`max_norm` renorms the table before, replicated, leaving it whole.)"""
+    weight, ids = node.args[:2]
+    w_layout = ctx.layout(weight)
+    vocab = shape_of(weight)[0]
+    free = w_layout is None and vocab % ctx.mesh.size("col") == 0
+    if not get_arg(node, 3, "scale_grad_by_freq", False) and (free or _vocab_split(w_layout)):
+        return Decision({weight: Layout(R, R, Shard(0)), ids: WHOLE}, Layout(R, R, P))
+    return Decision({weight: WHOLE, ids: WHOLE}, WHOLE)
+
+
+def lower_embedding_1d(b: Builder, node: Node, args, kwargs):
+    check_lookup_ids(b, node, args[1])
+    if not _vocab_split(node.meta["arg_layouts"][node.args[0]]) or b.mesh.size("col") == 1:
+        return lower_default(b, node, args, kwargs)
+    vocab = node.args[0].meta["val"].shape[0]
+    return masked_lookup(b, args[0], args[1], vocab, "col", get_arg(node, 2, "padding_idx", -1))
+
+
+PLACEMENT = {
     aten.embedding.default: place_embedding,
 }
+
+
+LOWERING = {aten.embedding.default: lower_embedding}
+
+
+PLACEMENT_1D = {aten.embedding.default: place_embedding_1d}
+
+
+LOWERING_1D = {aten.embedding.default: lower_embedding_1d}
+
+FAMILY = Family("embeddings", PLACEMENT, lowering=LOWERING, placement_1d=PLACEMENT_1D, lowering_1d=LOWERING_1D)

@@ -18,21 +18,12 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from passes.rules.common import (
-    R,
-    Decision,
-    aten,
-    get_arg,
-    layout_of,
-    normalize_dim,
-    place_replicated,
-    shape_of,
-    without_partial,
-)
-from tess_compile.layout import Layout, Shard
-from tess_compile.mesh import AXES
+from passes.rules.common import R, aten, get_arg, layout_of, normalize_dim, place_replicated, shape_of, without_partial
+from passes.rules.family import Decision, Family
+from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.mesh import AXES
 
-__all__ = ["EXPERT_RULES"]
+__all__ = ["FAMILY", "PLACEMENT", "place_index", "place_repeat_interleave"]
 
 _PRODUCTS = (aten.bmm.default, aten.matmul.default)
 
@@ -119,8 +110,10 @@ def place_index(node: Node, ctx) -> Decision:
     return Decision({table: Layout(*table_needed), ids: ids_layout}, Layout(*out))
 
 
-EXPERT_RULES = {
+PLACEMENT = {
     aten.topk.default: _along_dim(lambda node: get_arg(node, 2, "dim", -1)),
     aten.repeat_interleave.self_int: place_repeat_interleave,
     aten.index.Tensor: place_index,
 }
+
+FAMILY = Family("experts", PLACEMENT)

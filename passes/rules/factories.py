@@ -1,17 +1,21 @@
-"""Placement rules of ops that make tensors from sizes alone (arange, ones,
+"""Rules of ops that make tensors from sizes alone (arange, ones,
 new_zeros, ...): whole on every rank; and of ops that make no tensor (metadata
-assertions, the run-time device that factories read, `passes.capture.device_of`).
+assertions, the run-time device that factories read, `tess_compile.ops.local.device_of`).
+A metadata assertion of the global graph says nothing of local tensors and
+lowers to nothing.
 """
 
 from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.capture import device_of
-from passes.rules.common import Decision, aten, place_replicated
-from tess_compile.layout import Layout
+from passes.builder import Builder
+from passes.rules.common import aten, place_replicated
+from passes.rules.family import Decision, Family
+from tess_compile.core.layout import Layout
+from tess_compile.ops.local import device_of
 
-__all__ = ["FACTORY_RULES"]
+__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_nothing", "place_like_factory", "place_nothing"]
 
 
 def place_like_factory(node: Node, ctx) -> Decision:
@@ -30,7 +34,12 @@ _FACTORIES = [
 ]
 
 
-FACTORY_RULES = {
+def lower_nothing(b: Builder, node: Node, args, kwargs):
+    """Metadata assertions of the global graph say nothing of local tensors."""
+    return None
+
+
+PLACEMENT = {
     **{op: place_replicated for op in _FACTORIES},
     aten.new_ones.default: place_like_factory,
     aten.new_zeros.default: place_like_factory,
@@ -39,3 +48,8 @@ FACTORY_RULES = {
     aten._assert_tensor_metadata.default: place_nothing,
     device_of: place_nothing,
 }
+
+
+LOWERING = {aten._assert_tensor_metadata.default: lower_nothing}
+
+FAMILY = Family("factories", PLACEMENT, lowering=LOWERING)

@@ -1,21 +1,34 @@
-"""Placement rules of elementwise ops: inputs broadcast-aligned, splits kept.
+"""Rules of elementwise ops: inputs broadcast-aligned, splits kept.
 
 Each mesh axis keeps one input's split if it lands on an output dim of the
 same size; the other inputs are split alike where they have that dim and
 replicated where they broadcast. Partial sums pass through the ops that are
 linear in them (`_LINEARITY`). `align` serves the other families too.
+Dropout with p = 0 or outside training lowers to its input.
 """
 
 from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import P, R, Decision, aten, get_arg, layout_of, shape_of, tensor_inputs, without_partial
-from tess_compile.layout import Layout, Partial, Placement, Replicate, Shard
-from tess_compile.mesh import AXES
+from passes.builder import Builder
+from passes.rules.common import P, R, aten, get_arg, layout_of, lower_default, shape_of, tensor_inputs, without_partial
+from passes.rules.family import Decision, Family
+from tess_compile.core.layout import Layout, Partial, Placement, Replicate, Shard
+from tess_compile.core.mesh import AXES
 
-__all__ = ["POINTWISE_RULES", "align", "aligned"]
-
+__all__ = [
+    "FAMILY",
+    "LOWERING",
+    "PLACEMENT",
+    "align",
+    "aligned",
+    "lower_dropout",
+    "place_dropout",
+    "place_inplace",
+    "place_pointwise",
+    "place_type_as",
+]
 
 # How an op treats partial sums: "sum" (every tensor may be partial),
 # "scale" (one partial tensor times replicated ones), "unary" (passes through).
@@ -149,10 +162,23 @@ _POINTWISE = [
 ]
 
 
-POINTWISE_RULES = {
+def lower_dropout(b: Builder, node: Node, args, kwargs):
+    p = args[1] if len(args) > 1 else kwargs.get("p")
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    if p == 0 or not train:
+        return args[0]
+    return lower_default(b, node, args, kwargs)
+
+
+PLACEMENT = {
     **{op: place_pointwise for op in _POINTWISE},
     aten.dropout.default: place_dropout,
     aten.type_as.default: place_type_as,
     **{op: place_inplace for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
                                     aten.relu_.default, aten.relu6_.default, aten.hardtanh_.default)},
 }
+
+
+LOWERING = {aten.dropout.default: lower_dropout}
+
+FAMILY = Family("pointwise", PLACEMENT, lowering=LOWERING)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import R, Decision, aten, shape_of
+from passes.rules.common import R, aten, shape_of
 from passes.rules.convolutions import batch_placements, channels_layout
-from tess_compile.layout import Layout, Shard
+from passes.rules.family import Decision, Family
+from tess_compile.core.layout import Layout, Shard
 
-__all__ = ["POOLING_RULES"]
+__all__ = ["FAMILY", "PLACEMENT", "pooling"]
 
 
 def pooling(num_spatial: int, num_outputs: int = 1):
@@ -34,7 +35,7 @@ def pooling(num_spatial: int, num_outputs: int = 1):
     return rule
 
 
-POOLING_RULES = {
+PLACEMENT = {
     aten.max_pool1d.default: pooling(1),
     aten.max_pool2d.default: pooling(2),
     aten.max_pool3d.default: pooling(3),
@@ -51,3 +52,5 @@ POOLING_RULES = {
     aten.adaptive_max_pool2d.default: pooling(2, 2),
     aten.adaptive_max_pool3d.default: pooling(3, 2),
 }
+
+FAMILY = Family("pooling", PLACEMENT)

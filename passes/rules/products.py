@@ -1,12 +1,25 @@
-"""Placement rules of matrix products: `x @ W` by a weight (Tesseract's SUMMA,
-or each mode's own scheme through `weight_product_rules`) and batched
-products of two activations.
+"""Rules of matrix products: `x @ W` by a weight (Tesseract's SUMMA, or each
+mode's own scheme through `weight_product_rules`) and batched products of two
+activations.
 
 x's rows are split over depth and row, its features over col; W's in
 features over row and out features over col, replicated over depth. A weight
 already laid out the other way round runs as `A @ B^T`. A narrow projection
 whose out features do not divide by q (grouped-query key/value heads) keeps
-its output whole over col.
+its output whole over col. The lowering runs `x @ W` by the algorithm its
+weight's layout calls for, in the builder's schedule (`passes.summa`).
+
+Mode "1d" (Megatron-LM): all `p` ranks lie on the col axis. A linear whose
+input is whole is column-parallel: its weight's out features are split over
+col and so is its output, with no communication. A linear whose input has
+its features split is row-parallel: its weight's in features are split, and
+each rank's product is a partial sum over col that the consumer needing the
+whole value (the residual add) all-reduces; the bias is added on the rank at
+col 0 only. One that widens (a vocabulary head after a split LayerNorm) is
+column-parallel instead: gathering its input is cheaper than all-reducing its
+output, and the loss takes the logits split. Backward needs no rule of its
+own: the adjoint of the all-reduce is the all-reduce of the gradient
+(Megatron's "f" and "g" operators, docs/gradients.md).
 """
 
 from __future__ import annotations
@@ -15,25 +28,43 @@ import warnings
 
 from torch.fx import Node
 
+from passes.builder import Builder
 from passes.rules.common import (
+    WHOLE,
     P,
     R,
-    Decision,
     aten,
     check_divisible,
     display_name,
     get_arg,
     is_param,
     layout_of,
+    lower_default,
     place_replicated,
     shape_of,
     without_partial,
 )
+from passes.rules.family import Decision, Family
 from passes.rules.pointwise import align, aligned
-from tess_compile.layout import Layout, Placement, Shard
-from tess_compile.mesh import AXES
+from passes.summa import matmul
+from tess_compile.core.layout import Layout, Partial, Placement, Shard
+from tess_compile.core.mesh import AXES
+from tess_compile.ops import collectives as c
 
-__all__ = ["PRODUCT_RULES", "is_narrow_projection", "uses_summa", "weight_product_rules"]
+__all__ = [
+    "FAMILY",
+    "LOWERING",
+    "LOWERING_1D",
+    "PLACEMENT",
+    "PLACEMENT_1D",
+    "is_narrow_projection",
+    "lower_addmm",
+    "lower_linear",
+    "lower_matmul",
+    "place_baddbmm",
+    "uses_summa",
+    "weight_product_rules",
+]
 
 
 def is_narrow_projection(x: Node) -> bool:
@@ -222,7 +253,132 @@ def place_baddbmm(node: Node, ctx) -> Decision:
     return decision
 
 
-PRODUCT_RULES = {
+def _last_dim(x: Node) -> int:
+    return x.meta["val"].dim() - 1
+
+
+def _weight_layout(node: Node, index: int) -> Layout:
+    return node.meta["arg_layouts"][node.args[index]]
+
+
+def lower_linear(b: Builder, node: Node, args, kwargs):
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    y = matmul(b, x, w, _weight_layout(node, 1), out_dim=0, product=aten.linear.default, a_dim=_last_dim(node.args[0]))
+    return y if bias is None else b.call(aten.add.Tensor, y, bias)
+
+
+def lower_matmul(b: Builder, node: Node, args, kwargs):
+    if not uses_summa(node):
+        return lower_default(b, node, args, kwargs)
+    return matmul(b, args[0], args[1], _weight_layout(node, 1), out_dim=1, product=aten.matmul.default, a_dim=_last_dim(node.args[0]))
+
+
+def lower_addmm(b: Builder, node: Node, args, kwargs):
+    if not uses_summa(node):
+        return lower_default(b, node, args, kwargs)
+    y = matmul(b, args[1], args[2], _weight_layout(node, 2), out_dim=1, product=aten.matmul.default, a_dim=_last_dim(node.args[1]))
+    return b.call(aten.add.Tensor, y, args[0])
+
+
+def _split_last(layout: Layout, ndim: int) -> Shard | None:
+    """The split of the last dim over col, if any."""
+    col = layout.col
+    return col if isinstance(col, Shard) and col.dim == ndim - 1 else None
+
+
+def _widens(node: Node, ctx, w: Node, w_in: int, w_out: int) -> bool:
+    """Whether a product has more out features than in features, split evenly over col."""
+    num_in, num_out = shape_of(w)[w_in], shape_of(w)[w_out]
+    return num_out > num_in and num_out % (ctx.mesh.size("col") * ctx.hints.get(node, 1)) == 0
+
+
+def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
+    """x @ W row-parallel if W's in features are split over col, or if W is free, x's
+    features are split and the product does not widen; else column-parallel (a
+    widening product, such as a vocabulary head after a split LayerNorm, gathers
+    x rather than all-reducing its wider output); see the module docstring."""
+    ndim = len(shape_of(x))
+    x_split = _split_last(without_partial(layout_of(ctx, x)), ndim)
+    w_layout = ctx.layout(w)
+    parts = ctx.mesh.size("col")
+    fix = f"use sizes that are multiples of p={parts} (hidden size, heads, MLP width), or another p"
+    if w_layout is not None:
+        row_parallel = isinstance(w_layout.col, Shard) and w_layout.col.dim == w_in
+    else:
+        row_parallel = x_split is not None and not _widens(node, ctx, w, w_in, w_out)
+    if row_parallel:
+        groups = w_layout.col.groups if w_layout is not None else x_split.groups
+        check_divisible("in features", w, shape_of(w)[w_in], parts * groups, ctx, fix)
+        args = {x: Layout(R, R, Shard(ndim - 1, groups)), w: w_layout or Layout(R, R, Shard(w_in, groups))}
+        if bias is not None:
+            args[bias] = WHOLE
+        return Decision(args, Layout(R, R, P))
+    return _place_column_parallel(node, ctx, x, w, bias, w_out, w_layout, fix)
+
+
+def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, w_layout, fix: str) -> Decision:
+    ndim = len(shape_of(x))
+    parts = ctx.mesh.size("col")
+    groups = w_layout.col.groups if w_layout is not None and isinstance(w_layout.col, Shard) else ctx.hints.get(node, 1)
+    out_features = shape_of(w)[w_out]
+    whole_weight = w_layout == WHOLE or (w_layout is None and out_features % (parts * groups) and is_narrow_projection(node))
+    if whole_weight:
+        if w_layout is None:
+            warnings.warn(
+                f"{node.target} with weight {display_name(w)!r} of shape {list(shape_of(w))}: out features "
+                f"{out_features} do not divide by p={parts} on mesh {ctx.mesh}, so it runs whole on every rank",
+                stacklevel=2,
+            )
+        args = {x: WHOLE, w: WHOLE}
+        if bias is not None:
+            args[bias] = WHOLE
+        return Decision(args, WHOLE)
+    check_divisible("out features", w, out_features, parts * groups, ctx, fix)
+    args = {x: WHOLE, w: Layout(R, R, Shard(w_out, groups))}
+    if bias is not None:
+        args[bias] = Layout(R, R, Shard(0, groups))
+    return Decision(args, Layout(R, R, Shard(ndim - 1, groups)))
+
+
+def _bias_once(index: int):
+    """Lowering of a product whose bias is argument `index`: a row-parallel product
+    (partial output) adds the bias on the rank at col 0 only."""
+
+    def lower(b: Builder, node: Node, args, kwargs):
+        if not isinstance(node.meta["layout"].col, Partial) or len(args) <= index or args[index] is None:
+            return lower_default(b, node, args, kwargs)
+        args = list(args)
+        args[index] = b.collective(c.keep_first, args[index], "col")
+        return b.call(node.target, *args, **kwargs)
+
+    return lower
+
+
+PLACEMENT = {
     **weight_product_rules(_place_summa),
     aten.baddbmm.default: place_baddbmm,
 }
+
+
+LOWERING = {
+    aten.linear.default: lower_linear,
+    aten.matmul.default: lower_matmul,
+    aten.mm.default: lower_matmul,
+    aten.bmm.default: lower_matmul,
+    aten.addmm.default: lower_addmm,
+}
+
+
+PLACEMENT_1D = weight_product_rules(_place_parallel_linear)
+
+
+LOWERING_1D = {
+    aten.linear.default: _bias_once(2),
+    aten.addmm.default: _bias_once(0),
+    aten.matmul.default: lower_default,
+    aten.mm.default: lower_default,
+    aten.bmm.default: lower_default,
+}
+
+FAMILY = Family("products", PLACEMENT, lowering=LOWERING, placement_1d=PLACEMENT_1D, lowering_1d=LOWERING_1D)

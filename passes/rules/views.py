@@ -1,10 +1,11 @@
-"""Placement rules of views and data movement: view/reshape, expand, repeat,
+"""Rules of views and data movement: view/reshape, expand, repeat,
 permute, slice/select, split and chunk, unbind and cat.
 
 A view keeps a split where the split dim's outer factor survives (a hidden
 dim `h` split over col becomes heads `[n, h/n]` split on `n`); a split
 inside a head's own dim is refused. A fused projection seen through `split`
 or a grouped view asks its producer for a grouped layout (`S(dim,g=3)`).
+Views, expands and splits take global sizes; their lowering makes them local.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import warnings
 import torch
 from torch.fx import Node
 
+from passes.builder import Builder
 from passes.rules.common import (
     R,
-    Decision,
     aten,
     dim_arg,
     dims_local,
@@ -28,12 +29,27 @@ from passes.rules.common import (
     normalize_dim,
     shape_of,
 )
+from passes.rules.family import Decision, Family
 from passes.rules.pointwise import align
 from passes.rules.products import is_narrow_projection, uses_summa
-from tess_compile.layout import Layout, Shard
-from tess_compile.mesh import AXES
+from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.mesh import AXES
 
-__all__ = ["VIEW_RULES"]
+__all__ = [
+    "FAMILY",
+    "LOWERING",
+    "PLACEMENT",
+    "lower_expand",
+    "lower_reshape",
+    "lower_split",
+    "place_cat",
+    "place_expand",
+    "place_permute",
+    "place_repeat",
+    "place_split",
+    "place_unbind",
+    "place_view",
+]
 
 
 def _segment(in_shape, out_shape, dim):
@@ -82,12 +98,18 @@ _ATTENTION_OPS = (
     aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default, aten.bmm.default,
     aten.baddbmm.default, aten.matmul.default,
 )
+
+
 # Consumers that cut a fused value apart (Falcon's [n + 2] heads into q, k, v).
 _TAKING_APART = (
     aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
     aten.chunk.default, aten.unbind.int,
 )
+
+
 _PERMUTATIONS = (aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default)
+
+
 _MAX_CONSUMERS = 8
 
 
@@ -299,7 +321,34 @@ _VIEWS = [
 ]
 
 
-VIEW_RULES = {
+def _local_shape(b: Builder, node: Node) -> list[int]:
+    return node.meta["layout"].local_shape(node.meta["val"].shape, b.mesh)
+
+
+def lower_reshape(b: Builder, node: Node, args, kwargs):
+    return b.call(aten.reshape.default, args[0], _local_shape(b, node))
+
+
+def lower_expand(b: Builder, node: Node, args, kwargs):
+    return b.call(aten.expand.default, args[0], _local_shape(b, node))
+
+
+def lower_split(b: Builder, node: Node, args, kwargs):
+    x = node.args[0]
+    ndim = x.meta["val"].dim()
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    dim = dim + ndim if dim < 0 else dim
+    global_size = x.meta["val"].shape[dim]
+    local_size = node.meta["arg_layouts"][x].local_shape(x.meta["val"].shape, b.mesh)[dim]
+    sizes = args[1]
+    if isinstance(sizes, int):
+        local = sizes * local_size // global_size
+    else:
+        local = [s * local_size // global_size for s in sizes]
+    return b.call(node.target, args[0], local, dim)
+
+
+PLACEMENT = {
     **{op: place_view for op in _VIEWS},
     aten.slice.Tensor: dims_local(dim_arg),
     aten.select.int: dims_local(dim_arg),
@@ -315,3 +364,16 @@ VIEW_RULES = {
     aten.chunk.default: place_split,
     aten.cat.default: place_cat,
 }
+
+
+LOWERING = {
+    aten.view.default: lower_reshape,
+    aten.reshape.default: lower_reshape,
+    aten._unsafe_view.default: lower_reshape,
+    aten.unflatten.int: lower_reshape,
+    aten.expand.default: lower_expand,
+    aten.split.Tensor: lower_split,
+    aten.split_with_sizes.default: lower_split,
+}
+
+FAMILY = Family("views", PLACEMENT, lowering=LOWERING)

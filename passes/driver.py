@@ -1,0 +1,182 @@
+"""The compile driver: a model in, a `Program` out, the passes called in order.
+
+    capture -> place -> (verify placed) -> (recompute blocks) -> rewrite
+            -> (recompute selective) -> bucket gradients -> verify rewritten
+
+`compile_model` runs them as plain calls, one line a pass; a pass that fails
+with anything but a user's ValueError is named in a RuntimeError. After each
+pass the observers registered with `passes.observers.add_pass_observer` see its graph (a stage dump
+registers itself so; `tess_compile.analysis.graph_dump`); the driver never
+imports an analysis. The result, a `Program`, is what both runtimes execute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from passes.bucket_gradients import bucket_gradients
+from passes.capture import capture
+from passes.observers import PassResult, notify
+from passes.place import place
+from passes.recompute_blocks import mark_blocks
+from passes.recompute_selective import mark_selective
+from passes.rewrite import rewrite
+from passes.verify import verify_placed, verify_rewritten
+from tess_compile.core.layout import Layout
+from tess_compile.core.mesh import Mesh
+from tess_compile.core.options import CompileOptions
+from tess_compile.core.program import Program, Slot, split_example_inputs
+from tess_compile.ops.recompute_region import outline_regions
+
+__all__ = ["compile_model", "mode_compiler"]
+
+log = logging.getLogger("tess_compile")
+
+
+def compile_model(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs,
+    *,
+    options: CompileOptions | None = None,
+    weight_inputs: dict[int, str] | None = None,
+    replicate_outputs: bool = False,
+    local_inputs: bool = False,
+    local_outputs: bool = False,
+    **keywords,
+) -> Program:
+    """Capture `model` on `example_inputs` and compile it for `mesh`.
+
+    `options` (a `CompileOptions` of the mesh's mode), or its fields as
+    `keywords`, choose the schedule of the products, what backward keeps or
+    recomputes, and the checks (docs/modes.md, docs/memory.md).
+
+    `weight_inputs` and `replicate_outputs` serve graphs whose weights are
+    inputs and whose outputs go on as plain tensors (the torch.compile path).
+    `local_inputs` and `local_outputs` serve pipeline stages
+    (`tess_compile.scale_out.pipeline`): positional tensor inputs arrive as
+    this rank's blocks in their home layout (batch over depth and row,
+    features over col) instead of whole, and their gradients are this rank's
+    blocks; outputs leave as this rank's blocks in the home layout of their
+    shape, so one stage's output block is the next stage's input block.
+    """
+    options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
+    args, kwargs = split_example_inputs(example_inputs)
+    start = time.perf_counter()
+    run = _Passes(mesh)
+    gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, guarded=False)
+    _mark_local_boundary(gm, local_inputs, local_outputs)
+    placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs)
+    if options.checked:
+        placed = run("verify placed", verify_placed, placed, mesh)
+    if options.recompute == "blocks":
+        placed = run("recompute blocks", mark_blocks, placed, mesh)
+    gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks)
+    if options.recompute == "selective":
+        gm = run("recompute selective", mark_selective, gm, mesh)
+    gm = run("bucket gradients", bucket_gradients, gm, mesh)
+    # always: a wrong rule shows here, not at the first forward
+    gm = run("verify rewritten", verify_rewritten, gm, mesh, placed=placed, guarded=False)
+    log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
+    return Program(
+        mesh=mesh,
+        graph=gm,
+        slots=_slots(placed),
+        output_layouts=_output_layouts(placed),
+        in_spec=gm.meta["in_spec"],
+        out_spec=gm.meta["out_spec"],
+        tensors=gm.meta["tensors"],
+        state_keys=gm.meta["state_keys"],
+        training=model.training,
+        runnable=outline_regions(gm),
+    )
+
+
+class _Passes:
+    """Runs the passes of one compile: checks that each gives a graph, names a pass that
+    fails (`guarded`: anything but a user's ValueError becomes a RuntimeError naming it),
+    and reports each to the observers (`passes.observers`)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh, self.index, self.nodes = mesh, 0, None
+
+    def __call__(self, name: str, run_pass, *args, guarded: bool = True, **kwargs) -> GraphModule:
+        start = time.perf_counter()
+        try:
+            gm = run_pass(*args, **kwargs)
+        except ValueError:
+            raise
+        except Exception as err:
+            if not guarded:
+                raise
+            raise RuntimeError(f"tess-compile pass {name!r} failed on mesh {self.mesh}: {err}") from err
+        if not isinstance(gm, GraphModule):
+            raise AssertionError(f"tess-compile pass {name!r} returned {type(gm).__name__}, not a GraphModule")
+        seconds = time.perf_counter() - start
+        nodes = len(gm.graph.nodes)
+        log.debug("pass %s: %d nodes in %.3fs", name, nodes, seconds)
+        notify(PassResult(self.index, name, gm, self.mesh, self.nodes, seconds))
+        self.index, self.nodes = self.index + 1, nodes
+        return gm
+
+
+def _mark_local_boundary(gm: GraphModule, local_inputs: bool, local_outputs: bool) -> None:
+    """`meta["local_input"]` on the positional tensor inputs and `meta["local_outputs"]` on the
+    output node, which place and rewrite read (see `compile_model`). Keyword inputs stay whole
+    (a pipeline schedule gives them to a stage as the microbatch's global values)."""
+    num_positional = gm.meta["in_spec"].child(0).num_leaves
+    for node in gm.graph.nodes:
+        if local_inputs and node.op == "placeholder" and node.meta["role"][0] == "input":
+            positional = node.meta["role"][1] < num_positional
+            if positional and "weight_input" not in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
+                node.meta["local_input"] = True
+        if local_outputs and node.op == "output":
+            node.meta["local_outputs"] = True
+
+
+def _slots(placed: GraphModule) -> list[Slot]:
+    placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
+    slots = []
+    for node in placeholders:
+        role, name = node.meta["role"]
+        val = node.meta["val"]
+        if not isinstance(val, torch.Tensor):
+            slots.append(Slot(role, str(name), None, (), None))
+            continue
+        layout = node.meta["layout"]
+        if role == "input" and "local_input" in node.meta:
+            role = "local input"  # this rank's block, in the layout placement gave it
+        elif role == "input":
+            role = "weight" if "weight_input" in node.meta else "input"
+            layout = Layout.replicated()  # inputs arrive whole
+        slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype, node.meta.get("alias_of")))
+    return slots
+
+
+def _output_layouts(placed: GraphModule) -> list[Layout | None]:
+    output = next(n for n in placed.graph.nodes if n.op == "output")
+    needed = output.meta["arg_layouts"]
+    return [needed.get(n) if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
+
+
+def mode_compiler(model: torch.nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
+                  **boundary) -> Callable[[bool], Program]:
+    """`compile(training)`: `compile_model(model, mesh, example_inputs, options=options, **boundary)`
+    with the model in train (True) or eval (False) mode, the model's own mode restored after
+    (`tess_compile.runtime.programs_by_mode` calls it for the mode not compiled yet)."""
+
+    def compile_in(training: bool) -> Program:
+        was = model.training
+        model.train(training)
+        try:
+            return compile_model(model, mesh, example_inputs, options=options, **boundary)
+        finally:
+            model.train(was)
+
+    return compile_in

@@ -1,0 +1,196 @@
+"""The machine a cost is for: a `Cluster` of nodes, two links, one GPU's figures.
+
+A collective of `n` bytes over a group of `g` ranks on a link of latency
+`alpha` (seconds) and bandwidth `B` (bytes/s) takes `steps(g) * alpha +
+factor(g) * n / B`, with `steps` and `factor` from `COLLECTIVE_RULES`. A
+group is on the intra-node link if all its ranks share a node (ranks
+packed onto nodes in order: `node = rank // gpus_per_node`), else on the
+inter-node link. The compute constants: a matrix product whose smallest
+dimension is `m` runs at `flops * m / (m + matmul_half_size)`; other kernels
+move their bytes at `memory_bandwidth`; each launch costs `kernel_overhead`.
+
+`Cluster`'s defaults for the three compute constants (every matmul at
+`flops`, memory-bound kernels and launches free) give the plain alpha-beta
+model; `CALIBRATED_CLUSTER` holds the constants fitted to the Tesseract
+paper's measurements (`tess_compile.analysis.calibration`, docs/planner.md),
+and `PAPER_CLUSTER` the paper's cluster as specified, uncalibrated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tess_compile.core.mesh import Mesh
+
+__all__ = [
+    "ALGORITHMS",
+    "CALIBRATED_CLUSTER",
+    "COLLECTIVE_RULES",
+    "Cluster",
+    "Link",
+    "PAPER_CLUSTER",
+    "collective_rule",
+    "collective_time",
+]
+
+ALGORITHMS = ("ring", "tree")
+
+
+def _log2(g: int) -> int:
+    """Rounds of a binomial tree (recursive doubling) over `g` ranks: ceil(log2 g)."""
+    return math.ceil(math.log2(g))
+
+
+# (algorithm, op) -> g -> (latency steps, bandwidth factor): the collective of `n`
+# bytes over `g` ranks takes `steps * alpha + factor * n / B`. `n` is the bytes
+# each rank passes to the op (as `accounting` reports them): broadcast, reduce
+# and all_reduce: the whole tensor; all_gather: the local input (the output is
+# g * n); reduce_scatter: the full input (the output is n / g).
+#
+# ring (NCCL's default for large messages; broadcast and reduce pipelined along a
+# chain in many chunks, so one message time, as NCCL's bus bandwidth says):
+#   broadcast, reduce   (g-1) alpha + n/B
+#   all_reduce          2(g-1) alpha + 2(g-1)/g n/B   (reduce-scatter + all-gather)
+#   all_gather          (g-1) alpha + (g-1) n/B
+#   reduce_scatter      (g-1) alpha + (g-1)/g n/B
+# tree (binomial tree and recursive doubling/halving; Thakur, Rabenseifner and
+# Gropp 2005; L = ceil(log2 g); exact for g a power of two):
+#   broadcast, reduce   L alpha + L n/B
+#   all_reduce          L alpha + L n/B               (recursive doubling)
+#   all_gather          L alpha + (g-1) n/B           (recursive doubling)
+#   reduce_scatter      L alpha + (g-1)/g n/B         (recursive halving)
+COLLECTIVE_RULES: dict[tuple[str, str], Callable[[int], tuple[float, float]]] = {
+    ("ring", "broadcast"): lambda g: (g - 1, 1),
+    ("ring", "reduce"): lambda g: (g - 1, 1),
+    ("ring", "all_reduce"): lambda g: (2 * (g - 1), 2 * (g - 1) / g),
+    ("ring", "all_gather"): lambda g: (g - 1, g - 1),
+    ("ring", "reduce_scatter"): lambda g: (g - 1, (g - 1) / g),
+    ("tree", "broadcast"): lambda g: (_log2(g), _log2(g)),
+    ("tree", "reduce"): lambda g: (_log2(g), _log2(g)),
+    ("tree", "all_reduce"): lambda g: (_log2(g), _log2(g)),
+    ("tree", "all_gather"): lambda g: (_log2(g), g - 1),
+    ("tree", "reduce_scatter"): lambda g: (_log2(g), (g - 1) / g),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's bandwidth (bytes/s) and latency (seconds per message step)."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine a plan is for: nodes of `gpus_per_node` GPUs, two links, one GPU's figures.
+
+    Bandwidths are bytes/s one rank sends or receives on the link, latencies
+    seconds per message step, `flops` the matmul FLOP/s of one GPU (its peak
+    when `matmul_half_size` is set, else a sustained rate), `memory` its
+    bytes, `algorithm` the collectives' family ("ring" or "tree").
+
+    The compute constants (see the module docstring): a matrix product whose
+    smallest dimension is `m` runs at `flops * m / (m + matmul_half_size)`;
+    other kernels move their bytes at `memory_bandwidth` (bytes/s); each
+    kernel launch costs `kernel_overhead` seconds. The defaults (0, inf, 0)
+    give the uncalibrated alpha-beta model.
+    """
+
+    gpus_per_node: int
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    flops: float
+    memory: float
+    algorithm: str = "ring"
+    matmul_half_size: float = 0.0
+    memory_bandwidth: float = math.inf
+    kernel_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node!r}: use a positive integer, e.g. 4 or 8")
+        for name in ("intra_bandwidth", "inter_bandwidth", "flops", "memory", "memory_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number > 0")
+        for name in ("intra_latency", "inter_latency", "matmul_half_size", "kernel_overhead"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"collective algorithm {self.algorithm!r} is not one of "
+                             f"{', '.join(map(repr, ALGORITHMS))}: use 'ring' (NCCL's default) or 'tree'")
+
+    def is_intra_node(self, mesh: Mesh, axis: str) -> bool:
+        """Whether every group along `axis` lies within one node."""
+        return all(len({rank // self.gpus_per_node for rank in group}) == 1 for group in mesh.groups(axis))
+
+    def link(self, mesh: Mesh, axis: str) -> Link:
+        """The link the collectives along `axis` run on."""
+        if self.is_intra_node(mesh, axis):
+            return Link(self.intra_bandwidth, self.intra_latency)
+        return Link(self.inter_bandwidth, self.inter_latency)
+
+    def matmul_efficiency(self, size: float) -> float:
+        """The fraction of `flops` a matrix product whose smallest dimension is `size` reaches."""
+        return size / (size + self.matmul_half_size)
+
+
+# The paper's cluster (Tesseract, section 4: MeluXina): 4 A100 per node, NVLink
+# 200 GB/s inside a node, InfiniBand 200 Gb/s (25 GB/s) between nodes. The A100s
+# of MeluXina's GPU nodes are the 40 GB SXM4 model. Throughput: half the 312
+# TFLOP/s bf16/fp16 dense tensor-core peak (TF32's dense peak is 156 TFLOP/s),
+# the sustained rate large-model training reaches on A100s (Megatron-LM reports
+# 138-163 TFLOP/s per GPU, 44-52 % of peak). Latencies, which the paper does not
+# give: 2 us per step over NVLink and 5 us over InfiniBand, typical of NCCL.
+PAPER_CLUSTER = Cluster(
+    gpus_per_node=4,
+    intra_bandwidth=200e9,
+    intra_latency=2e-6,
+    inter_bandwidth=25e9,
+    inter_latency=5e-6,
+    flops=156e12,
+    memory=40e9,
+    algorithm="ring",
+)
+
+
+# The paper's cluster with the constants fitted to its Table 1 (strong scaling) by
+# `tess_compile.analysis.calibration.fit_cluster`, as `benchmarks/paper_times.py` runs it
+# (one layer per row, fp16, checkpointed; docs/planner.md): `flops` fixed at the
+# A100's 312 TFLOP/s fp16 dense peak, the rest fitted within `calibration.BOUNDS`.
+# matmul_half_size and inter_bandwidth ended at an end of their range; the two
+# latencies came out equal (the fit keeps intra <= inter). tests/test_calibration.py checks that
+# the fit still gives these values.
+CALIBRATED_CLUSTER = dataclasses.replace(
+    PAPER_CLUSTER,
+    intra_bandwidth=98.083e9,
+    intra_latency=2.3065e-6,
+    inter_latency=2.3065e-6,
+    flops=312e12,
+    matmul_half_size=1024.0,
+    memory_bandwidth=727.25e9,
+    kernel_overhead=15.114e-6,
+)
+
+
+def collective_rule(algorithm: str, op: str) -> Callable[[int], tuple[float, float]]:
+    rule = COLLECTIVE_RULES.get((algorithm, op))
+    if rule is None:
+        known = list(dict.fromkeys(name for _, name in COLLECTIVE_RULES))
+        raise ValueError(f"no cost rule for {op!r} with algorithm {algorithm!r}: ops are {', '.join(known)}, "
+                         f"algorithms {', '.join(ALGORITHMS)}")
+    return rule
+
+
+def collective_time(op: str, group_size: int, num_bytes: int, link: Link, algorithm: str = "ring") -> float:
+    """Seconds of `op` on `num_bytes` (as `accounting` counts them) over `group_size` ranks."""
+    rule = collective_rule(algorithm, op)
+    if group_size <= 1 or num_bytes == 0:
+        return 0.0
+    steps, factor = rule(group_size)
+    return steps * link.latency + factor * num_bytes / link.bandwidth

@@ -1,0 +1,326 @@
+"""A calibrated cost model of a compiled program: step time per rank.
+
+An analysis of the rewritten graph, like `tess_compile.analysis.accounting`,
+whose byte counts it prices; it runs nothing between ranks. `profile_program`
+runs one rank's program forward and backward on fake tensors and records
+every kernel it launches (`ProgramProfile`); `step_time` prices a profile
+on a `Cluster` (`tess_compile.analysis.cluster`), and `predict_time` does
+both. Per phase (forward, backward):
+
+- matrix products (mm, addmm, bmm, baddbmm, fused attention): FLOPs at the
+  achieved rate `flops * m / (m + matmul_half_size)`, `m` the smallest
+  dimension of the product (small shards run below peak);
+- every other kernel (elementwise ops, norms, softmax, copies): the bytes it
+  reads and writes at `memory_bandwidth`;
+- `kernel_overhead` seconds per kernel launched (views and allocations
+  launch none; collectives are priced below, with the copies that pack a
+  gradient bucket, `tess_compile.ops.grad_bucket`, as part of its all-reduce);
+- each collective by `collective_time` on the link of its axis.
+
+Backward is priced from the kernels autograd runs (recomputed regions and
+the refetches of the memory-lean products included); compute and
+communication add up unless `overlap` says they overlap (the distributed
+backward runs its collectives synchronously).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Interpreter
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tess_compile.analysis.accounting import PHASES, CollectiveCost, collective_costs, transfers
+from tess_compile.analysis.cluster import COLLECTIVE_RULES, Cluster, collective_rule, collective_time
+from tess_compile.core.fake_run import local_placeholder, requires_grad, tensor_bytes
+from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.program import Program
+from tess_compile.ops.collectives import Comm, output_like, use_comm
+from tess_compile.ops.grad_bucket import packing
+
+__all__ = [
+    "COMM_TERMS",
+    "COMPUTE_TERMS",
+    "PhaseProfile",
+    "ProgramProfile",
+    "StepTime",
+    "TERMS",
+    "coefficients",
+    "comm_seconds",
+    "predict_time",
+    "profile_program",
+    "ring_wire_bytes",
+    "step_time",
+    "time_terms",
+]
+
+
+def ring_wire_bytes(costs: Iterable[CollectiveCost], mesh: Mesh) -> dict[str, float]:
+    """`{"forward": bytes, "backward": bytes}` one rank sends (and as many it receives) on
+    the links when the collectives run as rings: each payload times its ring bandwidth
+    factor (`2(g-1)/g` for an all-reduce, `1` for a pipelined broadcast, ...). Unlike the
+    payloads, these compare across collectives and modes."""
+    wire = dict.fromkeys(PHASES, 0.0)
+    for phase, op, axis, num_bytes in transfers(costs):
+        if mesh.size(axis) > 1:
+            wire[phase] += COLLECTIVE_RULES[("ring", op)](mesh.size(axis))[1] * num_bytes
+    return wire
+
+
+def comm_seconds(costs: Iterable[CollectiveCost], mesh: Mesh, cluster: Cluster) -> dict[str, float]:
+    """`{"forward": s, "backward": s}`: the time of the collectives in `costs`, one after another."""
+    links = {axis: cluster.link(mesh, axis) for axis in AXES}
+    seconds = dict.fromkeys(PHASES, 0.0)
+    for phase, op, axis, num_bytes in transfers(costs):
+        seconds[phase] += collective_time(op, mesh.size(axis), num_bytes, links[axis], cluster.algorithm)
+    return seconds
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one training step on one rank, and the bytes it passes to collectives."""
+
+    forward_compute_s: float
+    forward_comm_s: float
+    backward_compute_s: float
+    backward_comm_s: float
+    forward_bytes: int
+    backward_bytes: int
+    overlap: tuple[str, ...] = ()  # the phases whose compute and communication overlap
+
+    def _phase(self, phase: str, compute: float, comm: float) -> float:
+        return max(compute, comm) if phase in self.overlap else compute + comm
+
+    @property
+    def forward_s(self) -> float:
+        return self._phase("forward", self.forward_compute_s, self.forward_comm_s)
+
+    @property
+    def backward_s(self) -> float:
+        return self._phase("backward", self.backward_compute_s, self.backward_comm_s)
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def comm_bytes(self) -> int:
+        return self.forward_bytes + self.backward_bytes
+
+
+# predict_time's `overlap` -> the phases whose compute and communication overlap.
+_OVERLAPPED_PHASES = {False: (), True: ("forward", "backward"), "forward": ("forward",)}
+
+
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+# Fused attention kernels (forward and backward): `_scaled_dot_product_flash_attention`,
+# `..._efficient_attention`, `..._flash_attention_for_cpu`, ...
+_ATTENTION_PREFIX = "_scaled_dot_product"
+
+
+# Ops that launch no kernel: views, aliases, allocations.
+_NO_KERNEL = ("detach", "alias", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_empty_strided", "_unsafe_view", "_reshape_alias", "split", "split_with_sizes", "unbind", "chunk")
+
+
+@dataclass(frozen=True)
+class PhaseProfile:
+    """The kernels one rank launches in one phase, as the cost model prices them."""
+
+    matmul_flops: float = 0.0  # FLOPs of the matrix products (fused attention included)
+    matmul_flops_per_size: float = 0.0  # the sum over products of FLOPs / smallest dimension
+    memory_bytes: float = 0.0  # bytes the other kernels read and write
+    num_kernels: int = 0  # kernels launched (products and others; collectives not counted)
+    num_matmuls: int = 0
+
+
+@dataclass(frozen=True)
+class ProgramProfile:
+    """One rank's kernels per phase and its collectives (`accounting.collective_costs`)."""
+
+    mesh: Mesh
+    forward: PhaseProfile
+    backward: PhaseProfile
+    costs: tuple[CollectiveCost, ...]
+
+    def phase(self, phase: str) -> PhaseProfile:
+        return self.forward if phase == "forward" else self.backward
+
+
+def _tensors(*values) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+def _product_shape(name: str, args) -> tuple[int, int, int, int]:
+    """(batch, m, k, n) of a matrix-product kernel."""
+    a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return batch, a.shape[-2], a.shape[-1], b.shape[-1]
+
+
+class _KernelRecorder(TorchDispatchMode):
+    """Sums, per phase, what `PhaseProfile` holds over every op dispatched below it."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.totals = {phase: {"matmul_flops": 0.0, "matmul_flops_per_size": 0.0, "memory_bytes": 0.0,
+                               "num_kernels": 0, "num_matmuls": 0} for phase in PHASES}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if func.namespace != "aten" or func.is_view or name in _NO_KERNEL or packing():
+            return out  # collectives (priced apart, a gradient bucket's copies with them), views and allocations
+        totals = self.totals[self.phase]
+        totals["num_kernels"] += 1
+        if name in _MATMULS:
+            batch, m, k, n = _product_shape(name, args)
+            self._product(totals, 2 * batch * m * k * n, min(m, k, n))
+        elif name.startswith(_ATTENTION_PREFIX):
+            # forward (q, k, v, ...), backward (grad_out, q, k, v, ...); the full score
+            # matrix's two products, twice as many in backward
+            backward = name.endswith("_backward")
+            query, key = args[1:3] if backward else args[0:2]
+            batch, heads, length, head_dim = query.shape
+            flops = 4 * batch * heads * length * key.shape[-2] * head_dim * (2 if backward else 1)
+            self._product(totals, flops, min(length, key.shape[-2], head_dim))
+        else:
+            totals["memory_bytes"] += sum(tensor_bytes(t) for t in _tensors(args, kwargs, out))
+        return out
+
+    @staticmethod
+    def _product(totals: dict, flops: int, size: int) -> None:
+        totals["num_matmuls"] += 1
+        totals["matmul_flops"] += flops
+        totals["matmul_flops_per_size"] += flops / max(size, 1)
+
+
+class _ShapeComm(Comm):
+    """A communicator for fake runs: each collective returns an empty tensor of its output's shape."""
+
+    def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
+        return output_like(op, x, *args)
+
+
+def _fake_step(program: Program, inputs_require_grad: bool) -> dict[str, PhaseProfile]:
+    """Run one rank's program forward, then backward from every output that requires grad,
+    on fake tensors, recording its kernels (recomputed regions count in backward)."""
+    graph = program.runnable
+    recorder = _KernelRecorder()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        inputs = [local_placeholder(n, program.mesh, requires_grad(n, inputs_require_grad)) for n in placeholders]
+        with use_comm(_ShapeComm()), recorder:
+            outputs = Interpreter(graph).run(*inputs)
+            roots = [t for t in _tensors(outputs) if t.requires_grad]
+            del outputs
+            recorder.phase = "backward"
+            if roots:
+                torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
+    return {phase: PhaseProfile(**totals) for phase, totals in recorder.totals.items()}
+
+
+_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {inputs_require_grad: profile}
+
+
+def profile_program(program: Program, *, inputs_require_grad: bool = False) -> ProgramProfile:
+    """The kernels and collectives of one training step of `program` on one rank
+    (every output that requires grad is taken as part of the loss). Cached per program."""
+    cached = _PROFILES.setdefault(program.graph, {})
+    if inputs_require_grad not in cached:
+        phases = _fake_step(program, inputs_require_grad)
+        costs = collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
+        cached[inputs_require_grad] = ProgramProfile(program.mesh, phases["forward"], phases["backward"], tuple(costs))
+    return cached[inputs_require_grad]
+
+
+# The terms of a phase's time, each priced by one constant of the cluster (`coefficients`):
+# time = sum over terms of coefficient * term.
+COMPUTE_TERMS = ("matmul_flops", "matmul_flops_per_size", "memory_bytes", "kernels")
+
+
+COMM_TERMS = ("intra_steps", "inter_steps", "intra_wire_bytes", "inter_wire_bytes")
+
+
+TERMS = COMPUTE_TERMS + COMM_TERMS
+
+
+def coefficients(cluster: Cluster) -> dict[str, float]:
+    """Seconds per unit of each of `TERMS` on `cluster`. A product of `f` FLOPs and smallest
+    dimension `m` takes `f / (flops * m / (m + h))` = `f / flops + (f / m) * h / flops`."""
+    return {
+        "matmul_flops": 1 / cluster.flops,
+        "matmul_flops_per_size": cluster.matmul_half_size / cluster.flops,
+        "memory_bytes": 1 / cluster.memory_bandwidth,
+        "kernels": cluster.kernel_overhead,
+        "intra_steps": cluster.intra_latency,
+        "inter_steps": cluster.inter_latency,
+        "intra_wire_bytes": 1 / cluster.intra_bandwidth,
+        "inter_wire_bytes": 1 / cluster.inter_bandwidth,
+    }
+
+
+def _priced_costs(profile: ProgramProfile, grad_sync: bool) -> tuple[CollectiveCost, ...]:
+    """The collectives to price: all of them, or without the gradient all-reduces of
+    replicated parameters (`grad_sync`) when `grad_sync` is False."""
+    return profile.costs if grad_sync else tuple(c for c in profile.costs if c.op != "grad_sync")
+
+
+def time_terms(profile: ProgramProfile, cluster: Cluster, *, grad_sync: bool = True) -> dict[str, dict[str, float]]:
+    """`{phase: {term: amount}}` of `profile` on `cluster`'s nodes: the compute terms from
+    the kernels, and each collective's latency steps and wire bytes (`COLLECTIVE_RULES`
+    for `cluster.algorithm`) on the link of its axis. `grad_sync=False` leaves out the
+    gradient all-reduces of replicated parameters."""
+    mesh = profile.mesh
+    link = {axis: "intra" if cluster.is_intra_node(mesh, axis) else "inter" for axis in AXES}
+    terms = {}
+    for phase in PHASES:
+        kernels = profile.phase(phase)
+        terms[phase] = {"matmul_flops": kernels.matmul_flops, "matmul_flops_per_size": kernels.matmul_flops_per_size,
+                        "memory_bytes": kernels.memory_bytes, "kernels": kernels.num_kernels,
+                        **dict.fromkeys(COMM_TERMS, 0.0)}
+    for phase, op, axis, num_bytes in transfers(_priced_costs(profile, grad_sync)):
+        group = mesh.size(axis)
+        steps, factor = collective_rule(cluster.algorithm, op)(group)
+        if group > 1 and num_bytes > 0:
+            terms[phase][f"{link[axis]}_steps"] += steps
+            terms[phase][f"{link[axis]}_wire_bytes"] += factor * num_bytes
+    return terms
+
+
+def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str = False,
+              grad_sync: bool = True) -> StepTime:
+    """Forward and backward seconds of `profile` on `cluster` (see the module docstring)."""
+    terms = time_terms(profile, cluster, grad_sync=grad_sync)
+    price = coefficients(cluster)
+
+    def seconds(phase: str, names: tuple[str, ...]) -> float:
+        return sum(price[name] * terms[phase][name] for name in names)
+
+    costs = _priced_costs(profile, grad_sync)
+    return StepTime(
+        forward_compute_s=seconds("forward", COMPUTE_TERMS),
+        forward_comm_s=seconds("forward", COMM_TERMS),
+        backward_compute_s=seconds("backward", COMPUTE_TERMS),
+        backward_comm_s=seconds("backward", COMM_TERMS),
+        forward_bytes=sum(c.forward_bytes for c in costs if c.forward_bytes is not None),
+        backward_bytes=sum(c.backward_bytes for c in costs if c.backward_bytes is not None),
+        overlap=_OVERLAPPED_PHASES[overlap],
+    )
+
+
+def predict_time(program: Program, cluster: Cluster, *, overlap: bool | str = False,
+                 inputs_require_grad: bool = False, grad_sync: bool = True) -> StepTime:
+    """Forward and backward seconds of one step of `program` on `cluster`:
+    `step_time(profile_program(program), cluster)`."""
+    profile = profile_program(program, inputs_require_grad=inputs_require_grad)
+    return step_time(profile, cluster, overlap=overlap, grad_sync=grad_sync)

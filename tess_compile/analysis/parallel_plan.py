@@ -1,0 +1,150 @@
+"""Data and pipeline parallelism around a tensor-parallel program, priced for the planner.
+
+A configuration is `dp x pp x [q, q, d]` (the Tesseract paper's Figure 6):
+ranks fill a tensor-parallel group first, then the pipeline stages, then the
+data-parallel replicas, so a data-parallel group's ranks are `pp * q*q*d`
+apart. The tensor-parallel program is compiled for one microbatch,
+`batch / (dp * microbatches)` rows, and priced by the cost model; then:
+
+- pipeline: the model's repeated blocks split evenly over `pp` stages, so a
+  stage runs `1/pp` of the program per microbatch, and a GPipe or 1F1B
+  schedule takes `microbatches + pp - 1` stage slots (the bubble is
+  `pp - 1` of them); the activations crossing a stage boundary are not
+  priced (one block a microbatch, small beside the stage's own
+  collectives);
+- data parallel: each stage's gradients are all-reduced over the `dp`
+  replicas after backward (ZeRO: reduce-scattered, and the parameters
+  all-gathered, the same bytes on a ring), on the intra-node link if the
+  replicas share a node, else the inter-node one;
+- memory per rank: the stage's share (1/pp) of the parameters, gradients and
+  AdamW state (gradients and AdamW state also 1/dp with ZeRO), and the saved
+  activations of the microbatches in flight, at most `pp` with 1F1B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from tess_compile.analysis.cluster import Cluster, Link, collective_time
+from tess_compile.analysis.cost_model import StepTime
+from tess_compile.analysis.memory import MemoryEstimate
+
+__all__ = [
+    "Outer",
+    "batch_size",
+    "default_microbatches",
+    "dp_link_is_intra",
+    "microbatch_inputs",
+    "num_blocks",
+    "outer_options",
+    "price",
+]
+
+
+@dataclass(frozen=True)
+class Outer:
+    """The parallelism around a tensor-parallel group: data-parallel replicas, pipeline
+    stages, microbatches per step, and whether the optimizer state is sharded (ZeRO)."""
+
+    dp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    zero: bool = False
+
+
+def num_blocks(model: nn.Module) -> int:
+    """The number of repeated blocks a pipeline can split: the longest ModuleList or
+    Sequential of one class (1 if the model has none)."""
+    best = 1
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1:
+            if len({type(child) for child in module}) == 1:
+                best = max(best, len(module))
+    return best
+
+
+def batch_size(inputs) -> int | None:
+    """The batch (dim 0) of the tensor inputs, if they agree."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def microbatch_inputs(inputs, batch: int, rows: int):
+    """`inputs` with every tensor of batch `batch` cut to its first `rows` rows."""
+    return pytree.tree_map(
+        lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t, inputs
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def default_microbatches(rows: int, pp: int) -> int:
+    """Microbatches per step: 1 without a pipeline, else the most up to 4*pp that divide `rows`."""
+    if pp == 1:
+        return 1
+    return max(m for m in range(1, 4 * pp + 1) if rows % m == 0)
+
+
+def outer_options(gpus: int, dp: int | str, pp: int | str, blocks: int, batch: int | None) -> list[tuple[int, int]]:
+    """The (dp, pp) pairs to price for `gpus` ranks: `dp` and `pp` as given, or every value
+    ("auto") with dp dividing the batch, pp the number of blocks, and dp*pp the GPUs."""
+    for name, value in (("dp", dp), ("pp", pp)):
+        if value != "auto" and not (isinstance(value, int) and value >= 1 and gpus % value == 0):
+            raise ValueError(f"{name}={value!r} does not divide {gpus} GPUs: use a divisor of {gpus}, or 'auto'")
+    if pp != "auto" and blocks % pp:
+        raise ValueError(f"pp={pp} stages do not split the model's {blocks} repeated blocks evenly: "
+                         f"use a divisor of {blocks}, or 'auto'")
+    if dp != "auto" and batch is not None and batch % dp:
+        raise ValueError(f"dp={dp} replicas do not split the batch of {batch} evenly: use a divisor of {batch}")
+    pairs = []
+    for d_ in ([dp] if dp != "auto" else _divisors(gpus)):
+        for p_ in ([pp] if pp != "auto" else _divisors(gpus // d_)):
+            if gpus % (d_ * p_) or blocks % p_ or (batch is not None and batch % d_):
+                continue
+            pairs.append((d_, p_))
+    return pairs
+
+
+def dp_link_is_intra(cluster: Cluster, outer: Outer, tp: int) -> bool:
+    """Whether a data-parallel group (ranks `tp * pp` apart) lies within one node."""
+    return outer.dp * tp * outer.pp <= cluster.gpus_per_node
+
+
+def _dp_link(cluster: Cluster, outer: Outer, tp: int) -> Link:
+    if dp_link_is_intra(cluster, outer, tp):
+        return Link(cluster.intra_bandwidth, cluster.intra_latency)
+    return Link(cluster.inter_bandwidth, cluster.inter_latency)
+
+
+def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster) -> tuple[StepTime, MemoryEstimate]:
+    """The step time and per-rank memory of `outer` around a tensor-parallel program whose one
+    microbatch costs `time` and `memory` (see the module docstring)."""
+    slots = (outer.microbatches + outer.pp - 1) / outer.pp  # stage slots, each 1/pp of the program
+    grad_bytes = memory.grads // outer.pp
+    reduce_s = collective_time("all_reduce", outer.dp, grad_bytes, _dp_link(cluster, outer, tp), cluster.algorithm)
+    dp_bytes = grad_bytes if outer.dp > 1 else 0
+    step = StepTime(
+        forward_compute_s=time.forward_compute_s * slots,
+        forward_comm_s=time.forward_comm_s * slots,
+        backward_compute_s=time.backward_compute_s * slots,
+        backward_comm_s=time.backward_comm_s * slots + reduce_s,
+        forward_bytes=int(time.forward_bytes * outer.microbatches / outer.pp),
+        backward_bytes=int(time.backward_bytes * outer.microbatches / outer.pp) + dp_bytes,
+        overlap=time.overlap,
+    )
+    sharded_state = outer.dp if outer.zero else 1
+    in_flight = min(outer.pp, outer.microbatches)
+    held = MemoryEstimate(
+        params=memory.params // outer.pp,
+        grads=memory.grads // (outer.pp * sharded_state),
+        optimizer=memory.optimizer // (outer.pp * sharded_state),
+        activations=memory.activations * in_flight // outer.pp,
+        transient=memory.transient,
+    )
+    return step, held

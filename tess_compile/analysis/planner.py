@@ -1,0 +1,346 @@
+"""The planner: rank every mode and mesh of a model on a cluster by predicted step time.
+
+`plan` lists the meshes `gpus` ranks allow in each mode (`candidate_meshes`),
+compiles the model for each (on the meta device: no weight is allocated),
+prices each program with `tess_compile.analysis.cost_model`, and returns one `PlanRow`
+per mesh: those that fit the memory budget first, fastest first, then those
+over the budget, then those that did not compile, each with the reason.
+With `summa="auto"` each 2-D/2.5-D/3-D mesh is priced in every schedule of
+its matrix products (`tess_compile.core.options.SCHEDULES`; "overlap" with forward
+compute and communication overlapped) and keeps the fastest. Each row also
+gives the redundant work of its program (forward FLOPs over all ranks / the
+unsharded model's, `accounting.redundant_work`). `format_table` prints the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from passes.driver import compile_model
+from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
+from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
+from tess_compile.analysis.cost_model import StepTime, predict_time
+from tess_compile.analysis.memory import MemoryEstimate, predict_memory
+from tess_compile.analysis.parallel_plan import (
+    Outer,
+    batch_size,
+    default_microbatches,
+    dp_link_is_intra,
+    microbatch_inputs,
+    num_blocks,
+    outer_options,
+    price,
+)
+from tess_compile.core.mesh import AXES, MODES, Mesh
+from tess_compile.core.options import SCHEDULES, renamed
+
+__all__ = ["DEFAULT_MODES", "GB", "HEADER", "PlanRow", "candidate_meshes", "format_table", "mesh_label", "plan"]
+
+DEFAULT_MODES = ("1d", "2d", "2.5d")
+
+
+GB = 1e9
+
+
+log = logging.getLogger("tess_compile")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate: its mesh, predicted time and memory, and a note: why it was dropped,
+    or (if it fits) which mesh axes cross nodes."""
+
+    mesh: Mesh
+    time: StepTime | None = None  # None if it did not compile
+    memory: MemoryEstimate | None = None
+    note: str = ""
+    fits: bool = False  # compiled, and within the memory budget
+    summa: str = "broadcast"  # the schedule of the matrix products it was priced in
+    keep_blocks: bool = False  # whether its products keep their fetched blocks for backward
+    redundant_work: float | None = None  # forward FLOPs over all ranks / unsharded; None: none to measure
+    outer: Outer = Outer()  # data and pipeline parallelism around the mesh
+
+    @property
+    def mode(self) -> str:
+        return self.mesh.mode
+
+
+def mesh_label(mesh: Mesh) -> str:
+    """The paper's notation: `[64]` for 1-D, `[q, q, d]` otherwise."""
+    if mesh.mode == "1d":
+        return f"[{mesh.num_ranks}]"
+    return f"[{mesh.q}, {mesh.q}, {mesh.d}]"
+
+
+def candidate_meshes(gpus: int, modes: Sequence[str] = DEFAULT_MODES) -> list[Mesh]:
+    """Every mesh of exactly `gpus` ranks in `modes`, in the order of `modes`.
+
+    1d: `Mesh(1, gpus, "1d")`; 2d: `q*q == gpus`; 3d: `q**3 == gpus`;
+    2.5d: `q*q*d == gpus`, `1 <= d <= q`, leaving out `d == 1` when "2d" is
+    in `modes` and `d == q` when "3d" is (the same programs).
+    """
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r}: use a positive integer number of GPUs, e.g. 64")
+    if isinstance(modes, str) or not modes:
+        raise ValueError(f"modes={modes!r}: pass a non-empty sequence of modes, e.g. ('1d', '2d', '2.5d')")
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(map(repr, MODES))}: "
+                             "pick modes from those, e.g. ('1d', '2d', '2.5d')")
+    meshes = []
+    for mode in dict.fromkeys(modes):  # each mode once, in order
+        meshes.extend(_meshes_of(mode, gpus, modes))
+    if not meshes:
+        raise ValueError(f"no mesh of {gpus} GPUs in modes {', '.join(modes)}: 2d needs a square number "
+                         f"(q*q), 3d a cube, 2.5d q*q*d with d <= q; use {_near(gpus, modes)} GPUs, or add mode '1d'")
+    return meshes
+
+
+def _meshes_of(mode: str, gpus: int, modes: Sequence[str]) -> list[Mesh]:
+    if mode == "1d":
+        return [Mesh(1, gpus, "1d")]
+    out = []
+    for q in range(1, math.isqrt(gpus) + 1):
+        d, rest = divmod(gpus, q * q)
+        if rest or d > q:
+            continue
+        if mode == "2d" and d != 1 or mode == "3d" and d != q:
+            continue
+        if mode == "2.5d" and (d == 1 and "2d" in modes or d == q and "3d" in modes):
+            continue
+        out.append(Mesh(q, d, mode))
+    return out
+
+
+def _near(gpus: int, modes: Sequence[str]) -> str:
+    """The nearest GPU counts below and above `gpus` that some mesh of `modes` takes, as text."""
+    def fits(n: int) -> bool:
+        return any(_meshes_of(mode, n, modes) for mode in modes)
+
+    below = next((n for n in range(gpus, 0, -1) if fits(n)), None)
+    above = next(n for n in range(gpus, 8 * gpus + 1) if fits(n))  # a cube lies in [g, 8g]
+    return str(above) if below is None or below == above else f"{below} or {above}"
+
+
+def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
+    """The model and its inputs: a model as given, or a factory's result built on the meta device."""
+    if isinstance(factory_or_model, nn.Module):
+        if example_inputs is None:
+            raise ValueError(f"plan() got a {type(factory_or_model).__name__} without example_inputs: pass "
+                             "example_inputs=, or a factory that returns (model, example_inputs)")
+        return factory_or_model, example_inputs
+    if not callable(factory_or_model):
+        raise TypeError(f"plan() got a {type(factory_or_model).__name__}: pass an nn.Module with "
+                         "example_inputs=, or a factory that takes no arguments and returns (model, example_inputs)")
+    with torch.device("meta"):
+        result = factory_or_model()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        raise ValueError(f"the factory returned {type(result).__name__}, not (model, example_inputs): "
+                         "return an nn.Module and its inputs, e.g. `return model, torch.randn(16, 128, 1024)`")
+    return result
+
+
+def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
+              overlap: bool, summa: str, strict: bool, keep_blocks: bool | str = False,
+              recompute: str = "none", unsharded_flops: Callable[[], int]) -> PlanRow:
+    """Compile `model` for `mesh` in each schedule (and, with keep_blocks="auto", with and
+    without keeping the fetched blocks) and price it: the fastest option that fits the
+    budget, or the fastest with the reason if none fits or it fails to compile.
+    `unsharded_flops()` gives the unsharded model's forward FLOPs."""
+    priced = []  # (step seconds, schedule, keep, StepTime, MemoryEstimate)
+    compiled = {}
+    for schedule in _schedules(mesh, summa):
+        for keep in _keep_options(mesh, keep_blocks):
+            # overlap sends what broadcast sends: priced, not compiled again
+            key = ("broadcast" if schedule == "overlap" else schedule, keep)
+            if key not in compiled:
+                try:
+                    program = compile_model(model, mesh, inputs, strict=strict, summa=key[0], keep_blocks=keep,
+                                            recompute=recompute)
+                except (ValueError, RuntimeError) as exc:
+                    log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
+                    return PlanRow(mesh, note=f"does not compile: {exc}")
+                compiled[key] = (program, predict_memory(program))
+            program, memory = compiled[key]
+            time = predict_time(program, cluster, overlap=overlap or ("forward" if schedule == "overlap" else False))
+            priced.append((time.step_s, schedule, keep, time, memory))
+    fitting = [item for item in priced if item[4].total <= budget]
+    _, schedule, keep, time, memory = min(fitting or priced, key=lambda item: item[0])
+    program = compiled[("broadcast" if schedule == "overlap" else schedule, keep)][0]
+    redundant = redundant_work(program, unsharded_flops())
+    if not fitting:
+        note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
+        return PlanRow(mesh, time, memory, note, summa=schedule, keep_blocks=keep, redundant_work=redundant)
+    inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
+    note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
+    if len(priced) > 1:
+        note = f"summa={schedule}{', keep_blocks' if keep else ''}; {note}"
+    return PlanRow(mesh, time, memory, note, fits=True, summa=schedule, keep_blocks=keep, redundant_work=redundant)
+
+
+def _keep_options(mesh: Mesh, keep_blocks: bool | str) -> tuple[bool, ...]:
+    """Whether to keep fetched blocks: both where products fetch blocks and keep_blocks is "auto"."""
+    if keep_blocks != "auto":
+        return (bool(keep_blocks),)
+    return (False,) if mesh.mode == "1d" or mesh.q == 1 else (False, True)
+
+
+def _schedules(mesh: Mesh, summa: str) -> tuple[str, ...]:
+    """The schedules to price: all of them for "auto" where products run SUMMA steps."""
+    if summa != "auto":
+        return (summa,)
+    return ("broadcast",) if mesh.mode == "1d" or mesh.q == 1 else SCHEDULES
+
+
+def _sort_key(row: PlanRow) -> tuple:
+    if row.time is None:
+        return (2, 0.0)
+    return (0 if row.fits else 1, row.time.step_s)
+
+
+def plan(
+    factory_or_model: Callable[[], tuple[nn.Module, object]] | nn.Module,
+    gpus: int,
+    *,
+    gpus_per_node: int | None = None,
+    cluster: Cluster = CALIBRATED_CLUSTER,
+    modes: Sequence[str] = DEFAULT_MODES,
+    memory_budget: float | None = None,
+    example_inputs=None,
+    overlap: bool = False,
+    summa: str = "auto",
+    keep_blocks: bool | str = "auto",
+    recompute: str = "none",
+    strict: bool = False,
+    dp: int | str = 1,
+    pp: int | str = 1,
+    microbatches: int | None = None,
+    zero: bool = False,
+    **deprecated,
+) -> list[PlanRow]:
+    """Every mesh of `gpus` ranks in `modes`, priced on `cluster`, fastest first.
+
+    `factory_or_model`: a function that takes no arguments and returns
+    `(model, example_inputs)`, called under `torch.device("meta")`; or a
+    model with `example_inputs=`. `gpus_per_node` overrides the cluster's.
+    `memory_budget` (bytes per GPU; default the cluster's memory) drops
+    the meshes that need more. Rows that fit come first, by predicted step
+    time, then those over budget, then those that did not compile; `note`
+    says why a row was dropped. `overlap`: see `tess_compile.analysis.cost_model.predict_time`.
+    `summa`: a schedule of the matrix products, or "auto" to price each and
+    keep the fastest per mesh (`PlanRow.summa`). `keep_blocks`: True, False, or
+    "auto" to price both and keep the fastest that fits the memory budget
+    (`PlanRow.keep_blocks`). `recompute` ("none", "blocks", "selective"; the
+    old name `checkpoint=` is deprecated) and `strict` go to `compile_model`.
+    `dp` data-parallel replicas and `pp` pipeline stages (numbers, or "auto" for every one that divides the GPUs,
+    the batch and the model's repeated blocks) wrap each mesh of
+    `gpus / (dp * pp)` ranks, with `microbatches` per step (default
+    `parallel_plan.default_microbatches`) and, with `zero`, the optimizer
+    state sharded over dp (`tess_compile.analysis.parallel_plan`).
+    """
+    if deprecated:  # checkpoint=, recompute's old name
+        given = renamed("tess_compile.plan", deprecated, stacklevel=3)
+        if set(given) != {"recompute"}:
+            unknown = sorted(set(given) - {"recompute"})[0]
+            raise TypeError(f"tess_compile.plan() got an unexpected keyword argument {unknown!r}")
+        recompute = given["recompute"]
+    if gpus_per_node is not None:
+        cluster = replace(cluster, gpus_per_node=gpus_per_node)
+    budget = cluster.memory if memory_budget is None else memory_budget
+    if not budget > 0:
+        raise ValueError(f"memory_budget={memory_budget!r}: use bytes per GPU > 0, e.g. 40e9")
+    model, inputs = _build(factory_or_model, example_inputs)
+    batch = batch_size(inputs)
+    configs = []  # (Outer, mesh, microbatch rows)
+    for dp_, pp_ in outer_options(gpus, dp, pp, num_blocks(model), batch):
+        meshes = _meshes_or_none(gpus // (dp_ * pp_), modes, fixed=(dp, pp) != ("auto", "auto"))
+        rows_per_group = None if batch is None else batch // dp_
+        m = microbatches or (1 if rows_per_group is None else default_microbatches(rows_per_group, pp_))
+        if rows_per_group is not None and rows_per_group % m:
+            raise ValueError(f"microbatches={m} does not divide the batch of {rows_per_group} rows per "
+                             f"data-parallel replica (batch {batch}, dp={dp_}): use a divisor of {rows_per_group}")
+        configs += [(Outer(dp_, pp_, m, zero), mesh, None if batch is None else rows_per_group // m) for mesh in meshes]
+    if not configs:
+        raise ValueError(f"no (dp, pp, mesh) of {gpus} GPUs in modes {', '.join(modes)} with dp={dp!r}, pp={pp!r}: "
+                         "pick other modes or GPU counts, or let dp and pp be 'auto'")
+    unsharded_flops = functools.cache(lambda: unsharded_forward_flops(model, inputs))  # once a mesh compiles
+    evaluated: dict[tuple, PlanRow] = {}
+    rows = []
+    for number, (outer, mesh, micro) in enumerate(configs, 1):
+        log.info("plan: compiling %s for %s %s, dp %d, pp %d (%d of %d)", type(model).__name__, mesh.mode,
+                 mesh_label(mesh), outer.dp, outer.pp, number, len(configs))
+        if (mesh, micro) not in evaluated:
+            micro_inputs = inputs if micro in (None, batch) else microbatch_inputs(inputs, batch, micro)
+            flops = unsharded_flops if micro_inputs is inputs else functools.cache(
+                lambda x=micro_inputs: unsharded_forward_flops(model, x))
+            evaluated[(mesh, micro)] = _evaluate(
+                model, micro_inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
+                keep_blocks=keep_blocks, recompute=recompute, unsharded_flops=flops)
+        rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget))
+    return sorted(rows, key=_sort_key)
+
+
+def _meshes_or_none(gpus: int, modes: Sequence[str], fixed: bool) -> list[Mesh]:
+    """`candidate_meshes` (one for a single rank: every mode is the same program there),
+    or none where enumerating (dp, pp) leaves a count no mode takes."""
+    try:
+        meshes = candidate_meshes(gpus, modes)
+    except ValueError:
+        if fixed:
+            raise
+        return []
+    return meshes[:1] if gpus == 1 else meshes
+
+
+def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float) -> PlanRow:
+    """`row` (one microbatch on its mesh) priced with `outer` around it."""
+    if row.time is None or outer == Outer():
+        return replace(row, outer=outer)
+    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster)
+    fits = memory.total <= budget
+    if not fits:
+        note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
+    else:
+        note = row.note if row.fits else "within one node"
+        link = "intra" if dp_link_is_intra(cluster, outer, row.mesh.num_ranks) else "inter"
+        note += f"; {outer.microbatches} microbatches" if outer.pp > 1 else ""
+        note += f"; dp {link}-node" if outer.dp > 1 else ""
+    return replace(row, time=time, memory=memory, fits=fits, note=note, outer=outer)
+
+
+HEADER = ("mode", "dp", "pp", "mesh", "forward s", "backward s", "step s", "comm MB/rank", "saved GB/rank", "memory GB/rank",
+          "redundant work", "note")
+
+
+def format_table(rows: Sequence[PlanRow]) -> str:
+    """The rows as a fixed-width text table, one line per row, in the given order."""
+    cells = [HEADER] + [_cells(row) for row in rows]
+    widths = [max(len(line[col]) for line in cells) for col in range(len(HEADER) - 1)]
+    lines = []
+    for line in cells:
+        head = [line[0].ljust(widths[0]), line[1].rjust(widths[1]), line[2].rjust(widths[2]), line[3].ljust(widths[3])]
+        head += [text.rjust(width) for text, width in zip(line[4:-1], widths[4:])]
+        lines.append("  ".join(head + [line[-1]]).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _cells(row: PlanRow) -> tuple[str, ...]:
+    outer = (row.mode, str(row.outer.dp), str(row.outer.pp), mesh_label(row.mesh))
+    if row.time is None:
+        return (*outer, "-", "-", "-", "-", "-", "-", "-", row.note)
+    numbers = (row.time.forward_s, row.time.backward_s, row.time.step_s, row.time.comm_bytes / 1e6,
+               row.memory.activations / GB, row.memory.total / GB)
+    redundant = "-" if row.redundant_work is None else f"{row.redundant_work:.2f}"
+    return (*outer, *map(_number, numbers), redundant, row.note)
+
+
+def _number(value: float) -> str:
+    """Four significant digits; whole numbers from 10000 up (no exponent)."""
+    return f"{value:.0f}" if value >= 1e4 else f"{value:.4g}"

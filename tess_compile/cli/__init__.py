@@ -1,0 +1,62 @@
+"""The `tess-compile` command: dump a model's compiled graph, train it sharded, or plan a mesh.
+
+    tess-compile dump model.py:make --q 2 --d 2 [compile options] [--rank R] [--stage S] [--format F] [-o OUT]
+    tess-compile run model.py:make --q 2 --d 2 [compile options] [--steps N] [--lr LR] [--simulate] [--timeout S]
+    tess-compile plan model.py:make --gpus 64 [--gpus-per-node 4] [--modes 1d,2d,2.5d] [--memory-gb 40] ...
+
+`make` is a function in model.py that takes no arguments and returns
+`(model, example_inputs)`: an `nn.Module` and a tensor, a tuple of positional
+inputs or a dict of keyword inputs. torch is seeded before each call, so
+every process builds the same model and inputs.
+
+`run` starts q*q*d local gloo processes (or, with `--simulate`, runs every
+rank in this process), and trains the sharded model with AdamW on the example
+inputs beside an unsharded copy (the oracle), printing both losses at every
+step. The loss is the model's output if that is a scalar tensor; otherwise
+the mean of the squares of its first tensor output (a DTensor is gathered
+with `.full_tensor()` first). It exits with 1 if the losses differ by more
+than TOLERANCE (relative), or if a process fails or runs past `--timeout`.
+
+The compile options of dump and run are `tess_compile.CompileOptions`'
+fields as flags (`--mode`, `--summa`, `--keep-blocks`, `--recompute`,
+`--strict`, `--verify`): `--mode` picks the parallel mode, 2.5d (Tesseract,
+the default), 2d (Optimus, d=1), 3d (d=q) or 1d (Megatron-LM over q*q*d
+ranks, e.g. --q 1 --d 8). `plan` builds the model on the meta device, compiles it
+for every mesh of --gpus ranks in --modes and prints the meshes by predicted
+step time on the cluster the options describe (default: the Tesseract
+paper's, 4 A100 per node); see docs/planner.md.
+
+User errors (the FILE.py:FACTORY argument, the file, the factory, the mesh,
+shapes the mesh cannot split) print a message and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tess_compile.cli import dump, plan, run
+from tess_compile.cli.common import CliError
+
+__all__ = ["main", "make_parser"]
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The parser of `tess-compile` and its commands `dump`, `run` and `plan`."""
+    parser = argparse.ArgumentParser(
+        prog="tess-compile",
+        description="Shard a PyTorch model with Tesseract (2.5-D) tensor parallelism on a [q, q, d] mesh.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (dump, run, plan):
+        command.add_command(commands)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line `argv` (default sys.argv[1:]); return the exit code."""
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"tess-compile: error: {exc}", file=sys.stderr)
+        return exc.code

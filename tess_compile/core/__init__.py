@@ -1,0 +1,3 @@
+"""The core every other layer builds on: the mesh and its rank arithmetic (`mesh`), layouts
+and blocks (`layout`), the compile options (`options`), a compiled `Program` (`program`),
+and fake runs of a per-rank graph (`fake_run`). It imports nothing else of tess_compile."""

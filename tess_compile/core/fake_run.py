@@ -1,0 +1,67 @@
+"""Fake runs of a per-rank graph: its placeholders' local values, and every node's value.
+
+What the passes that read a per-rank graph (the verifier, the selective
+recompute analysis, the gradient buckets) and every analysis share: a
+per-rank placeholder's local shape from its layout, whether it requires
+grad in a training step, and a run of the whole graph on fake tensors of
+those shapes (no memory, no communication: each collective's fake kernel
+gives its output's shape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Interpreter, Node
+
+from tess_compile.core.mesh import Mesh
+
+__all__ = ["fake_run", "local_bytes", "local_placeholder", "requires_grad", "tensor_bytes"]
+
+
+def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
+    """The value a per-rank placeholder takes: an empty tensor of its local shape (call
+    inside a FakeTensorMode for a fake one), or the flag or number the model takes there."""
+    if "constant_value" in node.meta:
+        return node.meta["constant_value"]
+    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
+    return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=requires_grad)
+
+
+def local_bytes(node, mesh: Mesh) -> int:
+    """The bytes of the local tensor a per-rank tensor placeholder takes (nothing allocated)."""
+    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
+    return torch.Size(shape).numel() * node.meta["dtype"].itemsize
+
+
+def tensor_bytes(value) -> int:
+    return value.numel() * value.element_size()
+
+
+def requires_grad(node: Node, inputs_require_grad: bool) -> bool:
+    """Parameters (weights given as inputs included) and, if asked, floating user inputs."""
+    if "constant_value" in node.meta:  # a flag or number
+        return False
+    role = node.meta["role"][0]
+    floating = node.meta["dtype"].is_floating_point or node.meta["dtype"].is_complex
+    weight = role == "param" or "weight_input" in node.meta
+    return floating and (weight or (role == "input" and inputs_require_grad))
+
+
+def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False, within=None) -> dict[Node, object]:
+    """Every node's local value (fake tensors) from a run of the per-rank `gm`.
+
+    Parameters require grad; user inputs do if `inputs_require_grad` and
+    they are floating point; buffers and constants never. `within`, a
+    dispatch mode such as a FLOP counter, sees every op of the run. The
+    graph's nodes are left as they were (no `meta["val"]` is written).
+    """
+    interpreter = Interpreter(gm, garbage_collect_values=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        inputs = [local_placeholder(n, mesh, requires_grad(n, inputs_require_grad)) for n in placeholders]
+        with within or contextlib.nullcontext():
+            interpreter.run(*inputs)
+    return interpreter.env

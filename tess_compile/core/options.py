@@ -1,0 +1,149 @@
+"""The compile options: one definition that every entry point's keywords come from.
+
+`CompileOptions` is a frozen dataclass of the options that change the
+per-rank program: the parallel mode, the schedule of the matrix products,
+what backward keeps or recomputes, and how strict and how checked the
+compile is. `shard`, `simulate`, `dump`, `pipeline_stage`,
+`simulate_pipeline`, the torch.compile backend and the command line take
+exactly these keywords (`takes_compile_options` builds their signatures
+from the fields; the command line builds its flags from them), so no copy
+can drift. Each field's metadata holds its choices and help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from tess_compile.core.mesh import MODES, Mesh, check_mode
+
+__all__ = ["CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renamed", "takes_compile_options"]
+
+# How the q steps of a matrix product run: "broadcast" one after another (the papers'
+# algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
+# "gather": one all-gather of each operand and one product.
+SCHEDULES = ("broadcast", "overlap", "gather")
+# What backward recomputes instead of saving: nothing, each repeated block, or runs of
+# cheap local ops (besides the model's own torch.utils.checkpoint regions).
+RECOMPUTE = ("none", "blocks", "selective")
+# Old keyword -> the option it names now (accepted with a FutureWarning).
+RENAMED = {"checkpoint": "recompute"}
+
+
+def _debug_env() -> bool:
+    return os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The options of a compile; see the module docstring and docs/modes.md, docs/memory.md."""
+
+    mode: str = field(default="2.5d", metadata={
+        "choices": MODES, "check": check_mode,
+        "help": "2.5d (Tesseract, the default), 2d (Optimus, d=1), 3d (d=q), or 1d (Megatron-LM over q*q*d ranks)"})
+    summa: str = field(default="broadcast", metadata={
+        "choices": SCHEDULES, "what": "a schedule",
+        "help": "schedule of the matrix products: broadcast (the papers' q steps, the default), overlap (the next "
+                "step's broadcasts in flight) or gather (one all-gather per operand)"})
+    keep_blocks: bool = field(default=False, metadata={
+        "help": "keep the fetched blocks of the matrix products for backward (less communication, q times the "
+                "saved bytes) instead of fetching them again"})
+    recompute: str = field(default="none", metadata={
+        "choices": RECOMPUTE, "what": "a recompute option",
+        "help": "recompute in backward instead of saving: none (the default), blocks (each repeated block) or "
+                "selective (runs of cheap local ops)"})
+    strict: bool = field(default=False, metadata={"help": "fail on ops that would run replicated"})
+    verify: bool | None = field(default=None, metadata={
+        "help": "check the placed graph too (default: when TESS_COMPILE_DEBUG=1; the per-rank graph is always checked)"})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if "check" in f.metadata:
+                f.metadata["check"](value)
+            elif choices is not None and value not in choices:
+                raise ValueError(f"{f.name}={value!r} is not {f.metadata['what']}: use one of "
+                                 f"{', '.join(map(repr, choices))} ({f.metadata['help']})")
+            if choices is None and not isinstance(value, bool) and not (f.name == "verify" and value is None):
+                raise ValueError(f"{f.name}={value!r} is not a bool: pass {f.name}=True or {f.name}=False")
+
+    @property
+    def checked(self) -> bool:
+        """Whether the placed graph is verified too (`verify`, else TESS_COMPILE_DEBUG=1)."""
+        return _debug_env() if self.verify is None else self.verify
+
+    def mesh(self, q: int, d: int) -> Mesh:
+        """The `[q, q, d]` mesh in this options' mode (ValueError for a mesh the mode does not fit)."""
+        return Mesh(q, d, self.mode)
+
+    @classmethod
+    def resolve(cls, where: str, options: CompileOptions | None = None, keywords: dict | None = None,
+                mode: str | None = None) -> CompileOptions:
+        """The options of a call of `where`: `options`, or the option `keywords` (not both).
+        An old keyword name (`RENAMED`) is taken with a FutureWarning; an unknown one is a
+        TypeError, as Python's. `mode` (a mesh's) is the mode, unless the options say another."""
+        keywords = renamed(where, keywords or {}, stacklevel=4)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [key for key in keywords if key not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}{hint}; its compile "
+                            f"options are {', '.join(names)}")
+        if options is not None:
+            if keywords:
+                raise TypeError(f"{where}() got options= and the option keywords {sorted(keywords)}: pass one of them")
+            if not isinstance(options, cls):
+                raise TypeError(f"{where}(options={options!r}): pass a tess_compile.CompileOptions")
+        else:
+            options = cls(**keywords) if mode is None or "mode" in keywords else cls(mode=mode, **keywords)
+        if mode is not None and options.mode != mode:
+            raise ValueError(f"{where}() got options of mode {options.mode!r} for a mesh of mode {mode!r}: "
+                             "give the mesh and the options one mode")
+        return options
+
+
+def renamed(where: str, keywords: dict, stacklevel: int = 3) -> dict:
+    """`keywords` with the old names of `RENAMED` replaced by the new ones, each with a FutureWarning
+    (a TypeError if both are given) that points `stacklevel` frames up (3: the caller's caller)."""
+    keywords = dict(keywords)
+    for old, new in RENAMED.items():
+        if old in keywords:
+            if new in keywords:
+                raise TypeError(f"{where}() got both {old}= and {new}=: pass {new}= only")
+            warnings.warn(f"{where}({old}=...) is deprecated: pass {new}= instead", FutureWarning,
+                          stacklevel=stacklevel)
+            keywords[new] = keywords.pop(old)
+    return keywords
+
+
+def takes_compile_options(function):
+    """`function(..., options: CompileOptions)` called with the options as keywords (`mode=`,
+    `summa=`, ...), or as `options=`: its signature shows the fields in place of `options`."""
+    where = f"tess_compile.{function.__name__}"
+    signature = inspect.signature(function)
+    own = set(signature.parameters) - {"options"}
+
+    @functools.wraps(function)
+    def with_options(*args, options: CompileOptions | None = None, **keywords):
+        # the function's own keywords go to it; the rest are options (an unknown one gets
+        # CompileOptions' TypeError, with the option names and a close match)
+        given = {key: keywords.pop(key) for key in list(keywords) if key not in own}
+        return function(*args, options=CompileOptions.resolve(where, options, given), **keywords)
+
+    parameters = list(signature.parameters.values())
+    position = [p.name for p in parameters].index("options")  # the fields stand where `options` does
+    del parameters[position]
+    option_parameters = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                           annotation=f.type) for f in dataclasses.fields(CompileOptions)]
+    option_parameters.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                               annotation="CompileOptions | None"))
+    with_options.__signature__ = signature.replace(
+        parameters=parameters[:position] + option_parameters + parameters[position:])
+    return with_options

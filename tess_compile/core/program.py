@@ -1,0 +1,259 @@
+"""A compiled model, `Program`: the per-rank graph and how to feed and read it.
+
+What the compiler (`passes.driver`) produces and every runtime, analysis and
+scale-out wrapper reads: the per-rank graph, one `Slot` per placeholder (a
+parameter, buffer, constant or input and its layout), the output layouts,
+the pytree specs of the model's inputs and outputs, and the model's tensors.
+`Program.flatten_inputs` checks a call against what the program was
+compiled for before anything runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from tess_compile.core.layout import Layout, local_block
+from tess_compile.core.mesh import Mesh
+
+__all__ = ["INPUT_ROLES", "Program", "Slot", "input_name", "split_example_inputs"]
+
+# Slot roles whose values arrive as the module's inputs on every call. A "local input"
+# (`compile_model(..., local_inputs=True)`, a pipeline stage's) is this rank's block of
+# the input in its layout, not the whole input.
+INPUT_ROLES = ("input", "weight", "local input")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One placeholder of the per-rank graph: a parameter, buffer, constant or input."""
+
+    role: str  # "param", "buffer", "constant", "alias", "input", "local input" or "weight" (a weight given as input)
+    name: str  # the model's qualified name, or (inputs and weights) the input's index as text
+    layout: Layout | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    alias_of: str | None = None  # for "alias": the name of the tied tensor
+
+
+@dataclass
+class Program:
+    """A compiled model: the per-rank graph and how to feed and read it."""
+
+    mesh: Mesh
+    graph: GraphModule
+    slots: list[Slot]
+    output_layouts: list[Layout | None]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    tensors: dict[str, torch.Tensor]  # the model's parameters, buffers, constants
+    state_keys: list[str]  # the model's state-dict keys, in its order
+    training: bool = True  # the model's mode when it was captured
+    # The per-rank graph as the runtimes run it, its recompute regions outlined
+    # (`tess_compile.ops.recompute_region`); None: the graph itself (it has none).
+    runnable: GraphModule | None = None
+
+    def __post_init__(self) -> None:
+        if self.runnable is None:
+            self.runnable = self.graph
+
+    @property
+    def params(self) -> list[Slot]:
+        return [s for s in self.slots if s.role == "param"]
+
+    def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:
+        """The block of a parameter/buffer/constant that `rank` holds (a copy, on `device`).
+
+        Of a meta tensor (a model built on the meta device): an uninitialised
+        tensor of the local shape, so that the full tensor never exists.
+        """
+        full = self.tensors[slot.name] if full is None else full
+        if full.is_meta:
+            return torch.empty(slot.layout.local_shape(slot.shape, self.mesh), dtype=slot.dtype, device=device)
+        return local_block(full.detach(), slot.layout, self.mesh, rank).to(device or full.device, copy=True)
+
+    def flatten_inputs(self, args: tuple, kwargs: dict, device: torch.device | str | None = None) -> list:
+        """The call's inputs as the flat list the per-rank graph takes, in the compiled order.
+
+        ValueError, before anything runs, for a call the program was not
+        compiled for: other arguments or structure, a tensor of another shape
+        or dtype, a value (not a tensor) other than the compiled one, or (if
+        `device` is given, for a runtime that does not move inputs) a tensor
+        on another device. Keywords may come in any order.
+        """
+        args, kwargs = self._match_structure(tuple(args), dict(kwargs))
+        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+        constants = self._compiled_constants
+        for slot in self.slots:
+            if slot.role not in INPUT_ROLES or int(slot.name) >= len(leaves):
+                continue
+            index = int(slot.name)
+            path, value = leaves[index]
+            self._check_input(slot, input_name(path), value, constants.get(index), device)
+        return [value for _, value in leaves]
+
+    def _match_structure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """`(args, kwargs)` with the keywords in the compiled order; a one-line
+        ValueError if the call's structure is not the compiled one."""
+        if pytree.tree_structure((args, kwargs)) == self.in_spec:
+            return args, kwargs
+        fix = "call it with the same arguments as example_inputs"
+        compiled_args, compiled_kwargs = self.in_spec.child(0), self.in_spec.child(1)
+        keys = list(compiled_kwargs.context or [])
+        if len(args) != compiled_args.num_children or sorted(kwargs) != sorted(keys):
+            raise ValueError(
+                f"called with {len(args)} positional and keywords {sorted(kwargs)}, but compiled for "
+                f"{compiled_args.num_children} positional and keywords {sorted(keys)}: {fix}"
+            )
+        kwargs = {key: kwargs[key] for key in keys}
+        named = [(f"positional input {i}", value, compiled_args.child(i)) for i, value in enumerate(args)]
+        named += [(f"keyword input {key!r}", kwargs[key], compiled_kwargs.child(i)) for i, key in enumerate(keys)]
+        offset = 0
+        for name, value, spec in named:
+            difference = _first_difference(value, spec, name, offset)
+            if difference is not None:
+                where, got, wanted, index = difference
+                raise ValueError(f"{where} is {_describe_value(got)}, but compiled for {self._describe_spec(wanted, index)}: {fix}")
+            offset += spec.num_leaves
+        if pytree.tree_structure((args, kwargs)) == self.in_spec:
+            return args, kwargs
+        raise ValueError(f"the call's inputs do not have the structure the module was compiled for: {fix}")
+
+    def _describe_spec(self, spec: pytree.TreeSpec, index: int) -> str:
+        """What the compiled program takes at `spec`, whose first leaf is flat input `index`."""
+        if not spec.is_leaf():
+            return _describe_container(spec)
+        slot = next((s for s in self.slots if s.role in INPUT_ROLES and s.name == str(index)), None)
+        if slot is not None and slot.dtype is not None:
+            return f"a tensor of shape {list(slot.shape)}"
+        compiled = self._compiled_constants
+        return f"the value {compiled[index]!r}" if index in compiled else "one tensor or value"
+
+    @functools.cached_property
+    def _compiled_constants(self) -> dict[int, object]:
+        """The values (not tensors) the program was compiled for, by flat input index."""
+        placeholders = [n for n in self.graph.graph.nodes if n.op == "placeholder"]
+        return {
+            int(slot.name): node.meta["constant_value"]
+            for slot, node in zip(self.slots, placeholders)
+            if slot.role in INPUT_ROLES and "constant_value" in node.meta
+        }
+
+    def _check_input(self, slot: Slot, name: str, value, compiled, device) -> None:
+        fix = "call it with the same arguments as example_inputs"
+        if slot.dtype is None:  # compiled for a value such as a flag: the program is specialised to it
+            if isinstance(value, torch.Tensor):
+                raise ValueError(f"{name} is a tensor, but compiled for the value {compiled!r}: {fix}")
+            if _plain(value) and _plain(compiled) and not _same_value(value, compiled):
+                raise ValueError(
+                    f"{name} is {value!r}, but the module was compiled for {compiled!r} (values that are not "
+                    f"tensors are fixed at compile time): call it with {compiled!r}, or compile again with "
+                    f"example_inputs that hold {value!r}"
+                )
+            return
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{name} is {_describe_value(value)}, but compiled for a tensor of shape {list(slot.shape)} "
+                f"and dtype {slot.dtype}: {fix}"
+            )
+        if slot.role == "local input":
+            local = tuple(slot.layout.local_shape(slot.shape, self.mesh))
+            if tuple(value.shape) != local:
+                raise ValueError(
+                    f"{name} has shape {list(value.shape)}, but this rank's block of the stage input (global "
+                    f"shape {list(slot.shape)}, layout {slot.layout}) is {list(local)} on mesh {self.mesh}: pass "
+                    "this rank's block, as the previous stage's rank of the same coordinates gives it"
+                )
+        elif tuple(value.shape) != slot.shape:
+            raise ValueError(
+                f"{name} has shape {list(value.shape)}, but the module was compiled for "
+                f"{list(slot.shape)} on mesh {self.mesh}: compile again with example_inputs of this shape"
+            )
+        if value.dtype != slot.dtype:
+            raise ValueError(
+                f"{name} has dtype {value.dtype}, but the module was compiled for {slot.dtype}: cast it "
+                f"(.to({slot.dtype})), or compile again with example_inputs of dtype {value.dtype}"
+            )
+        if device is not None and value.device != torch.device(device):
+            raise ValueError(
+                f"{name} is on device {value.device}, but the module runs on {torch.device(device)}: "
+                f"move it there (.to({str(torch.device(device))!r}))"
+            )
+
+
+def input_name(path) -> str:
+    """'positional input 0' or "keyword input 'mask'", then the place inside it ('[1]')."""
+    top, key, *inside = path
+    name = f"positional input {key.idx}" if top.idx == 0 else f"keyword input {key.key!r}"
+    return name + "".join(str(k) for k in inside)
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    return a == b or (a != a and b != b)  # NaN is NaN
+
+
+def _first_difference(value, spec: pytree.TreeSpec, where: str, index: int):
+    """`(where, value, spec, index)` at the outermost place where `value`'s structure
+    leaves `spec`'s (a leaf for a container, another container type, length or keys),
+    `index` the flat input index of its first leaf; None if the structures agree."""
+    got = pytree.tree_structure(value)
+    if got == spec:
+        return None
+    same_node = got.type == spec.type and got.num_children == spec.num_children and got.context == spec.context
+    if spec.is_leaf() or not same_node:
+        return where, value, spec, index
+    children, _ = pytree.SUPPORTED_NODES[spec.type].flatten_fn(value)
+    keys = spec.context if isinstance(value, dict) else range(len(children))
+    child_index = index
+    for child, key, child_spec in zip(children, keys, spec.children()):
+        difference = _first_difference(child, child_spec, f"{where}[{key!r}]", child_index)
+        if difference is not None:
+            return difference
+        child_index += child_spec.num_leaves
+    return where, value, spec, index
+
+
+def _describe_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if value is None:
+        return "None"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _describe_container(spec: pytree.TreeSpec) -> str:
+    if spec.type is type(None):
+        return "None"
+    if spec.type is dict:
+        return f"a dict with keys {sorted(map(str, spec.context))}"
+    if spec.type in (list, tuple):
+        return f"a {spec.type.__name__} of {spec.num_children}"
+    return f"a {spec.type.__name__} of {spec.num_children} parts"
+
+
+def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
+    """`example_inputs` as (args, kwargs): a tensor, a tuple of args, or a dict of kwargs."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise ValueError(
+        f"example_inputs is a {type(example_inputs).__name__}: pass a tensor, a tuple of "
+        "positional inputs, or a dict of keyword inputs"
+    )

@@ -1,0 +1,311 @@
+"""Collectives of the per-rank graph: custom ops, their adjoints, the communicator.
+
+Every op names the mesh axis it spans. The per-rank graph calls these ops;
+a communicator (`Comm`) does the work: `DistComm` over torch.distributed,
+or the simulator over all ranks at once.
+
+Gradients are exact adjoints (see docs/gradients.md): each op's backward is
+the op in `ADJOINT`. `broadcast_start` is a broadcast that a communicator
+may leave running until `wait` is called on its output (double-buffered
+SUMMA steps); the simulator and the accounting treat it as a broadcast. Two ops are the identity in forward and exist for their
+backward: `grad_sync` (all-reduce of a replicated parameter's gradient over
+its replica axis) and `seed_once` (a replicated output seeds its gradient
+from the replica at coordinate 0 only, so a loss held by every rank counts
+once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "ADJOINT",
+    "ASYNC_OF",
+    "COLLECTIVE_OPS",
+    "COMMUNICATING",
+    "Comm",
+    "CommRecord",
+    "active_comm",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "broadcast_start",
+    "current_comm",
+    "current_phase",
+    "grad_sync",
+    "keep_first",
+    "output_like",
+    "reduce",
+    "reduce_scatter",
+    "seed_once",
+    "shard_pad",
+    "shard_slice",
+    "use_comm",
+    "wait",
+]
+
+# op name -> the op that is its adjoint, taking the same trailing arguments.
+ADJOINT = {
+    "broadcast": "reduce",
+    "broadcast_start": "reduce",
+    "reduce": "broadcast",
+    "all_reduce": "all_reduce",
+    "all_gather": "reduce_scatter",
+    "reduce_scatter": "all_gather",
+    "shard_slice": "shard_pad",
+    "shard_pad": "shard_slice",
+    "keep_first": "keep_first",
+    "grad_sync": "all_reduce",
+    "seed_once": "keep_first",
+}
+
+
+# Ops that send bytes between ranks (the others are rank-local).
+COMMUNICATING = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+
+# Asynchronous ops, by the op they record and count as.
+ASYNC_OF = {"broadcast_start": "broadcast"}
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as one rank saw it."""
+
+    op: str
+    axis: str
+    num_bytes: int
+    phase: str
+
+
+@dataclass
+class Comm:
+    """Base of the communicators: the record of what was sent."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def record(self, op: str, axis: str, x: torch.Tensor) -> None:
+        op = ASYNC_OF.get(op, op)
+        if op in COMMUNICATING:
+            self.records.append(CommRecord(op, axis, x.numel() * x.element_size(), current_phase()))
+
+    def counts(self, phase: str | None = None) -> dict[tuple[str, str], int]:
+        """Number of collectives per (op, axis), in one phase or all."""
+        out: dict[tuple[str, str], int] = {}
+        for rec in self.records:
+            if phase is None or rec.phase == phase:
+                out[(rec.op, rec.axis)] = out.get((rec.op, rec.axis), 0) + 1
+        return out
+
+    def run(self, op: str, x: torch.Tensor, *args):
+        raise NotImplementedError
+
+    def run_all(self, op: str, xs: list[torch.Tensor], axis: str, *args) -> list[torch.Tensor]:
+        """`op` on the tensors of every rank this communicator speaks for (here one)."""
+        (x,) = xs
+        return [self.run(op, x, axis, *args)]
+
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` once the asynchronous collective that fills it is done (none here)."""
+        return x
+
+
+_COMM: contextvars.ContextVar[Comm | None] = contextvars.ContextVar("tess_comm", default=None)
+
+
+_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("tess_phase", default="forward")
+
+
+@contextlib.contextmanager
+def use_comm(comm: Comm, phase: str = "forward"):
+    """Make `comm` carry the collectives called in this block."""
+    comm_token, phase_token = _COMM.set(comm), _PHASE.set(phase)
+    try:
+        yield comm
+    finally:
+        _COMM.reset(comm_token)
+        _PHASE.reset(phase_token)
+
+
+def active_comm() -> Comm | None:
+    """The communicator of the running sharded module, None outside one (a fake run)."""
+    return _COMM.get()
+
+
+def current_comm() -> Comm:
+    comm = _COMM.get()
+    if comm is None:
+        raise RuntimeError(
+            "a tess collective ran outside a sharded module: call the module returned "
+            "by tess_compile.shard or tess_compile.simulate instead of its graph"
+        )
+    return comm
+
+
+def current_phase() -> str:
+    return _PHASE.get()
+
+
+def _run(op: str, x: torch.Tensor, *args) -> torch.Tensor:
+    return current_comm().run(op, x, *args)
+
+
+def _backward_through(op: str):
+    """The autograd formula of `op`: its adjoint, run by the forward's comm."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+        ctx.comm = _COMM.get()
+
+    def backward(ctx, grad):
+        with use_comm(ctx.comm or current_comm(), phase="backward"):
+            out = _run(ADJOINT[op], grad.contiguous(), *ctx.args)
+        return (out,) + (None,) * len(ctx.args)
+
+    return backward, setup_context
+
+
+# op name -> its fake kernel: an empty tensor of its output's shape, from its arguments.
+_FAKES = {}
+
+
+def output_like(op: str, x: torch.Tensor, *args) -> torch.Tensor:
+    """An empty tensor of the shape that `op` gives for input `x` and its other arguments
+    (axis, then the op's own), without communicating: for runs on fake tensors."""
+    return _FAKES[op](x, *args)
+
+
+def _define(name: str, schema: str, fake):
+    lib_name = f"tess::{name}"
+    _FAKES[name] = fake
+
+    def impl(x, *args):
+        return _run(name, x, *args)
+
+    op = torch.library.custom_op(lib_name, impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    backward, setup_context = _backward_through(name)
+    op.register_autograd(backward, setup_context=setup_context)
+    return getattr(torch.ops.tess, name).default
+
+
+def _same_shape(x, *args):
+    return torch.empty_like(x)
+
+
+def _gathered(x, axis, parts, dim, groups):
+    shape = list(x.shape)
+    shape[dim] *= parts
+    return x.new_empty(shape)
+
+
+def _scattered(x, axis, parts, dim, groups):
+    shape = list(x.shape)
+    shape[dim] //= parts
+    return x.new_empty(shape)
+
+
+broadcast = _define("broadcast", "(Tensor x, str axis, int src) -> Tensor", _same_shape)
+
+
+broadcast_start = _define("broadcast_start", "(Tensor x, str axis, int src) -> Tensor", _same_shape)
+
+
+reduce = _define("reduce", "(Tensor x, str axis, int dst) -> Tensor", _same_shape)
+
+
+all_reduce = _define("all_reduce", "(Tensor x, str axis) -> Tensor", _same_shape)
+
+
+keep_first = _define("keep_first", "(Tensor x, str axis) -> Tensor", _same_shape)
+
+
+_SPLIT_SCHEMA = "(Tensor x, str axis, int parts, int dim, int groups) -> Tensor"
+
+
+all_gather = _define("all_gather", _SPLIT_SCHEMA, _gathered)
+
+
+reduce_scatter = _define("reduce_scatter", _SPLIT_SCHEMA, _scattered)
+
+
+shard_slice = _define("shard_slice", _SPLIT_SCHEMA, _scattered)
+
+
+shard_pad = _define("shard_pad", _SPLIT_SCHEMA, _gathered)
+
+
+_FAKES.update(grad_sync=_same_shape, seed_once=_same_shape)  # identities (autograd functions below)
+
+
+class _IdentityWithAdjoint(torch.autograd.Function):
+    """Identity forward; backward runs the adjoint op named by `op`."""
+
+    @staticmethod
+    def forward(ctx, x, op, axis):
+        ctx.op, ctx.axis, ctx.comm = op, axis, _COMM.get()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with use_comm(ctx.comm or current_comm(), phase="backward"):
+            return _run(ADJOINT[ctx.op], grad.contiguous(), ctx.axis), None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Identity once the collective filling `x` is done; the gradient passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        comm = _COMM.get()
+        x = x if comm is None else comm.wait(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """`x`, once the `broadcast_start` that made it has arrived."""
+    return _Wait.apply(x)
+
+
+@torch.library.custom_op("tess::wait", mutates_args=())
+def _wait_op(x: torch.Tensor) -> torch.Tensor:
+    """`wait` in a compiled graph (`tess_compile.runtime.inductor`): a copy of `x` once it has arrived,
+    so that its readers follow the wait (a custom op may not return its input)."""
+    return current_comm().wait(x).clone()
+
+
+_wait_op.register_fake(_same_shape)
+
+
+def grad_sync(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity; the gradient is all-reduced along `axis` (replicated parameters)."""
+    return _IdentityWithAdjoint.apply(x, "grad_sync", axis)
+
+
+def seed_once(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity; only coordinate 0 along `axis` keeps its gradient (replicated outputs)."""
+    return _IdentityWithAdjoint.apply(x, "seed_once", axis)
+
+
+# Graph targets that the runtimes treat as collectives, by op name.
+COLLECTIVE_OPS = {
+    broadcast: "broadcast",
+    broadcast_start: "broadcast",
+    reduce: "reduce",
+    all_reduce: "all_reduce",
+    keep_first: "keep_first",
+    all_gather: "all_gather",
+    reduce_scatter: "reduce_scatter",
+    shard_slice: "shard_slice",
+    shard_pad: "shard_pad",
+    grad_sync: "grad_sync",
+    seed_once: "seed_once",
+}

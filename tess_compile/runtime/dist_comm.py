@@ -1,0 +1,112 @@
+"""The communicator of one rank over torch.distributed: the per-rank graph's collectives.
+
+Each collective names the mesh axis it spans and runs on that axis's process
+group (`tess_compile.runtime.groups`): gloo on CPU, NCCL on CUDA. A collective
+that cannot complete (a peer stopped, or took another path) fails after the
+module's timeout with a message that names the op, the axis, this rank and
+its peers.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tess_compile.core.layout import put_blocks, take_block
+from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.ops.collectives import Comm
+
+__all__ = ["DistComm"]
+
+
+class DistComm(Comm):
+    """Collectives of this rank over the mesh's process groups.
+
+    `device_mesh` is the `(depth, row, col)` DeviceMesh (with `shard(..., mesh=...)`,
+    the tensor-parallel submesh of the user's mesh): this rank's coordinates,
+    hence `rank` (its rank within the tensor-parallel group), come from it, not
+    from the global rank. `groups` (axis -> process group) overrides its groups.
+    """
+
+    def __init__(self, mesh: Mesh, device_mesh, timeout: timedelta, groups: dict | None = None):
+        super().__init__()
+        self.mesh = mesh
+        self.timeout = timeout
+        self.rank = mesh.rank(*device_mesh.get_coordinate())
+        self.global_ranks = device_mesh.mesh.flatten().tolist()  # global rank of each tensor-parallel rank
+        self.groups = groups or {axis: device_mesh.get_group(axis) for axis in AXES}
+        self.pending: dict[int, tuple] = {}  # storage pointer -> (work, axis) of a broadcast_start
+
+    def run(self, op: str, x: torch.Tensor, axis: str, *args) -> torch.Tensor:
+        self.record(op, axis, x)
+        return self._guard(op, axis, getattr(self, "_" + op), x.contiguous(), axis, *args)
+
+    def _guard(self, op: str, axis: str, call, *args):
+        """`call(*args)`, a collective's failure or timeout told with the rank, the axis and the peers."""
+        try:
+            return call(*args)
+        except RuntimeError as err:
+            peers = [self.global_ranks[r] for r in self.mesh.group(self.rank, axis)]
+            raise RuntimeError(
+                f"tess collective {op} along {axis} failed on rank {self.global_ranks[self.rank]} "
+                f"{self.mesh.coords(self.rank)} of mesh {self.mesh} (peers {peers}): a peer rank stopped, "
+                f"or did not reach the same collective within {self.timeout.total_seconds():g}s "
+                f"(tess_compile.shard(..., timeout=...)). Cause: {err}"
+            ) from err
+
+    def _coord(self, axis: str) -> int:
+        return self.mesh.coord(self.rank, axis)
+
+    def _broadcast(self, x, axis, src):
+        out = x.clone()
+        dist.broadcast(out, group=self.groups[axis], group_src=src)
+        return out
+
+    def _broadcast_start(self, x, axis, src):
+        out = x.clone()
+        work = dist.broadcast(out, group=self.groups[axis], group_src=src, async_op=True)
+        self.pending[out.untyped_storage().data_ptr()] = (work, axis)
+        return out
+
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
+        work, axis = self.pending.pop(x.untyped_storage().data_ptr(), (None, None))
+        if work is not None:
+            self._guard("broadcast_start", axis, work.wait)
+        return x
+
+    def _reduce(self, x, axis, dst):
+        out = x.clone()
+        dist.reduce(out, group=self.groups[axis], group_dst=dst)
+        return out if self._coord(axis) == dst else torch.zeros_like(x)
+
+    def _all_reduce(self, x, axis):
+        out = x.clone()
+        dist.all_reduce(out, group=self.groups[axis])
+        return out
+
+    def _keep_first(self, x, axis):
+        return x.clone() if self._coord(axis) == 0 else torch.zeros_like(x)
+
+    def _all_gather(self, x, axis, parts, dim, groups):
+        """One `all_gather_single` of the flattened blocks (NCCL's native all-gather into
+        one tensor; gloo takes only the concatenated form)."""
+        flat = x.reshape(-1)
+        gathered = flat.new_empty(parts * flat.numel())
+        dist.all_gather_single(gathered, flat, group=self.groups[axis])
+        return put_blocks([block.view(x.shape) for block in gathered.chunk(parts)], dim, groups)
+
+    def _reduce_scatter(self, x, axis, parts, dim, groups):
+        """One `reduce_scatter_single` of the blocks flattened in rank order (NCCL's native call)."""
+        blocks = [take_block(x, dim, groups, parts, t) for t in range(parts)]
+        out = blocks[0].new_empty(blocks[0].numel())
+        dist.reduce_scatter_single(out, torch.cat([block.reshape(-1) for block in blocks]), group=self.groups[axis])
+        return out.view(blocks[0].shape)
+
+    def _shard_slice(self, x, axis, parts, dim, groups):
+        return take_block(x, dim, groups, parts, self._coord(axis)).clone()
+
+    def _shard_pad(self, x, axis, parts, dim, groups):
+        coord = self._coord(axis)
+        return put_blocks([x if t == coord else torch.zeros_like(x) for t in range(parts)], dim, groups)

@@ -1,0 +1,94 @@
+"""train() and eval() after compiling: one program per mode, the other compiled on first use.
+
+A model may run other ops in training than in evaluation: dropout, BatchNorm's
+batch statistics against its running ones, any `if self.training:`. The graph
+captured is that of the mode the model was in. `ProgramsByMode` gives a
+runtime the program of the mode the runtime module is in at call time, and
+compiles the other mode's the first time it is asked (with the callback the
+face passes, `passes.driver.mode_compiler`), as torch.compile recompiles when
+`training` changes. Both programs run on the same shards, so their
+parameters and buffers must be laid out alike. `ModeModule` is the base of the
+runtime modules: it holds the programs, and each program's inductor compile
+when it runs compiled (`tess_compile.runtime.inductor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from tess_compile.core.mesh import Mesh
+from tess_compile.core.program import INPUT_ROLES, Program
+
+__all__ = ["ModeModule", "ProgramsByMode"]
+
+
+class ProgramsByMode:
+    """The program of each mode; `recompile(training)` compiles a missing one (None: the
+    one program serves both, as on the torch.compile path, where Dynamo recompiles),
+    `prepare` readies it for the runtime."""
+
+    def __init__(self, program: Program, recompile: Callable[[bool], Program] | None,
+                 prepare: Callable[[Program], Program] = lambda program: program):
+        self.first = program
+        self._programs = {program.training: program}
+        self._recompile, self._prepare = recompile, prepare
+
+    def get(self, training: bool) -> Program:
+        if self._recompile is None:
+            return self.first
+        if training not in self._programs:
+            other = self._prepare(self._recompile(training))
+            _check_same_state(self.first, other)
+            self._programs[training] = other
+        return self._programs[training]
+
+
+class ModeModule(nn.Module):
+    """A runtime module that runs the program of the mode it is in (`train()` / `eval()`),
+    as its `programs` give it; with `compile`, through inductor, one compile per program."""
+
+    def __init__(self, programs: ProgramsByMode, compile: bool):
+        super().__init__()
+        self.programs, self.compile = programs, compile
+        self.training = programs.first.training  # the first program is this mode's until train() / eval()
+        self._compiled: dict[int, object] = {}  # id(program) -> its CompiledRank
+
+    @property
+    def program(self) -> Program:
+        """The program of the mode this module is in."""
+        return self.programs.get(self.training)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.program.mesh
+
+    def compiled_program(self, backward_comm):
+        """The `CompiledRank` of this mode's program; `backward_comm()` gives the communicator
+        its compiled backward runs under."""
+        from tess_compile.runtime.inductor import CompiledRank  # imports inductor: only when asked for
+
+        program = self.program
+        if id(program) not in self._compiled:
+            self._compiled[id(program)] = CompiledRank(program, backward_comm=backward_comm)
+        return self._compiled[id(program)]
+
+
+def _state_of(program: Program) -> dict:
+    return {s.name: s for s in program.slots if s.role not in INPUT_ROLES and s.role != "constant"}
+
+
+def _check_same_state(first: Program, other: Program) -> None:
+    """ValueError unless every parameter and buffer of `other` is laid out as in `first`."""
+    theirs = _state_of(first)
+    for name, slot in _state_of(other).items():
+        mine = theirs.get(name)
+        if mine is None or (mine.layout, mine.shape, mine.dtype) != (slot.layout, slot.shape, slot.dtype):
+            before = "absent" if mine is None else f"{mine.layout} {list(mine.shape)}"
+            raise ValueError(
+                f"{slot.role} {name!r} is laid out as {slot.layout} {list(slot.shape)} in "
+                f"{'train' if other.training else 'eval'} mode but {before} in the mode the model was compiled in, "
+                f"on mesh {first.mesh}: the two modes cannot share shards; compile the model in the mode you run "
+                "it in (model.train() or model.eval() before sharding), once per mode"
+            )

@@ -1,0 +1,264 @@
+"""The distributed runtime: one rank of a compiled program on torch.distributed.
+
+`ShardedModule` runs this rank's per-rank graph with a `DistComm` over the
+mesh's groups. Parameters are DTensors whose placements are their layouts;
+the per-rank program takes their local tensors. At construction every rank
+checks that all ranks hold the same weights and example-input shapes
+(`tess_compile.runtime.consistency`); `TESS_COMPILE_DEBUG=1` also checks
+every call's inputs. `shard_program` builds one from a compiled `Program`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.utils import _pytree as pytree
+
+from tess_compile.core.layout import assemble
+from tess_compile.core.program import INPUT_ROLES, Program, Slot
+from tess_compile.ops.collectives import use_comm
+from tess_compile.runtime import state
+from tess_compile.runtime.consistency import check_same_inputs, check_same_model
+from tess_compile.runtime.dist_comm import DistComm
+from tess_compile.runtime.dtensors import contiguous_stride, placements_of
+from tess_compile.runtime.groups import (
+    DEFAULT_TIMEOUT,
+    check_device_mesh,
+    check_world,
+    check_zero,
+    mesh_groups,
+    reduced_grad,
+)
+from tess_compile.runtime.programs_by_mode import ModeModule, ProgramsByMode
+from tess_compile.runtime.zero import fully_shard_over_dp, load_full_over_dp, refuse_zero, unsharded_over_dp
+
+__all__ = ["ShardedModule", "shard_program"]
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ShardedModule(ModeModule):
+    """This rank's part of a compiled model: its shards are its parameters.
+
+    Takes the model's global inputs, the same on every rank; returns DTensors
+    on the mesh (plain tensors for scalars such as a loss). Parameters are
+    DTensors of the model's global shapes whose placements are their layouts
+    (this rank's shard is `to_local()`), so torch's own tools see the whole
+    model: `torch.nn.utils.clip_grad_norm_`, optimizers, DCP. Buffers are
+    this rank's local tensors. `state_dict()` gives DTensors that DCP saves.
+    Of a model built on the meta device the shards are uninitialised until a
+    checkpoint is loaded (`tess_compile.training.shard_loading`). It starts in the model's
+    mode; after `train()` / `eval()` it runs the program of that mode, compiled
+    by `recompile(training)` on first use (`tess_compile.runtime.programs_by_mode`).
+    `compile=True` runs the program, forward and backward, through inductor
+    (`tess_compile.runtime.inductor`).
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        *,
+        device: torch.device | str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        wrap_outputs: bool = True,
+        recompile=None,
+        device_mesh=None,
+        compile: bool = False,
+    ):
+        device = torch.device(device) if device is not None else _default_device()
+        prepare = functools.partial(state.off_meta, device=device)
+        super().__init__(ProgramsByMode(prepare(program), recompile, prepare), compile)
+        self.device, self.wrap_outputs = device, wrap_outputs
+        mesh = program.mesh
+        # `device_mesh`: the user's mesh (shard(..., mesh=...)); its (depth, row, col) submesh
+        # runs the program, its other dims are data parallel (tess_compile.scale_out.data_parallel).
+        self.groups = mesh_groups(self.device.type, mesh, timeout, device_mesh)
+        self.device_mesh, self.world = self.groups.tp_mesh, self.groups.world
+        self.comm = DistComm(mesh, self.device_mesh, timeout, groups=self.groups.axis_groups)
+        check_same_model(self.program, self.world, self.groups.everyone)
+        self.check_inputs = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
+        state.add_local_tensors(self, self.program, self.world.rank, device=self.device, wrap_param=self._as_dtensor)
+        self.train(program.training)
+
+    def forward(self, *args, **kwargs):
+        flat = self.program.flatten_inputs(args, kwargs)
+        flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat]
+        if self.check_inputs:
+            check_same_inputs(self.program, flat, self.world)
+        for slot in self.program.slots:
+            value = flat[int(slot.name)] if slot.role in INPUT_ROLES else None
+            # A pipeline stage's local input is this rank's block: its gradient is this rank's.
+            # An input that arrives whole (a weight on the torch.compile path, or any input that
+            # requires grad) gets each rank's share of its gradient; their sum is its gradient.
+            if isinstance(value, torch.Tensor) and value.requires_grad and slot.role != "local input":
+                flat[int(slot.name)] = reduced_grad(value, self.world, "gradient sum of an input")
+        inputs = state.graph_inputs(self.program, self, flat)
+        if self.groups.dp is not None:
+            inputs = self.groups.mean_grads_over_dp(self, self.program, inputs)
+        if self.compile:
+            outs = self.compiled_program(lambda: self.comm)(self.comm, inputs)
+        else:
+            with use_comm(self.comm):
+                outs = self.program.runnable(*inputs)
+        wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
+        return pytree.tree_unflatten(wrapped, self.program.out_spec)
+
+    def _wrap(self, out, layout):
+        if not self.wrap_outputs or layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
+            return out
+        return DTensor.from_local(out, self.device_mesh, layout.to_dtensor(), run_check=False)
+
+    def _as_dtensor(self, slot: Slot, local: torch.Tensor) -> nn.Parameter:
+        """A parameter's local tensor as the DTensor of the model's global shape, placed by its layout."""
+        shape = torch.Size(slot.shape)
+        value = DTensor.from_local(
+            local, self.device_mesh, placements_of(slot.layout), run_check=False, shape=shape, stride=contiguous_stride(shape)
+        )
+        return nn.Parameter(value)
+
+    def _gather(self, slot: Slot) -> torch.Tensor:
+        local = state.get_tensor(self, slot).detach()
+        return assemble(self.world.all_gather(local, f"gather of {slot.name!r}"), slot.layout, self.mesh)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """Scale the gradients so that their norm over the whole model is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` does on the unsharded model (replicas counted once).
+
+        Returns the total norm before clipping, a plain tensor, the same on every rank.
+        `norm_type` may be `inf`.
+        """
+        total = torch.nn.utils.clip_grad_norm_(
+            self.parameters(), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        )
+        return total.full_tensor() if isinstance(total, DTensor) else total
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict, gathered on every rank."""
+
+        with unsharded_over_dp(self):
+            return state.full_tensors(self.program, self._gather)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a full state dict; this rank takes its blocks."""
+
+        if not load_full_over_dp(self, state_dict):
+            state.load_shards(self.program, {self.world.rank: self}, state_dict)
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """This rank's state as DTensors of the model's global shapes, keyed like the model's state dict.
+
+        A shard that is one box of the full tensor is a DTensor with the
+        layout's placements; a grouped split (`Shard(dim, groups=g)`: g boxes)
+        is a DTensor whose local tensor is a `LocalShardsWrapper` of its boxes,
+        which torch.distributed.checkpoint saves and reshards box by box
+        (see docs/checkpoints.md). The local tensors are this module's own,
+        so DCP loads into them in place. `get_model_state_dict(module)` gives the same.
+        """
+
+        refuse_zero(self, "state_dict()")
+        out = {} if destination is None else destination
+        for slot in state.state_slots(self.program):
+            out[prefix + slot.name] = self._dtensor(slot, keep_vars)
+        return out
+
+    def _dtensor(self, slot: Slot, keep_vars: bool) -> DTensor:
+        rank = self.world.rank
+        grouped = len(state.pieces(slot, self.mesh, rank)) > 1
+        if keep_vars and not grouped and isinstance(state.get_attribute(self, slot), DTensor):
+            return state.get_attribute(self, slot)
+        local = state.get_tensor(self, slot)
+        local = local if keep_vars else local.detach()
+        if grouped:
+            local = state.pieces_wrapper(local, slot, self.mesh, rank)
+        shape = torch.Size(slot.shape)
+        return DTensor.from_local(
+            local, self.device_mesh, placements_of(slot.layout), run_check=False, shape=shape, stride=contiguous_stride(shape)
+        )
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load what `state_dict()` gives (DTensors with this rank's boxes), DTensors placed like the
+        parameters, or this rank's local tensors.
+
+        DCP loads in place into `state_dict()`'s tensors; this copies (also
+        with `assign=True`: the shards stay this module's own). A DTensor of
+        other boxes (another mesh) is refused: load such a checkpoint with
+        `torch.distributed.checkpoint.load(module.state_dict(), ...)`.
+        """
+
+        refuse_zero(self, "load_state_dict()")
+        slots = state.state_slots(self.program)
+        names = [s.name for s in slots]
+        missing = [name for name in names if name not in state_dict]
+        unexpected = [key for key in state_dict if key not in names]
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"state dict does not match the model compiled for mesh {self.mesh}: missing {missing}, "
+                f"unexpected {unexpected}; pass what this module's state_dict() gives, or strict=False"
+            )
+        with torch.no_grad():
+            for slot in slots:
+                if slot.name in state_dict:
+                    self._load_local(slot, state_dict[slot.name])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _load_local(self, slot: Slot, value: torch.Tensor) -> None:
+        local = state.get_tensor(self, slot)
+        if not isinstance(value, DTensor):
+            if value.shape != local.shape:
+                raise ValueError(
+                    f"state dict tensor {slot.name!r} has shape {list(value.shape)}, not this rank's local "
+                    f"shape {list(local.shape)} on mesh {self.mesh}: pass state_dict()'s DTensors or local "
+                    "shards, or load full tensors with load_full_state_dict"
+                )
+            local.copy_(value)
+            return
+        if value.device_mesh is self.device_mesh and tuple(value.placements) == placements_of(slot.layout):
+            if value.shape == torch.Size(slot.shape) and not isinstance(value.to_local(), LocalShardsWrapper):
+                local.copy_(value.to_local())  # a parameter-like DTensor (grouped splits as _StridedShard)
+                return
+        boxes = state.pieces(slot, self.mesh, self.world.rank)
+        theirs = [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
+        if value.shape != torch.Size(slot.shape) or theirs != [(p.offsets, p.sizes) for p in boxes]:
+            raise ValueError(
+                f"state dict DTensor {slot.name!r} (shape {list(value.shape)}) holds the boxes {theirs} on this "
+                f"rank, not this module's {[(p.offsets, p.sizes) for p in boxes]} of shape {list(slot.shape)} on "
+                f"mesh {self.mesh}: load a checkpoint of another mesh with "
+                "torch.distributed.checkpoint.load(module.state_dict(), ...)"
+            )
+        source = value.to_local()
+        parts = source.local_shards() if isinstance(source, LocalShardsWrapper) else [source]
+        for box, part in zip(boxes, parts):
+            local[box.local].copy_(part)
+
+
+def shard_program(program, *, device=None, timeout: float | timedelta | None = None, wrap_outputs: bool = True,
+                  recompile=None, mesh=None, zero: bool = False, compile: bool = False):
+    """This rank's module of an already compiled `Program` (see `shard`); `recompile(training)`
+    compiles the program of the other mode on first use (`tess_compile.runtime.programs_by_mode`)."""
+
+    if mesh is None and not zero:
+        check_world(program.mesh)
+    else:
+
+        check_zero(zero, mesh, check_device_mesh(mesh, program.mesh) if mesh is not None else (), program.mesh)
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    elif not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=timeout)
+    module = ShardedModule(program, device=device, timeout=timeout, wrap_outputs=wrap_outputs, recompile=recompile,
+                           device_mesh=mesh, compile=compile)
+    if zero:
+
+        fully_shard_over_dp(module)
+    return module

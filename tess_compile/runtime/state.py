@@ -1,0 +1,265 @@
+"""Per-rank state of a compiled program: the module of local shards, and
+conversions between full tensors and shards (state dicts, checkpoint pieces).
+
+A rank's shard of a tensor is, per dim, a list of ranges of the full tensor:
+one range for a plain split, `g` ranges for `Shard(dim, groups=g)`. Their
+products are the *pieces* (boxes of the full tensor, contiguous per dim)
+that checkpoint readers and writers address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.utils import _pytree as pytree
+
+from tess_compile.core.layout import Layout, Shard, local_block, take_block
+from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.program import INPUT_ROLES, Program, Slot
+from tess_compile.ops.recompute_region import outline_regions
+
+__all__ = [
+    "Piece",
+    "add_local_tensors",
+    "boxes",
+    "boxes_wrapper",
+    "check_shape",
+    "check_state_dict",
+    "full_tensors",
+    "get_attribute",
+    "get_tensor",
+    "graph_inputs",
+    "load_shards",
+    "off_meta",
+    "pieces",
+    "pieces_wrapper",
+    "source_keys",
+    "state_slots",
+]
+
+_META = torch.device("meta")
+
+
+def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> None:
+    """Register `tensor` at dotted `name` under `root`, creating empty submodules on the way."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if role == "param":
+        module.register_parameter(leaf, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
+    else:
+        module.register_buffer(leaf, tensor, persistent=role == "buffer")
+
+
+def add_local_tensors(
+    root: nn.Module,
+    program: Program,
+    rank: int,
+    device=None,
+    wrap_param: Callable[[Slot, torch.Tensor], torch.Tensor] | None = None,
+) -> nn.Module:
+    """Give `root` the shards that `rank` holds, under the model's own names.
+
+    `wrap_param(slot, local)` makes a parameter's registered value (the
+    distributed runtime's DTensors); tied names register that very object.
+    Of a model built on the meta device the shards are uninitialised, of local
+    size, on `device`, until a checkpoint is loaded (`tess_compile.training.shard_loading`).
+    """
+    for slot in program.slots:
+        if slot.role == "constant" and program.tensors[slot.name].is_meta:
+            raise ValueError(
+                f"constant {slot.name!r} (shape {list(slot.shape)}; a non-persistent buffer or tensor constant) "
+                f"is on the meta device, and no checkpoint holds it, so mesh {program.mesh} cannot run: "
+                "give it its values before sharding, e.g. build the submodule that owns it outside "
+                "`torch.device('meta')`"
+            )
+        if slot.role not in INPUT_ROLES and slot.role != "alias":
+            local = program.local_tensor(slot, rank, device=device)
+            if slot.role == "param" and wrap_param is not None:
+                local = wrap_param(slot, local)
+            _set_tensor(root, slot.name, local, slot.role)
+    roles = {s.name: s.role for s in program.slots}
+    for slot in program.slots:
+        if slot.role == "alias":  # tied: the very same tensor under a second name
+            _set_tensor(root, slot.name, get_attribute(root, slot.alias_of), roles[slot.alias_of])
+    return root
+
+
+def off_meta(program: Program, device: torch.device) -> Program:
+    """`program`, its graph's meta-device arguments (`arange(..., device=meta)` from a model
+    built on the meta device) made `device`; the same program if it has none."""
+    if not any(_META in _devices(n) for n in program.graph.graph.nodes):
+        return program
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(program.graph.graph, {}))
+    for node in graph.nodes:
+        if _META in _devices(node):
+            node.args, node.kwargs = pytree.tree_map(lambda a: device if a == _META else a, (node.args, node.kwargs))
+    module = torch.fx.GraphModule(program.graph, graph)
+    module.meta.update(program.graph.meta)
+    return dataclasses.replace(program, graph=module, runnable=outline_regions(module))
+
+
+def _devices(node: torch.fx.Node) -> list[torch.device]:
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.device)]
+
+
+def get_attribute(module: nn.Module, slot: Slot | str) -> torch.Tensor:
+    """The parameter or buffer of `module` at the slot's (or a) dotted name, as registered."""
+    name = slot if isinstance(slot, str) else slot.name
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner), leaf)
+
+
+def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
+    """This rank's local tensor of the parameter or buffer at the slot's (or a) dotted name.
+
+    Of a DTensor parameter: its local tensor, connected to the parameter by
+    autograd where grad mode is on (`DTensor.to_local`); under `torch.no_grad()`
+    the very storage, so copying into it loads the parameter.
+    """
+    tensor = get_attribute(module, slot)
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> list:
+    """The per-rank graph's placeholder values, in order: DTensor parameters as their
+    local tensors, whose gradients arrive on the parameters as DTensors of the same placements."""
+    return [flat_inputs[int(s.name)] if s.role in INPUT_ROLES else get_tensor(module, s) for s in program.slots]
+
+
+def state_slots(program: Program) -> list[Slot]:
+    """Slots that a state dict holds (parameters, persistent buffers), in the model's order."""
+    slots = {s.name: s for s in program.slots if s.role in ("param", "buffer", "alias")}
+    return [slots[key] for key in program.state_keys if key in slots]
+
+
+def source_keys(program: Program, keys: Iterable[str], source: str) -> dict[str, tuple[Slot, str]]:
+    """For each tensor to load (state slots but aliases): `{name: (slot, key it is stored under)}`.
+
+    A tied tensor may be stored under any of its names (save_pretrained keeps
+    one). ValueError for a tensor stored under none, or a key the model lacks.
+    """
+    keys = list(keys)
+    slots = state_slots(program)
+    names = {s.name: [s.name] for s in slots if s.role != "alias"}
+    for slot in slots:
+        if slot.role == "alias":
+            names[slot.alias_of].append(slot.name)
+    missing = [name for name, aliases in names.items() if not any(a in keys for a in aliases)]
+    known = {s.name for s in slots}
+    unexpected = [k for k in keys if k not in known]
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match the model compiled for mesh {program.mesh}: missing {missing}, "
+            f"unexpected {unexpected}; pass the unsharded model's state (same names), or load the "
+            "model it was saved from"
+        )
+    by_name = {s.name: s for s in slots}
+    return {name: (by_name[name], next(a for a in aliases if a in keys)) for name, aliases in names.items()}
+
+
+def check_state_dict(program: Program, state_dict: dict) -> dict[str, tuple[Slot, str]]:
+    """`source_keys` of a full state dict, the shapes of all its tensors checked (ValueError)."""
+    sources = source_keys(program, state_dict, "state dict")
+    for slot in state_slots(program):
+        if slot.name in state_dict:
+            check_shape(program, slot, slot.name, state_dict[slot.name].shape, "state dict")
+    return sources
+
+
+def check_shape(program: Program, slot: Slot, key: str, shape: Sequence[int], source: str) -> None:
+    """ValueError unless the full tensor stored under `key` has the slot's shape."""
+    if tuple(shape) != slot.shape:
+        raise ValueError(
+            f"{source} tensor {key!r} has shape {list(shape)}, the model's {slot.name!r} is "
+            f"{list(slot.shape)} (mesh {program.mesh}): pass the state of the model that was compiled"
+        )
+
+
+def load_shards(program: Program, modules: dict[int, nn.Module], state_dict: dict) -> None:
+    """Copy each rank's block of every full tensor in `state_dict` into its module.
+
+    Reads only the blocks (a memory-mapped `torch.load` stays unread elsewhere).
+    """
+    sources = check_state_dict(program, state_dict)
+    with torch.no_grad():
+        for slot, key in sources.values():
+            full = state_dict[key].detach()
+            for rank, module in modules.items():
+                get_tensor(module, slot).copy_(local_block(full, slot.layout, program.mesh, rank))
+
+
+def full_tensors(program: Program, gather: Callable[[Slot], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`{name: gather(slot)}` over the state-dict slots, in the model's order; a tied
+    name maps to the very tensor of its first name, as in the model's state dict."""
+    gathered = {s.name: gather(s) for s in state_slots(program) if s.role != "alias"}
+    return {s.name: gathered[s.alias_of or s.name] for s in state_slots(program)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A box of the full tensor that a rank holds: where it lies in the local tensor and in the full one."""
+
+    local: tuple[slice, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def full(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.sizes))
+
+
+def pieces(slot: Slot, mesh: Mesh, rank: int) -> list[Piece]:
+    """The boxes of the full tensor that `rank` holds under the slot's layout, in local order."""
+    return boxes(slot.layout, slot.shape, mesh, rank)
+
+
+def boxes(layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int) -> list[Piece]:
+    """The boxes of a full tensor of `shape` that `rank` holds under `layout`, in local order."""
+    runs = [_runs(_held_indices(layout, shape, mesh, rank, dim)) for dim in range(len(shape))]
+    return [
+        Piece(tuple(slice(at, at + n) for at, _, n in box), tuple(o for _, o, _ in box), tuple(n for *_, n in box))
+        for box in itertools.product(*runs)
+    ]
+
+
+def _held_indices(layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int, dim: int) -> torch.Tensor:
+    """Indices along `dim` of the full tensor that `rank` holds, in local order (splits left to right)."""
+    index = torch.arange(shape[dim])
+    for axis in AXES:
+        placement = layout.on(axis)
+        if isinstance(placement, Shard) and placement.dim == dim and mesh.size(axis) > 1:
+            index = take_block(index, 0, placement.groups, mesh.size(axis), mesh.coord(rank, axis))
+    return index
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(local start, full start, length) of each run of consecutive indices."""
+    if index.numel() == 0:
+        return [(0, 0, 0)]
+    starts = [0, *(torch.nonzero(index.diff() != 1).flatten() + 1).tolist()]
+    ends = [*starts[1:], index.numel()]
+    return [(start, int(index[start]), end - start) for start, end in zip(starts, ends)]
+
+
+def pieces_wrapper(local: torch.Tensor, slot: Slot, mesh: Mesh, rank: int):
+    """`local` as the pieces torch.distributed.checkpoint addresses: a `LocalShardsWrapper` of
+    views into `local` at their offsets in the full tensor (loading writes into `local`)."""
+    return boxes_wrapper(local, slot.layout, slot.shape, mesh, rank)
+
+
+def boxes_wrapper(local: torch.Tensor, layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int):
+    """`local`, of a tensor of `shape` laid out by `layout`, as its boxes (see `pieces_wrapper`)."""
+
+    held = boxes(layout, shape, mesh, rank)
+    return LocalShardsWrapper([local[p.local] for p in held], [p.offsets for p in held])
