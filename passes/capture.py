@@ -28,6 +28,8 @@ it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import logging
 import time
@@ -37,6 +39,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.node import map_aggregate
 from torch.fx.traceback import annotate, preserve_node_meta
+from torch.utils import _pytree as pytree
 
 from tess_compile.ops.local import device_of
 
@@ -60,8 +63,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     placeholders get `meta["weight_input"] = name`.
     """
     start = time.perf_counter()
-    with preserve_node_meta(), _traced_checkpoints():
-        ep = torch.export.export(model, args, kwargs or {}, strict=False)
+    ep = _export(model, args, kwargs or {})
     _check_outputs(ep)
     gm = ep.graph_module
     specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
@@ -86,6 +88,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
     _merge_tied(gm, tensors)
     _inline_grad_mode_wrappers(gm)
+    _drop_dead_code(gm)
     _mark_checkpoints(gm)
     _devices_at_run_time(gm)
     gm.meta["in_spec"] = ep.call_spec.in_spec
@@ -94,6 +97,65 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     gm.meta["state_keys"] = list(model.state_dict(keep_vars=True))
     log.info("capture: %d nodes in %.2fs", len(gm.graph.nodes), time.perf_counter() - start)
     return gm
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """`torch.export.export` of the model, its outputs made exportable (`_exportable`). A model that
+    returns a cache and takes `use_cache` (not given) is exported again with `use_cache=False`: a
+    training forward does not need the cache, and its graph then holds none of the cache's ops."""
+    dropped: list[str] = []
+    ep = _export_with(model, args, kwargs, dropped, {})
+    if not dropped:
+        return ep
+    takes = "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs
+    if takes:
+        ep = _export_with(model, args, kwargs, [], {"use_cache": False})
+    log.warning("%s returns %s: the sharded module returns None there%s (a training forward does not need the "
+                "cache)", type(model).__name__, ", ".join(dropped), ", compiled with use_cache=False" if takes else "")
+    return ep
+
+
+def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: list[str], fixed: dict):
+    """Export with the model's forward called with the keywords `fixed` added and its outputs made
+    exportable (the caches among them noted in `dropped`); the model's own forward afterwards."""
+    own = model.__dict__.get("forward")  # an instance attribute, if the model has one
+    bound = model.forward
+
+    @functools.wraps(bound)
+    def forward(*call_args, **call_kwargs):
+        outputs = bound(*call_args, **call_kwargs, **fixed)
+        return pytree.tree_map_with_path(functools.partial(_exportable, dropped), outputs)
+
+    model.forward = forward
+    try:
+        with preserve_node_meta(), _traced_checkpoints():
+            return torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+# Values an output may hold besides tensors: the sharded module returns them as they are.
+_PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
+
+
+def _exportable(dropped: list[str], path, value):
+    """An output leaf as export takes it: a tensor or plain value as it is; a cache (an object of
+    a `Cache` class, as transformers' past keys and values are) None, its place noted in
+    `dropped`; anything else a ValueError naming its type, its place and the fix."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)):
+        return value
+    where = f"output{pytree.keystr(path)}"
+    if any(cls.__name__ == "Cache" for cls in type(value).__mro__):
+        dropped.append(f"a {type(value).__name__} at {where}")
+        return None
+    raise ValueError(
+        f"{where} of the model is a {type(value).__module__}.{type(value).__name__}, which the sharded module "
+        "cannot return: return tensors, numbers, strings or lists, tuples and dicts of them (a type that holds "
+        "tensors can be registered with torch.utils._pytree.register_pytree_node), or leave it out of forward's outputs"
+    )
 
 
 _REGION_KEY = "tess_recompute"
@@ -215,6 +277,26 @@ def _inline(gm: torch.fx.GraphModule, at: torch.fx.Node, sub: torch.fx.GraphModu
             if n.op != "placeholder":
                 env[n] = gm.graph.node_copy(n, env.__getitem__)
     raise AssertionError("subgraph without output")
+
+
+def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
+    """Drop the ops whose values nothing reads: pure ones, and in-place ops on a tensor the graph
+    made that nothing else reads (a key/value cache that forward builds and no output keeps)."""
+    dropped = True
+    while dropped:
+        dead = [node for node in gm.graph.nodes if node.op == "call_function" and not node.users
+                and (not node.is_impure() or _mutates_a_dead_temporary(node))]
+        for node in reversed(dead):
+            gm.graph.erase_node(node)
+        dropped = bool(dead)
+    gm.recompile()
+
+
+def _mutates_a_dead_temporary(node: torch.fx.Node) -> bool:
+    """An in-place op whose target is made by an op of the graph and read by nothing else."""
+    target = node.args[0] if node.args else None
+    mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    return mutable and isinstance(target, torch.fx.Node) and target.op == "call_function" and set(target.users) == {node}
 
 
 def _detached(gm: torch.fx.GraphModule, at: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:

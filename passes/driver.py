@@ -1,7 +1,7 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
     capture -> place -> (verify placed) -> (recompute blocks) -> rewrite
-            -> (recompute selective) -> bucket gradients -> verify rewritten
+            -> (recompute selective) -> bucket gradients -> verify rewritten -> report repeated work
 
 `compile_model` runs them as plain calls, one line a pass; a pass that fails
 with anything but a user's ValueError is named in a RuntimeError. After each
@@ -26,6 +26,7 @@ from passes.observers import PassResult, notify
 from passes.place import place
 from passes.recompute_blocks import mark_blocks
 from passes.recompute_selective import mark_selective
+from passes.repeated_work import report_repeated_work
 from passes.rewrite import rewrite
 from passes.verify import verify_placed, verify_rewritten
 from tess_compile.core.layout import Layout
@@ -83,12 +84,14 @@ def compile_model(
     gm = run("bucket gradients", bucket_gradients, gm, mesh)
     # always: a wrong rule shows here, not at the first forward
     gm = run("verify rewritten", verify_rewritten, gm, mesh, placed=placed, guarded=False)
+    gm = run("report repeated work", report_repeated_work, gm, mesh, placed=placed, strict=options.strict)
     log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
     return Program(
         mesh=mesh,
         graph=gm,
         slots=_slots(placed),
         output_layouts=_output_layouts(placed),
+        output_shapes=_output_shapes(placed),
         in_spec=gm.meta["in_spec"],
         out_spec=gm.meta["out_spec"],
         tensors=gm.meta["tensors"],
@@ -157,6 +160,12 @@ def _slots(placed: GraphModule) -> list[Slot]:
             layout = Layout.replicated()  # inputs arrive whole
         slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype, node.meta.get("alias_of")))
     return slots
+
+
+def _output_shapes(placed: GraphModule) -> list[tuple[int, ...] | None]:
+    output = next(n for n in placed.graph.nodes if n.op == "output")
+    values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
+    return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in values]
 
 
 def _output_layouts(placed: GraphModule) -> list[Layout | None]:

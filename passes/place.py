@@ -15,9 +15,10 @@ one stage's output blocks are the next stage's input blocks. Parameters, buffers
 as inputs (`meta["weight_input"]`) are free until their first consumer
 fixes their layout. Ops are looked up in the rule table of the mesh's mode
 (`passes.rules.placement_rules`);
-an op with no rule runs replicated (`strict=True`: a ValueError), and one
-warning per call lists them all: a line per op and source line, with the
-number of such nodes and the input bytes a rank gathers to run them whole.
+an op with no rule runs replicated (`strict=True`: a ValueError); the
+compile's one summary lists them (`passes.repeated_work`). A decision that
+gives an op a padded block it cannot take (an uneven split) is a ValueError
+(`passes.rules.uneven`).
 
 A rule may ask for a producer's output to be laid out with groups (a fused
 QKV projection feeding `split`); the pass then runs once more with that hint.
@@ -27,20 +28,20 @@ consumer fixes its layout, and the tensor's is that layout permuted back.
 
 from __future__ import annotations
 
-import math
 import operator
-import warnings
 
 import torch
 from torch.fx import GraphModule, Node
 
-from passes.rules import placement_rules
-from passes.rules.common import place_replicated, tensor_inputs
+from passes.rules import family_of, placement_rules
+from passes.rules.common import place_replicated
 from passes.rules.family import Decision
-from tess_compile.core.layout import Layout, Partial, Replicate, Shard
+from passes.rules.uneven import check_uneven
+from passes.source_lines import source_line
+from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
 
-__all__ = ["PlacementContext", "home_layout", "place", "source_line"]
+__all__ = ["PlacementContext", "home_layout", "place"]
 
 _MAX_ROUNDS = 4
 # Ops whose output layout may take groups on its last dim for free.
@@ -120,35 +121,6 @@ def home_layout(node: Node, mesh: Mesh) -> Layout | None:
     return Layout(Shard(0), Shard(0), col)
 
 
-def _is_library(path: str) -> bool:
-    """Code of torch, or of Hugging Face's layers and helpers outside `transformers/models/`."""
-    path = path.replace("\\", "/")
-    return "/torch/" in path or ("/transformers/" in path and "/transformers/models/" not in path)
-
-
-def _model_frame(node: Node) -> tuple[str, int] | None:
-    """(file, line) of the innermost model code that made `node`, from its stack trace.
-
-    torch.export records only the frames of `forward` methods, so a helper
-    function's op shows at the forward line that calls it. Library frames
-    are skipped, unless there is no other.
-    """
-    frames = []
-    for line in (node.meta.get("stack_trace") or "").splitlines():
-        line = line.strip()
-        if line.startswith("File "):
-            path, _, rest = line[len("File ") :].partition(", line ")
-            frames.append((path.strip('"'), int(rest.split(",")[0])))
-    own = [frame for frame in frames if not _is_library(frame[0])]
-    return (own or frames)[-1] if frames else None
-
-
-def source_line(node: Node) -> str:
-    """`file:line` of the model code that made `node`, or its name."""
-    frame = _model_frame(node)
-    return f"{frame[0]}:{frame[1]}" if frame else f"node {node.name}"
-
-
 def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_outputs: bool = False) -> GraphModule:
     """Annotate every node of `gm` with its layout; see the module docstring.
 
@@ -161,7 +133,6 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun:
             break
-    _warn_replicated(gm, ctx)
     by_name = {n.meta["role"][1]: n for n in decisions if n.op == "placeholder"}
     for node, decision in decisions.items():
         node.meta["arg_layouts"] = decision.args
@@ -207,6 +178,7 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
                 )
             rule = place_replicated
         decision = rule(node, ctx)
+    check_uneven(node, decision, family_of(node.target), ctx)
     for arg, layout in decision.args.items():
         if ctx.layouts.get(arg) is None:
             ctx.fix(arg, layout)
@@ -229,34 +201,3 @@ def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decis
 def _plain(placement):
     """Partial sums become replicated; grouped splits become plain splits."""
     return Shard(placement.dim) if isinstance(placement, Shard) else Replicate()
-
-
-def _warn_replicated(gm: GraphModule, ctx: PlacementContext) -> None:
-    """One warning for the graph: a line per op and source line that runs replicated."""
-    groups: dict[tuple[str, str], list[int]] = {}  # (op, line) -> [nodes, bytes gathered]
-    for node in gm.graph.nodes:
-        if "replicated" in node.meta:
-            group = groups.setdefault((str(node.target), node.meta["replicated"]), [0, 0])
-            group[0] += 1
-            group[1] += _gathered_bytes(node, ctx)
-    if not groups:
-        return
-    lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank"
-             for (op, where), (count, num_bytes) in groups.items()]
-    num_nodes = sum(count for count, _ in groups.values())
-    warnings.warn(
-        f"{num_nodes} op(s) have no sharding rule and run replicated on mesh {ctx.mesh} (inputs gathered on "
-        "every rank, outputs re-split by their consumers; strict=True makes this an error):\n" + "\n".join(lines),
-        UserWarning,
-    )
-
-
-def _gathered_bytes(node: Node, ctx: PlacementContext) -> int:
-    """Bytes of `node`'s inputs that a rank does not hold and receives to run it whole
-    (a partial sum counts whole)."""
-    total = 0
-    for arg in tensor_inputs(node):
-        val, layout = arg.meta["val"], ctx.layouts.get(arg) or Layout.replicated()
-        held = 0 if layout.axes_where(Partial, ctx.mesh) else math.prod(layout.local_shape(val.shape, ctx.mesh))
-        total += (val.numel() - held) * val.element_size()
-    return total

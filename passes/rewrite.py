@@ -65,7 +65,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             return env[node]
         key = (node, needed)
         if key not in converted:
-            converted[key] = redistribute(b, env[node], node.meta["layout"], needed)
+            converted[key] = redistribute(b, env[node], node.meta["layout"], needed, node.meta["val"].shape)
         return converted[key]
 
     for node in gm.graph.nodes:
@@ -128,7 +128,7 @@ def _placeholder(b: Builder, node: Node) -> Node:
         dtype=node.meta["val"].dtype,
     )
     if whole:
-        x = redistribute(b, x, Layout.replicated(), layout)
+        x = redistribute(b, x, Layout.replicated(), layout, node.meta["val"].shape)
     if role == "param":
         for axis in layout.axes_where(Replicate, b.mesh):
             x = b.call(c.grad_sync, x, axis)

@@ -1,7 +1,8 @@
 """The verifier: after place (in tests and debug mode), and after rewrite (always).
 
 After place: every value has a layout, and every split fits its tensor
-(the dim exists and divides evenly). After rewrite: a forward run of the
+(the dim exists and divides evenly, or is split unevenly by one axis, plainly:
+`passes.rules.uneven`). After rewrite: a forward run of the
 per-rank graph on fake tensors of the local shapes, in which every local
 kernel accepts its local inputs and gives every value the local shape its
 layout promises; otherwise a ValueError names the placement rule to blame.
@@ -19,10 +20,10 @@ import torch
 from torch._subclasses import fake_tensor
 from torch.fx import GraphModule, Interpreter, Node
 
-from passes.place import source_line
 from passes.rules import family_of
-from tess_compile.core.fake_run import local_placeholder
-from tess_compile.core.layout import Layout, Shard
+from passes.source_lines import source_line
+from tess_compile.core.fake_run import UNCHECKABLE, local_placeholder
+from tess_compile.core.layout import Layout, Shard, split_size
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.ops.collectives import COLLECTIVE_OPS, output_like
 
@@ -56,9 +57,11 @@ def _check_fits(what: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh) -
         if not isinstance(p, Shard):
             continue
         parts = mesh.size(axis)
-        if p.dim >= len(local) or local[p.dim] % (parts * p.groups):
+        uneven = p.dim < len(local) and local[p.dim] % (parts * p.groups)
+        if p.dim >= len(local) or (uneven and (p.groups > 1 or sum(q.dim == p.dim for q in layout.placements
+                                                                     if isinstance(q, Shard)) > 1)):
             raise AssertionError(f"{what}: layout {layout} does not fit shape {list(shape)} on mesh {mesh}")
-        local[p.dim] //= parts
+        local[p.dim] = split_size(local[p.dim], parts)
 
 
 def verify_rewritten(gm: GraphModule, mesh: Mesh, *, placed: GraphModule) -> GraphModule:
@@ -69,19 +72,9 @@ def verify_rewritten(gm: GraphModule, mesh: Mesh, *, placed: GraphModule) -> Gra
         inputs = [local_placeholder(node, mesh) for node in gm.graph.nodes if node.op == "placeholder"]
         try:
             run.run(*inputs)
-        except _UNCHECKABLE:  # not a shape the rules decide: the rest goes unchecked
+        except UNCHECKABLE:  # not a shape the rules decide: the rest goes unchecked
             pass
     return gm
-
-
-# Data-dependent shapes, ops with no fake kernel, and devices fixed in the graph (a model
-# built on the meta device makes some tensors there, beside the fake run's CPU inputs).
-_UNCHECKABLE = (
-    fake_tensor.DataDependentOutputException,
-    fake_tensor.DynamicOutputShapeException,
-    fake_tensor.UnsupportedOperatorException,
-    fake_tensor.FakeTensorDeviceMismatchError,
-)
 
 
 class _LocalRun(Interpreter):
@@ -97,7 +90,7 @@ class _LocalRun(Interpreter):
     def run_node(self, node: Node):
         try:
             value = super().run_node(node)
-        except _UNCHECKABLE:
+        except UNCHECKABLE:
             raise
         except Exception as err:
             raise ValueError(self._blame(node, f"its local kernel fails on {self._call(node)}: {err}")) from err

@@ -22,6 +22,7 @@ def test_debug_switch_dumps_every_stage(tmp_path, monkeypatch):
         "03 rewrite",
         "04 bucket gradients",
         "05 verify rewritten",
+        "06 report repeated work",
     ]
     assert summary[0] == "00 capture: 8 nodes"
     assert summary[1] == "01 place: 8 nodes (8 -> 8, +0)", "placement is an analysis: no node added"

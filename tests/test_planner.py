@@ -54,8 +54,13 @@ def make_linear_then_einsum():
 
 
 def make_odd_mlp():
-    """Inner size 96: no 1-D (column-parallel) split over 64 ranks."""
+    """Inner size 96, padded to 128 for a 1-D split over 64 ranks (redundant work 4/3)."""
     return MLP(64, 96), torch.randn(16, 4, 64)
+
+
+def make_four_heads():
+    """A GPT block with 4 heads: no 1-D split over 64 ranks (heads must divide p)."""
+    return GPTBlock(64, 4), torch.randn(16, 4, 64)
 
 
 # --------------------------------------------------------------------------- enumeration
@@ -178,13 +183,18 @@ def test_keeping_blocks_is_chosen_only_where_memory_allows():
 
 
 def test_a_mesh_that_does_not_compile_says_why():
-    rows = plan(make_odd_mlp, 64)
+    rows = plan(make_four_heads, 64, modes=("2.5d", "1d"))
     failed = rows[-1]
     assert failed.mesh == Mesh(1, 64, "1d")
     assert failed.time is None and not failed.fits
     assert failed.note.startswith("does not compile: ")
     assert "not divisible by 64" in failed.note
-    assert all(row.fits for row in rows[:-1])
+    assert rows[0].fits  # [4, 4, 4]: 4 heads over q = 4
+
+
+def test_a_padded_size_shows_as_redundant_work():
+    (row,) = plan(make_odd_mlp, 64, modes=("1d",))
+    assert row.fits and row.redundant_work == pytest.approx(4 / 3)
 
 
 def test_plan_of_a_model_needs_its_inputs():
@@ -221,7 +231,7 @@ def test_plan_is_exported():
 
 
 def test_format_table():
-    rows = plan(make_odd_mlp, 64, memory_budget=1.0)
+    rows = plan(make_four_heads, 64, modes=("2.5d", "1d"), memory_budget=1.0)
     text = format_table(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["mode", "dp", "pp", "mesh", "forward", "s", "backward", "s", "step", "s", "comm",

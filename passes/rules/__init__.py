@@ -20,6 +20,7 @@ from passes.rules import (
     embeddings,
     experts,
     factories,
+    indexing,
     losses,
     norms,
     pointwise,
@@ -34,7 +35,7 @@ __all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rules"]
 
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
-    complex_numbers, experts, pooling,
+    complex_numbers, experts, pooling, indexing,
 ))
 
 

@@ -1,19 +1,26 @@
-"""Placement rules of attention: scaled_dot_product_attention runs locally on
-each rank's batch block and heads; sequence and head dims stay whole.
+"""Placement and lowering rules of attention: scaled_dot_product_attention runs
+locally on each rank's batch block and heads; sequence and head dims stay whole.
 Grouped-query attention keeps each query head with its key/value head.
+
+With dropout_p > 0 the local op would draw its own dropout mask; it lowers to
+`tess_compile.ops.dropout.sharded_attention`, which runs the same op with the
+block of the unsharded model's mask that the rank's batch and heads select.
 """
 
 from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import R, aten, get_arg, shape_of, tensor_inputs
+from passes.builder import Builder
+from passes.rules.common import R, aten, get_arg, lower_default, shape_of, tensor_inputs
 from passes.rules.family import Decision, Family
 from passes.rules.pointwise import align
+from passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
+from tess_compile.ops.dropout import block_spec, sharded_attention
 
-__all__ = ["FAMILY", "PLACEMENT", "place_attention"]
+__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_attention", "place_attention"]
 
 
 def place_attention(node: Node, ctx) -> Decision:
@@ -42,8 +49,30 @@ def _keep_gqa_pairing(ctx, node: Node, required: dict, out: list) -> None:
         out[index] = Shard(heads_dim) if split_kv else R
 
 
+def lower_attention(b: Builder, node: Node, args, kwargs):
+    """scaled_dot_product_attention: as it is, or with dropout_p > 0 `sharded_attention`, whose
+    mask is this rank's block of the unsharded model's (weights `[..., L, S]`, laid out as the output)."""
+    dropout_p = get_arg(node, 4, "dropout_p", 0.0)
+    if not dropout_p:
+        return lower_default(b, node, args, kwargs)
+
+    def local(index: int, name: str, default=None):  # a lowered argument, by position or keyword
+        return args[index] if len(args) > index else kwargs.get(name, default)
+
+    weights_shape = list(shape_of(node)[:-1]) + [shape_of(get_arg(node, 1, "key"))[-2]]
+    return b.call(
+        sharded_attention, local(0, "query"), local(1, "key"), local(2, "value"), local(3, "attn_mask"), dropout_p,
+        local(5, "is_causal", False), kwargs.get("scale"), kwargs.get("enable_gqa", False),
+        weights_shape, *block_spec(node.meta["layout"], weights_shape, b.mesh), source_line(node),
+    )
+
+
 PLACEMENT = {
     aten.scaled_dot_product_attention.default: place_attention,
 }
 
-FAMILY = Family("attention", PLACEMENT)
+LOWERING = {
+    aten.scaled_dot_product_attention.default: lower_attention,
+}
+
+FAMILY = Family("attention", PLACEMENT, lowering=LOWERING)

@@ -9,7 +9,9 @@ from torch.fx import Node
 
 from passes.builder import Builder
 from passes.rules.family import Decision
-from tess_compile.core.layout import Layout, Partial, Replicate, Shard
+from tess_compile.core.layout import Layout, Partial, Replicate, Shard, split_size
+from tess_compile.ops import collectives as c
+from tess_compile.ops.local import arange_like
 
 __all__ = [
     "P",
@@ -78,8 +80,11 @@ def display_name(node: Node) -> str:
     return node.meta.get("weight_input", node.name)
 
 
-def check_divisible(what: str, node: Node, size: int, parts: int, ctx, fix: str) -> None:
-    if size % parts:
+def check_divisible(what: str, node: Node, size: int, parts: int, groups: int, ctx, fix: str) -> None:
+    """ValueError unless a dim of `size` splits in `parts` blocks, each holding `groups` groups.
+    A plain split (`groups == 1`) may be uneven: its blocks are padded (`tess_compile.core.layout`)."""
+    if groups > 1 and size % (parts * groups):
+        parts *= groups
         raise ValueError(
             f"{what} of {display_name(node)!r} (shape {list(shape_of(node))}) is {size}, not divisible by {parts} "
             f"on mesh {ctx.mesh}: {fix}"
@@ -118,6 +123,30 @@ def dim_arg(node: Node) -> list[int]:
 
 def lower_default(b: Builder, node: Node, args, kwargs):
     return b.call(node.target, *args, **kwargs)
+
+
+def block_indices(b: Builder, like: Node, size: int, layout: Layout, dim: int) -> Node:
+    """The global indices along `dim` (of `size`) of this rank's block of a value laid out by
+    `layout`, one per element of the block: an uneven split's padding has indices >= `size`."""
+    axes = split_axes(b, layout, [dim])
+    total = size
+    if len(axes) == 1 and layout.on(axes[0]).groups == 1:
+        total = split_size(size, b.mesh.size(axes[0])) * b.mesh.size(axes[0])
+    ids = b.call(arange_like, like, total)
+    for axis in axes:
+        ids = b.split_op(c.shard_slice, ids, axis, 0, layout.on(axis).groups)
+    return ids
+
+
+def masked_padding(b: Builder, x: Node, shape, layout: Layout, dim: int, fill: float) -> Node:
+    """`x` (a block of a value of global `shape` laid out by `layout`) with the padding of an uneven
+    split of `dim` set to `fill`: 0 before a sum over the dim, -inf before a max or a log-sum-exp.
+    `x` itself where the dim is split evenly or not at all."""
+    if not any(shape[dim] % b.mesh.size(axis) for axis in split_axes(b, layout, [dim])):
+        return x
+    inside = b.call(aten.lt.Scalar, block_indices(b, x, shape[dim], layout, dim), shape[dim])
+    inside = b.call(aten.reshape.default, inside, [-1] + [1] * (len(shape) - 1 - dim))
+    return b.call(aten.where.ScalarOther, inside, x, fill)
 
 
 def split_axes(b: Builder, layout: Layout, dims) -> list[str]:

@@ -14,13 +14,23 @@ from __future__ import annotations
 from torch.fx import Node
 
 from passes.builder import Builder
-from passes.rules.common import WHOLE, P, R, aten, get_arg, layout_of, lower_default, shape_of, without_partial
+from passes.rules.common import (
+    WHOLE,
+    P,
+    R,
+    aten,
+    block_indices,
+    get_arg,
+    layout_of,
+    lower_default,
+    shape_of,
+    without_partial,
+)
 from passes.rules.family import Decision, Family
 from passes.rules.index_checks import check_lookup_ids
-from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.layout import Layout, Shard, split_size
 from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c
-from tess_compile.ops.local import arange_like
 
 __all__ = [
     "FAMILY",
@@ -58,11 +68,11 @@ def place_embedding(node: Node, ctx) -> Decision:
     by_freq = get_arg(node, 3, "scale_grad_by_freq", False)
     ids_layout = Layout.replicated() if by_freq else without_partial(layout_of(ctx, ids))
     w_layout = ctx.layout(weight)
-    vocab, hidden = shape_of(weight)
+    hidden = shape_of(weight)[1]
     n_ids = len(shape_of(ids))
     q = ctx.mesh.q
     batch_split = ids_layout.row == Shard(0) and ids_layout.col == R
-    if batch_split and (vocab_parallel(node, w_layout) or (w_layout is None and vocab % q == 0 and hidden % q == 0)):
+    if batch_split and (vocab_parallel(node, w_layout) or (w_layout is None and hidden % q == 0)):
         w_needed = Layout(R, Shard(0), Shard(1))
         return Decision({weight: w_needed, ids: ids_layout}, Layout(ids_layout.depth, Shard(0), Shard(n_ids)))
     w_needed, out = [], []
@@ -89,10 +99,10 @@ def masked_lookup(b: Builder, table: Node, ids: Node, vocab: int, axis: str, pad
     table are refused before, by `check_lookup_ids`). A `padding_idx` (global; -1:
     none) row is looked up but gets no gradient, as in torch: its lookups are
     detached (the graph is one for all ranks, so no rank-local index can say it)."""
-    parts = b.mesh.size(axis)
-    block = b.split_op(c.shard_slice, b.call(arange_like, ids, vocab), axis, 0, 1)
+    block = block_indices(b, ids, vocab, Layout(R, R, R).with_axis(axis, Shard(0)), 0)
     local = b.call(aten.sub.Tensor, ids, b.call(aten.select.int, block, 0, 0))
-    inside = b.call(aten.logical_and.default, b.call(aten.ge.Scalar, local, 0), b.call(aten.lt.Scalar, local, vocab // parts))
+    size = split_size(vocab, b.mesh.size(axis))  # an uneven split's last blocks are padded; no id is there
+    inside = b.call(aten.logical_and.default, b.call(aten.ge.Scalar, local, 0), b.call(aten.lt.Scalar, local, size))
     rows = b.call(aten.embedding.default, table, b.call(aten.where.ScalarOther, inside, local, 0))
     if padding_idx != -1:
         padding = b.call(aten.unsqueeze.default, b.call(aten.eq.Scalar, ids, padding_idx), -1)
@@ -119,8 +129,8 @@ def _vocab_split(layout: Layout | None) -> bool:
 
 
 def place_embedding_1d(node: Node, ctx) -> Decision:
-    """A free table (or one tied to a column-parallel head) split by vocab over col:
-    the lookup gives partial sums. Otherwise the table is whole.
+    """A free table (or one tied to a column-parallel head) split by vocab over col (unevenly
+    where p does not divide it): the lookup gives partial sums. Otherwise the table is whole.
 
     `padding_idx` changes backward only (that row gets no gradient; see
     `masked_lookup`), so it splits too. `scale_grad_by_freq` stays whole: a
@@ -128,9 +138,7 @@ def place_embedding_1d(node: Node, ctx) -> Decision:
     them. (`max_norm` renorms the table before, replicated, leaving it whole.)"""
     weight, ids = node.args[:2]
     w_layout = ctx.layout(weight)
-    vocab = shape_of(weight)[0]
-    free = w_layout is None and vocab % ctx.mesh.size("col") == 0
-    if not get_arg(node, 3, "scale_grad_by_freq", False) and (free or _vocab_split(w_layout)):
+    if not get_arg(node, 3, "scale_grad_by_freq", False) and (w_layout is None or _vocab_split(w_layout)):
         return Decision({weight: Layout(R, R, Shard(0)), ids: WHOLE}, Layout(R, R, P))
     return Decision({weight: WHOLE, ids: WHOLE}, WHOLE)
 

@@ -31,6 +31,7 @@ def place_nothing(node: Node, ctx) -> Decision:
 _FACTORIES = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
     aten.zeros.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
+    aten.lift_fresh_copy.default,  # a constant tensor made in forward (torch.tensor(...)): whole everywhere
 ]
 
 

@@ -10,12 +10,22 @@ from __future__ import annotations
 from torch.fx import Node
 
 from passes.builder import Builder
-from passes.rules.common import R, aten, get_arg, layout_of, lower_default, place_replicated, shape_of, without_partial
+from passes.rules.common import (
+    R,
+    aten,
+    block_indices,
+    get_arg,
+    layout_of,
+    lower_default,
+    masked_padding,
+    place_replicated,
+    shape_of,
+    without_partial,
+)
 from passes.rules.family import Decision, Family
 from passes.rules.index_checks import check_targets
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.ops import collectives as c
-from tess_compile.ops.local import arange_like
 
 __all__ = ["FAMILY", "LOWERING", "PLACEMENT", "cross_entropy_is_split", "lower_cross_entropy", "place_cross_entropy"]
 
@@ -40,33 +50,26 @@ def place_cross_entropy(node: Node, ctx) -> Decision:
     return Decision({logits: layout, target: target_layout}, out)
 
 
-def _local_class_ids(b: Builder, logits: Node, layout: Layout, num_classes: int) -> Node:
-    """The class indices this rank's logits columns stand for."""
-    ids = b.call(arange_like, logits, num_classes)
-    for axis in layout.axes_where(Shard, b.mesh):
-        if layout.on(axis).dim == 1:
-            ids = b.split_op(c.shard_slice, ids, axis, 0, layout.on(axis).groups)
-    return ids
-
-
 def lower_cross_entropy(b: Builder, node: Node, args, kwargs):
     """-log softmax(x)[target] with the class dim split: per-rank log-sum-exps are
     gathered (q numbers a row) and combined; the target logit is a one-hot sum,
-    all-reduced. Rows split over other axes are summed by all-reduce."""
+    all-reduced. Rows split over other axes are summed by all-reduce. An uneven
+    class split's padding is -inf in the log-sum-exp, and no target picks it."""
     reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
     ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
     check_targets(b, node, args[1], ignore_index)
     if not cross_entropy_is_split(node):
         return lower_default(b, node, args, kwargs)
-    x, target = args[0], args[1]
+    x, target, shape = args[0], args[1], node.args[0].meta["val"].shape
     layout = node.meta["arg_layouts"][node.args[0]]
+    x = masked_padding(b, x, shape, layout, 1, float("-inf"))
     class_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 1]
     row_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 0]
     lse = b.call(aten.logsumexp.default, x, [1], True)
     for axis in class_axes:
         lse = b.split_op(c.all_gather, lse, axis, 1, 1)
     lse = b.call(aten.logsumexp.default, lse, [1])
-    ids = _local_class_ids(b, x, layout, node.args[0].meta["val"].shape[1])
+    ids = block_indices(b, x, shape[1], layout, 1)  # the class each of this rank's columns stands for
     onehot = b.call(aten.eq.Tensor, b.call(aten.unsqueeze.default, target, 1), ids)
     picked = b.call(aten.sum.dim_IntList, b.call(aten.where.ScalarOther, onehot, x, 0.0), [1])
     for axis in class_axes:

@@ -10,20 +10,36 @@ batch_norm keeps its input's splits too (partial sums are resolved by
 channels): its affine parameters and running statistics are split like
 the channels (dim 1), and in training the per-channel statistics over the
 other dims are all-reduced along the axes that split those (the lowering).
+
+group_norm normalises each sample's groups of channels over the spatial
+dims: the batch is split over depth and row (each sample's statistics are
+its own), the spatial dims are whole and the channels are split over col.
+Where each rank holds whole groups it runs its own groups, locally, as a
+grouped conv does; otherwise the per-channel statistics are all-gathered
+along col (a few numbers a channel) and merged into the groups' on every rank.
+
+_weight_norm (`torch.nn.utils.weight_norm` and its parametrization: the weight
+`v * g / |v|`, recomputed from the parameters v and g each forward) takes the
+layout its consumer (a conv or a product) asks of a free weight, so that v is
+split as the weight would be; the norm over split dims is one all-reduce of
+the sums of squares per axis.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.fx import Node
 
 from passes.builder import Builder
-from passes.rules.common import R, aten, layout_of, lower_default, shape_of, split_axes, without_partial
-from passes.rules.convolutions import channels_layout
+from passes.rules import convolutions, products
+from passes.rules.common import R, aten, get_arg, layout_of, lower_default, shape_of, split_axes, without_partial
+from passes.rules.convolutions import batch_placements, channels_layout
 from passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c
 from tess_compile.ops.split_norm import split_norm
 
@@ -33,10 +49,14 @@ __all__ = [
     "LOWERING",
     "PLACEMENT",
     "lower_batch_norm",
+    "lower_group_norm",
     "lower_layer_norm",
     "lower_rms_norm",
+    "lower_weight_norm",
     "place_batch_norm",
+    "place_group_norm",
     "place_norm",
+    "place_weight_norm",
 ]
 
 
@@ -185,14 +205,153 @@ def lower_batch_norm(b: Builder, node: Node, args, kwargs):
     return b.call(split_norm, x, mean, rstd, weight, bias, tuple(axes), dims, count)
 
 
+def place_group_norm(node: Node, ctx) -> Decision:
+    """group_norm(x, groups, weight, bias, ...): batch split over depth and row, spatial dims
+    whole, channels split over col as they come (partial sums resolved by channels), or
+    split there if they are whole and each rank would hold whole groups; the affine
+    parameters are split like the channels."""
+    x, num_groups = node.args[:2]
+    layout = channels_layout(ctx, x, 1)
+    col, parts, channels = layout.col, ctx.mesh.size("col"), shape_of(x)[1]
+    if not (isinstance(col, Shard) and col.dim == 1 and channels % (col.groups * parts) == 0):
+        col = Shard(1) if parts > 1 and channels % parts == 0 and num_groups % parts == 0 else R
+    needed = Layout(*batch_placements(ctx, layout, shape_of(x)[0]), col)
+    per_channel = Layout(R, R, Shard(0, col.groups) if isinstance(col, Shard) else R)
+    args = {x: needed}
+    for vector in node.args[2:4]:
+        if isinstance(vector, Node):
+            args[vector] = per_channel
+    return Decision(args, needed)
+
+
+def _whole_groups(num_groups: int, placement, parts: int) -> bool:
+    """Whether each rank's channel blocks under `placement` (on an axis of `parts`) hold whole groups."""
+    return not isinstance(placement, Shard) or parts == 1 or num_groups % (placement.groups * parts) == 0
+
+
+def lower_group_norm(b: Builder, node: Node, args, kwargs):
+    """group_norm with channels split over col: each rank's own `groups / parts` groups
+    where it holds whole groups; otherwise `_spread_group_norm`."""
+    x, num_groups = args[:2]
+    weight, bias = (list(args[2:4]) + [None, None])[:2]
+    eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
+    placement, parts = node.meta["arg_layouts"][node.args[0]].col, b.mesh.size("col")
+    if not (isinstance(placement, Shard) and placement.dim == 1) or parts == 1:
+        return lower_default(b, node, args, kwargs)
+    if _whole_groups(num_groups, placement, parts):
+        return b.call(node.target, x, num_groups // parts, *args[2:], **kwargs)
+    return _spread_group_norm(b, node, x, weight, bias, eps, placement)
+
+
+def _spread_group_norm(b: Builder, node: Node, x: Node, weight, bias, eps, placement) -> Node:
+    """group_norm whose groups spread over ranks of col: every rank's per-channel mean and
+    centred sum of squares over the spatial dims, all-gathered along col, merged into each
+    group's by Chan et al.'s formula (as `_mean_and_variance`), expanded back to channels
+    and cut to this rank's; differentiated through as it is."""
+    val = node.args[0].meta["val"]
+    batch, channels, num_groups = *node.meta["arg_layouts"][node.args[0]].local_shape(val.shape, b.mesh)[:2], node.args[1]
+    spatial = math.prod(val.shape[2:])
+    per_group = val.shape[1] // num_groups
+    xs = b.call(aten.reshape.default, _statistics_input(b, x, val.dtype), [batch, channels, spatial])
+    own_mean = b.call(aten.mean.dim, xs, [2], True)
+    centred = b.call(aten.sub.Tensor, xs, own_mean)
+    own_m2 = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, centred, centred), [2], True)
+    stats = b.split_op(c.all_gather, b.call(aten.cat.default, [own_mean, own_m2], 2), "col", 1, placement.groups)
+    stats = b.call(aten.reshape.default, stats, [batch, num_groups, per_group, 2])
+    means, m2s = (b.call(aten.select.int, stats, 3, i) for i in (0, 1))
+    mean = b.call(aten.mean.dim, means, [2], True)
+    spread = b.call(aten.sub.Tensor, means, mean)
+    between = b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, spread, spread), [2], True), spatial)
+    m2 = b.call(aten.add.Tensor, b.call(aten.sum.dim_IntList, m2s, [2], True), between)
+    rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, b.call(aten.div.Tensor, m2, per_group * spatial), eps))
+    mean, rstd = (_own_channels(b, v, batch, per_group, placement) for v in (mean, rstd))
+    y = b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, xs, mean), rstd)
+    y = b.call(aten.reshape.default, y, list(node.meta["layout"].local_shape(val.shape, b.mesh)))
+    shape = [-1] + [1] * (val.dim() - 2)  # per-channel vectors broadcast over space
+    if weight is not None:
+        y = b.call(aten.mul.Tensor, y, b.call(aten.reshape.default, weight, shape))
+    if bias is not None:
+        y = b.call(aten.add.Tensor, y, b.call(aten.reshape.default, bias, shape))
+    return b.call(aten.to.dtype, y, val.dtype)
+
+
+def _own_channels(b: Builder, per_group: Node, batch: int, group_size: int, placement) -> Node:
+    """A per-group value `[batch, groups, 1]` as one per channel of this rank, `[batch, c, 1]`."""
+    expanded = b.call(aten.expand.default, per_group, [-1, -1, group_size])
+    channels = b.call(aten.reshape.default, expanded, [batch, -1, 1])
+    return b.split_op(c.shard_slice, channels, "col", 1, placement.groups)
+
+
+def place_weight_norm(node: Node, ctx) -> Decision:
+    """_weight_norm(v, g, dim): the weight takes the layout its consumer asks of a free
+    weight (`_consumer_wish`), and v that layout; g (size 1 but along `dim`) is split
+    where `dim` is. A weight no rule asks for is whole."""
+    v, g = node.args[:2]
+    dim = get_arg(node, 2, "dim", 0)
+    layout = without_partial(_consumer_wish(node, ctx) or Layout.replicated())
+    if not _divides(layout, shape_of(v), ctx.mesh):  # padded rows would have norm 0
+        layout = Layout.replicated()
+    g_shape, v_shape = shape_of(g), shape_of(v)
+    g_layout = Layout(*(p if isinstance(p, Shard) and p.dim == dim and len(g_shape) == len(v_shape)
+                        and g_shape[dim] == v_shape[dim] else R for p in layout.placements))
+    return Decision({v: layout, g: g_layout}, layout)
+
+
+def _divides(layout: Layout, shape, mesh) -> bool:
+    """Whether every split of `layout` divides its dim of `shape` evenly."""
+    local = list(shape)
+    for axis, p in zip(AXES, layout.placements):
+        if isinstance(p, Shard):
+            if local[p.dim] % (mesh.size(axis) * p.groups):
+                return False
+            local[p.dim] //= mesh.size(axis)
+    return True
+
+
+def _consumer_wish(node: Node, ctx) -> Layout | None:
+    """The layout that the first conv or product using `node` would give it as a free weight
+    (its rule asked in advance; its warnings are its own call's to give)."""
+    rules = {**convolutions.PLACEMENT, **products.PLACEMENT}
+    if ctx.mesh.mode == "1d":
+        rules.update(products.PLACEMENT_1D)
+    for user in node.users:
+        if user.target in rules:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                wish = rules[user.target](user, ctx).args.get(node)
+            if wish is not None:
+                return wish
+    return None
+
+
+def lower_weight_norm(b: Builder, node: Node, args, kwargs):
+    """`v * g / |v|` with the norm over every dim but `dim` (all dims for dim -1): where v's
+    layout splits one of those, the sum of squares is all-reduced along the splitting axes."""
+    v, g = args[:2]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    ndim = node.args[0].meta["val"].dim()
+    normed = list(range(ndim)) if dim == -1 else [d for d in range(ndim) if d != dim]
+    axes = split_axes(b, node.meta["arg_layouts"][node.args[0]], normed)
+    if not axes:
+        return lower_default(b, node, args, kwargs)
+    squares = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, v, v), normed, True)
+    for axis in axes:
+        squares = b.collective(c.all_reduce, squares, axis)
+    return b.call(aten.mul.Tensor, v, b.call(aten.div.Tensor, g, b.call(aten.sqrt.default, squares)))
+
+
 PLACEMENT = {
     aten.batch_norm.default: place_batch_norm,
+    aten.group_norm.default: place_group_norm,
+    aten._weight_norm.default: place_weight_norm,
     aten.layer_norm.default: place_norm,
     aten.rms_norm.default: place_norm,
 }
 
 
 LOWERING = {
+    aten.group_norm.default: lower_group_norm,
+    aten._weight_norm.default: lower_weight_norm,
     aten.layer_norm.default: lower_layer_norm,
     aten.rms_norm.default: lower_rms_norm,
     aten.batch_norm.default: lower_batch_norm,

@@ -4,18 +4,39 @@ Each mesh axis keeps one input's split if it lands on an output dim of the
 same size; the other inputs are split alike where they have that dim and
 replicated where they broadcast. Partial sums pass through the ops that are
 linear in them (`_LINEARITY`). `align` serves the other families too.
-Dropout with p = 0 or outside training lowers to its input.
+
+In-place ops (`add_`, `copy_`, ...) keep their target's layout. Dropout keeps
+its input's layout, replicated values included: each rank draws the full mask
+of the unsharded model and keeps its block (`tess_compile.ops.dropout`), so
+masks equal the unsharded model's; with p = 0 or outside training it lowers to
+its input. Other random ops (rand, randn, bernoulli, ...) run whole on every
+rank, each rank drawing what the unsharded model draws.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch.fx import Node
 
 from passes.builder import Builder
-from passes.rules.common import P, R, aten, get_arg, layout_of, lower_default, shape_of, tensor_inputs, without_partial
+from passes.rules.common import (
+    P,
+    R,
+    aten,
+    get_arg,
+    layout_of,
+    lower_default,
+    place_replicated,
+    shape_of,
+    tensor_inputs,
+    without_partial,
+)
 from passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Partial, Placement, Replicate, Shard
 from tess_compile.core.mesh import AXES
+from tess_compile.ops.dropout import block_spec, replicated_draw, sharded_dropout, sharded_native_dropout
 
 __all__ = [
     "FAMILY",
@@ -24,8 +45,10 @@ __all__ = [
     "align",
     "aligned",
     "lower_dropout",
-    "place_dropout",
+    "lower_native_dropout",
+    "lower_random",
     "place_inplace",
+    "place_native_dropout",
     "place_pointwise",
     "place_type_as",
 ]
@@ -128,17 +151,11 @@ def place_type_as(node: Node, ctx) -> Decision:
     return Decision({x: layout_of(ctx, x)}, layout_of(ctx, x))
 
 
-def place_dropout(node: Node, ctx) -> Decision:
-    decision = place_pointwise(node, ctx)
-    p, train = get_arg(node, 1, "p"), get_arg(node, 2, "train")
-    replicated = decision.out.axes_where(Replicate, ctx.mesh)
-    if train and p > 0 and replicated:
-        raise ValueError(
-            f"dropout(p={p}) on {node.args[0].name!r} of shape {list(shape_of(node))} is replicated along "
-            f"{replicated} on mesh {ctx.mesh}: replicas would draw different masks; apply dropout "
-            "to split activations only, or use p=0"
-        )
-    return decision
+def place_native_dropout(node: Node, ctx) -> Decision:
+    """native_dropout(x) -> (output, mask): both laid out as x, as a pointwise op would be."""
+    x = node.args[0]
+    required, out = align(ctx, node, [x], shape_of(x))
+    return Decision(required, (Layout(*out), Layout(*out)))
 
 
 _POINTWISE = [
@@ -162,23 +179,80 @@ _POINTWISE = [
 ]
 
 
+def _empty_like_stride(val: torch.Tensor) -> list[int]:
+    """The strides of `empty_like(val)`, the tensor that torch's dropout fills (dense strides are kept)."""
+    like = torch.empty_like(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta"))
+    return list(like.stride())
+
+
 def lower_dropout(b: Builder, node: Node, args, kwargs):
-    p = args[1] if len(args) > 1 else kwargs.get("p")
-    train = args[2] if len(args) > 2 else kwargs.get("train")
-    if p == 0 or not train:
-        return args[0]
-    return lower_default(b, node, args, kwargs)
+    """dropout / dropout_: this rank's block of the unsharded model's mask (`tess_compile.ops.dropout`);
+    the input itself with p = 0, outside training or on an empty tensor, as torch does."""
+    x, p, train = args[0], get_arg(node, 1, "p"), get_arg(node, 2, "train")
+    shape = shape_of(node)
+    if p == 0 or not train or math.prod(shape) == 0:
+        return x
+    if p == 1:
+        return lower_default(b, node, args, kwargs)  # x * 0, nothing drawn
+    inplace = node.target is aten.dropout_.default
+    if inplace:
+        b.shared.clear()  # a fetched block may be x
+    layout = node.meta["layout"]
+    assert node.meta["arg_layouts"][node.args[0]] == layout, "dropout's input and output layouts differ"
+    stride = _empty_like_stride(node.args[0].meta["val"])
+    return b.call(sharded_dropout, x, p, inplace, list(shape), stride, *block_spec(layout, shape, b.mesh))
+
+
+def lower_native_dropout(b: Builder, node: Node, args, kwargs):
+    """native_dropout(x, p, train) -> (output, mask): the unsharded model's mask, as `lower_dropout`."""
+    x, p, train = args[0], get_arg(node, 1, "p"), get_arg(node, 2, "train")
+    shape = shape_of(node.args[0])
+    if train is False or math.prod(shape) == 0:
+        return lower_default(b, node, args, kwargs)  # (a copy of x, ones): nothing drawn
+    layout, stride = node.meta["layout"][0], _empty_like_stride(node.args[0].meta["val"])
+    return b.call(sharded_native_dropout, x, p, list(shape), stride, *block_spec(layout, shape, b.mesh))
+
+
+def lower_random(b: Builder, node: Node, args, kwargs):
+    """A random op whose inputs and output are whole on every rank: `replicated_draw`, which
+    the simulator runs for every rank from the same generator state."""
+    if node.target._schema.is_mutable:
+        b.shared.clear()  # a fetched block may be its target
+    node_args = tuple(i for i, a in enumerate(args) if isinstance(a, Node))
+    node_kwargs = tuple(k for k, v in kwargs.items() if isinstance(v, Node))
+    return b.call(replicated_draw, str(node.target), tuple(args), dict(kwargs), node_args, node_kwargs)
+
+
+# Random ops that run whole on every rank (any input gathered, as an op without a rule).
+_RANDOM = [
+    aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default, aten.randint.default,
+    aten.randint.low, aten.randint_like.default, aten.randint_like.low_dtype, aten.randperm.default,
+    aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor, aten.normal.Tensor_Tensor,
+    aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.float_float, aten.multinomial.default,
+    aten.poisson.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+    aten.feature_alpha_dropout.default, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.uniform_.default,
+    aten.normal_.default, aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default,
+    aten.cauchy_.default, aten.random_.default, getattr(aten.random_, "from"), aten.random_.to,
+]
 
 
 PLACEMENT = {
     **{op: place_pointwise for op in _POINTWISE},
-    aten.dropout.default: place_dropout,
+    aten.dropout.default: place_pointwise,
+    aten.native_dropout.default: place_native_dropout,
     aten.type_as.default: place_type_as,
     **{op: place_inplace for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
-                                    aten.relu_.default, aten.relu6_.default, aten.hardtanh_.default)},
+                                    aten.relu_.default, aten.relu6_.default, aten.hardtanh_.default,
+                                    aten.copy_.default, aten.dropout_.default, aten.detach_.default)},
+    **{op: place_replicated for op in _RANDOM},
 }
 
 
-LOWERING = {aten.dropout.default: lower_dropout}
+LOWERING = {
+    aten.dropout.default: lower_dropout,
+    aten.dropout_.default: lower_dropout,
+    aten.native_dropout.default: lower_native_dropout,
+    **{op: lower_random for op in _RANDOM},
+}
 
 FAMILY = Family("pointwise", PLACEMENT, lowering=LOWERING)

@@ -1,6 +1,7 @@
-"""Placement rules of pooling (max, average, adaptive; 1-, 2- and 3-d): each
-channel plane is pooled on its own, so batch and channel splits stay and the
-spatial dims are whole. The batch is split over depth and row as a
+"""Placement rules of pooling (max, average, adaptive; 1-, 2- and 3-d) and
+of upsampling (nearest, linear, bilinear, bicubic, trilinear): each channel
+plane is pooled or resized on its own, so batch and channel splits stay and
+the spatial dims are whole (their sizes and scales are global, and stay so). The batch is split over depth and row as a
 convolution's is; partial sums (a row-parallel conv's output) are resolved
 by channels.
 """
@@ -52,5 +53,17 @@ PLACEMENT = {
     aten.adaptive_max_pool2d.default: pooling(2, 2),
     aten.adaptive_max_pool3d.default: pooling(3, 2),
 }
+
+# Upsampling ops by their number of spatial dims.
+_UPSAMPLING = {
+    1: ("upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_linear1d"),
+    2: ("upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bilinear2d", "upsample_bicubic2d",
+        "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"),
+    3: ("upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_trilinear3d"),
+}
+PLACEMENT.update({
+    getattr(getattr(aten, name), overload): pooling(num_spatial)
+    for num_spatial, names in _UPSAMPLING.items() for name in names for overload in ("default", "vec")
+})
 
 FAMILY = Family("pooling", PLACEMENT)

@@ -76,18 +76,66 @@ def is_narrow_projection(x: Node) -> bool:
     return out_features < in_features
 
 
-def _row_block_dim(ctx, x: Node, layout: Layout, axis: str) -> Placement:
-    """x's split along depth or row: kept on its leading dim, else dim 0."""
-    p = layout.on(axis)
-    ndim = len(shape_of(x))
-    if isinstance(p, Shard) and p.dim < ndim - 1:
-        return p
-    if ndim < 2:
+def _row_blocks(node: Node, ctx, x: Node, layout: Layout) -> tuple[Placement, Placement] | None:
+    """x's rows (every dim but its features) split over depth and row: the splits x comes
+    with, else its batch (dim 0). A table that is no batch (leading dim 1, or made from
+    parameters alone: a relative-position table projected by attention's own weights)
+    splits the first other row dim that divides instead; None if none does."""
+    shape = list(shape_of(x))
+    if len(shape) < 2:
         raise ValueError(
-            f"{display_name(x)!r} of shape {list(shape_of(x))} feeds a matmul without a batch dim; "
+            f"{display_name(x)!r} of shape {shape} feeds a matmul without a batch dim; "
             "Tesseract splits rows over depth and row: give the input a batch dim"
         )
-    return Shard(0)
+    table = None  # whether x is no batch, asked only where its splits do not serve
+    blocks = []
+    for axis in ("depth", "row"):
+        p, parts = layout.on(axis), ctx.mesh.size(axis)
+        on_rows = isinstance(p, Shard) and p.dim < len(shape) - 1
+        if on_rows and shape[p.dim] % parts == 0:
+            blocks.append(p)
+            shape[p.dim] //= parts
+            continue
+        dim = p.dim if on_rows else 0
+        if shape[dim] % parts:
+            if table is None:
+                table = shape[0] == 1 or not _reads_inputs(x)
+            if not table:
+                raise ValueError(
+                    f"{node.target} input {display_name(x)!r} of shape {list(shape_of(x))}: dim {dim} "
+                    f"is not divisible by d*q = {ctx.mesh.d * ctx.mesh.q} on mesh {ctx.mesh}; "
+                    f"use a batch that is a multiple of {ctx.mesh.d * ctx.mesh.q}"
+                )
+            dim = next((i for i in range(len(shape) - 1) if shape[i] % parts == 0), None)
+            if dim is None:
+                return None
+        blocks.append(Shard(dim))
+        shape[dim] //= parts
+    return blocks[0], blocks[1]
+
+
+def _reads_inputs(x: Node) -> bool:
+    """Whether a model input (not a parameter, buffer or constant) flows into `x`."""
+    seen, stack = set(), [x]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and node.meta.get("role", ("input",))[0] == "input":
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+def _rows_whole(node: Node, ctx, x: Node, w: Node) -> Decision:
+    """A product whose rows no mesh axis divides (a small table): run whole on every rank."""
+    warnings.warn(
+        f"{node.target} of {display_name(x)!r} (shape {list(shape_of(x))}) by {display_name(w)!r}: no row dim "
+        f"of this table divides over depth and row on mesh {ctx.mesh}, so every rank computes it whole",
+        stacklevel=2,
+    )
+    return place_replicated(node, ctx)
 
 
 def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
@@ -115,7 +163,7 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
         groups_out = w_layout.row.groups
     in_features, out_features = shape_of(w)[w_in], shape_of(w)[w_out]
     fix = f"use sizes that are multiples of q={mesh.q} (hidden size, heads, MLP width), or another q"
-    check_divisible("in features", w, in_features, mesh.q * groups_in, ctx, fix)
+    check_divisible("in features", w, in_features, mesh.q, groups_in, ctx, fix)
     split_out = transposed or out_features % (mesh.q * groups_out) == 0 or not is_narrow_projection(node)
     if not split_out:
         warnings.warn(
@@ -125,16 +173,16 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
             stacklevel=2,
         )
         return _place_narrow_summa(node, ctx, x, w, bias, w_in, w_out, groups_in)
-    check_divisible("out features", w, out_features, mesh.q * groups_out, ctx, fix)
-    depth = _row_block_dim(ctx, x, x_layout, "depth")
-    row = _row_block_dim(ctx, x, x_layout, "row")
-    x_needed = Layout(depth, row, Shard(ndim - 1, groups_in))
-    _check_rows(node, x, x_needed, ctx)
+    check_divisible("out features", w, out_features, mesh.q, groups_out, ctx, fix)
+    rows = _row_blocks(node, ctx, x, x_layout)
+    if rows is None:
+        return _rows_whole(node, ctx, x, w)
+    x_needed = Layout(*rows, Shard(ndim - 1, groups_in))
     w_needed = w_layout if transposed else Layout(R, Shard(w_in, groups_in), Shard(w_out, groups_out))
     args = {x: x_needed, w: w_needed}
     if bias is not None:
         args[bias] = Layout(R, R, Shard(0, groups_out))
-    return Decision(args, Layout(depth, row, Shard(ndim - 1, groups_out)))
+    return Decision(args, Layout(*rows, Shard(ndim - 1, groups_out)))
 
 
 def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_out: int, groups_in: int) -> Decision:
@@ -142,28 +190,14 @@ def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_ou
     whole output of its rows (the same SUMMA steps; the output is replicated over col)."""
     x_layout = without_partial(layout_of(ctx, x))
     ndim = len(shape_of(x))
-    depth = _row_block_dim(ctx, x, x_layout, "depth")
-    row = _row_block_dim(ctx, x, x_layout, "row")
-    x_needed = Layout(depth, row, Shard(ndim - 1, groups_in))
-    _check_rows(node, x, x_needed, ctx)
+    rows = _row_blocks(node, ctx, x, x_layout)
+    if rows is None:
+        return _rows_whole(node, ctx, x, w)
+    x_needed = Layout(*rows, Shard(ndim - 1, groups_in))
     args = {x: x_needed, w: Layout(R, Shard(w_in, groups_in), R)}
     if bias is not None:
         args[bias] = Layout.replicated()
-    return Decision(args, Layout(depth, row, R))
-
-
-def _check_rows(node: Node, x: Node, layout: Layout, ctx) -> None:
-    local = list(shape_of(x))
-    for axis in ("depth", "row"):
-        p = layout.on(axis)
-        parts = ctx.mesh.size(axis)
-        if local[p.dim] % parts:
-            raise ValueError(
-                f"{node.target} input {display_name(x)!r} of shape {list(shape_of(x))}: dim {p.dim} "
-                f"is not divisible by d*q = {ctx.mesh.d * ctx.mesh.q} on mesh {ctx.mesh}; "
-                f"use a batch that is a multiple of {ctx.mesh.d * ctx.mesh.q}"
-            )
-        local[p.dim] //= parts
+    return Decision(args, Layout(*rows, R))
 
 
 def uses_summa(node: Node) -> bool:
@@ -217,21 +251,32 @@ def weight_product_rules(place_product) -> dict:
 
 def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = True) -> Decision:
     """Activation @ activation: batch dims aligned, m or n kept split, k split -> partial
-    (with `partial=False`, k is gathered instead)."""
+    (with `partial=False`, k is gathered instead).
+
+    A free stack of weights `b` (`[E, k, n]`, dense experts that every token passes
+    through) is split where `a` leaves an axis free, as Megatron splits a weight:
+    row-parallel (k split, partial output) if `a` comes with k split and the
+    product does not widen, column-parallel (n split) otherwise. Its batch dims
+    stay whole, so no rank repeats another's products."""
     out_shape = shape_of(node)
     n_out = len(out_shape)
     batch = tuple(range(n_out - 2))
     required, out = align(ctx, node, [a, b], out_shape, frozen=(n_out - 2, n_out - 1))
     la, lb = without_partial(layout_of(ctx, a)), without_partial(layout_of(ctx, b))
     nda, ndb = len(shape_of(a)), len(shape_of(b))
+    weights = ndb >= 3 and ctx.layout(b) is None and _is_weight(b)
+    widens = shape_of(b)[-1] > shape_of(b)[-2]
     for index, axis in enumerate(AXES):
         if out[index] != R and isinstance(out[index], Shard) and out[index].dim in batch:
             continue
         pa, pb = la.on(axis), lb.on(axis)
+        splits_k = isinstance(pa, Shard) and pa.dim == nda - 1
         if isinstance(pa, Shard) and pa.dim == nda - 2:
             pair, out[index] = (pa, R), Shard(n_out - 2, pa.groups)
         elif isinstance(pb, Shard) and pb.dim == ndb - 1:
             pair, out[index] = (R, pb), Shard(n_out - 1, pb.groups)
+        elif weights and (widens or not splits_k or not partial):
+            pair, out[index] = (R, Shard(ndb - 1)), Shard(n_out - 1)
         elif partial and isinstance(pa, Shard) and pa.dim == nda - 1 and pb in (Shard(ndb - 2, pa.groups), R):
             pair, out[index] = (pa, Shard(ndb - 2, pa.groups)), P  # a whole b is sliced for free
         elif partial and isinstance(pb, Shard) and pb.dim == ndb - 2 and pa == R:
@@ -288,9 +333,10 @@ def _split_last(layout: Layout, ndim: int) -> Shard | None:
 
 
 def _widens(node: Node, ctx, w: Node, w_in: int, w_out: int) -> bool:
-    """Whether a product has more out features than in features, split evenly over col."""
+    """Whether a product has more out features than in features, split over col (in groups, evenly)."""
     num_in, num_out = shape_of(w)[w_in], shape_of(w)[w_out]
-    return num_out > num_in and num_out % (ctx.mesh.size("col") * ctx.hints.get(node, 1)) == 0
+    groups = ctx.hints.get(node, 1)
+    return num_out > num_in and (groups == 1 or num_out % (ctx.mesh.size("col") * groups) == 0)
 
 
 def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
@@ -309,7 +355,7 @@ def _place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None,
         row_parallel = x_split is not None and not _widens(node, ctx, w, w_in, w_out)
     if row_parallel:
         groups = w_layout.col.groups if w_layout is not None else x_split.groups
-        check_divisible("in features", w, shape_of(w)[w_in], parts * groups, ctx, fix)
+        check_divisible("in features", w, shape_of(w)[w_in], parts, groups, ctx, fix)
         args = {x: Layout(R, R, Shard(ndim - 1, groups)), w: w_layout or Layout(R, R, Shard(w_in, groups))}
         if bias is not None:
             args[bias] = WHOLE
@@ -334,7 +380,7 @@ def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, 
         if bias is not None:
             args[bias] = WHOLE
         return Decision(args, WHOLE)
-    check_divisible("out features", w, out_features, parts * groups, ctx, fix)
+    check_divisible("out features", w, out_features, parts, groups, ctx, fix)
     args = {x: WHOLE, w: Layout(R, R, Shard(w_out, groups))}
     if bias is not None:
         args[bias] = Layout(R, R, Shard(0, groups))

@@ -1,7 +1,9 @@
 """Rules of views and data movement: view/reshape, expand, repeat,
-permute, slice/select, split and chunk, unbind and cat.
+permute, slice/select, split and chunk, unbind, cat and stack.
 
-A view keeps a split where the split dim's outer factor survives (a hidden
+A view that only inserts or removes size-1 dims (unsqueeze, squeeze, `[n]` as
+`[1, n, 1]`) keeps every split on its dim, shifted, groups included. Another
+view keeps a split where the split dim's outer factor survives (a hidden
 dim `h` split over col becomes heads `[n, h/n]` split on `n`); a split
 inside a head's own dim is refused. A fused projection seen through `split`
 or a grouped view asks its producer for a grouped layout (`S(dim,g=3)`).
@@ -18,6 +20,7 @@ from torch.fx import Node
 
 from passes.builder import Builder
 from passes.rules.common import (
+    P,
     R,
     aten,
     dim_arg,
@@ -26,13 +29,15 @@ from passes.rules.common import (
     get_arg,
     is_param,
     layout_of,
+    lower_default,
     normalize_dim,
     shape_of,
+    without_partial,
 )
 from passes.rules.family import Decision, Family
 from passes.rules.pointwise import align
 from passes.rules.products import is_narrow_projection, uses_summa
-from tess_compile.core.layout import Layout, Shard
+from tess_compile.core.layout import Layout, Partial, Shard, split_size
 from tess_compile.core.mesh import AXES
 
 __all__ = [
@@ -42,11 +47,14 @@ __all__ = [
     "lower_expand",
     "lower_reshape",
     "lower_split",
+    "lower_squeeze",
     "place_cat",
     "place_expand",
     "place_permute",
     "place_repeat",
+    "place_slice",
     "place_split",
+    "place_stack",
     "place_unbind",
     "place_view",
 ]
@@ -73,7 +81,7 @@ def _segment(in_shape, out_shape, dim):
 
 
 def _view_problem(node, x, in_shape, out_shape, dim, axis, parts, ctx) -> str:
-    a, b, c, e = _segment(in_shape, out_shape, dim)
+    _, _, c, e = _segment(in_shape, out_shape, dim)
     factors = list(out_shape[c:e])
     return (
         f"{node.target} of {display_name(x)!r} from {list(shape_of(x))} to {list(shape_of(node))} splits dim {dim} "
@@ -134,9 +142,14 @@ def _feeds_attention(node: Node, last: int | None = None) -> bool:
 
 
 def place_view(node: Node, ctx) -> Decision:
+    """A view keeps each split on the out dim its elements land on (see the module docstring)."""
     x = node.args[0]
     layout = layout_of(ctx, x)
     cur_in, cur_out = list(shape_of(x)), list(shape_of(node))
+    unit_map = _unit_dim_map(cur_in, cur_out)
+    if unit_map is not None:
+        return Decision({x: layout}, Layout(*(Shard(unit_map[p.dim], p.groups) if isinstance(p, Shard) and p.dim in unit_map
+                                             else R if isinstance(p, Shard) else p for p in layout.placements)))
     head_dim_last = _feeds_attention(node, last=cur_out[-1]) if cur_out else False
     needed, out = [], []
     for axis, p in zip(AXES, layout.placements):
@@ -145,7 +158,7 @@ def place_view(node: Node, ctx) -> Decision:
             needed.append(p)
             out.append(p)
             continue
-        mapped = _map_view_split(cur_in, cur_out, p, parts, head_dim_last)
+        mapped = _kept_uneven(cur_in, cur_out, p, parts) or _map_view_split(cur_in, cur_out, p, parts, head_dim_last)
         if mapped is None:
             if not _ask_groups(ctx, x, cur_in, cur_out, p, parts, head_dim_last):
                 problem = _view_problem(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
@@ -161,9 +174,29 @@ def place_view(node: Node, ctx) -> Decision:
         o, groups = mapped
         needed.append(p)
         out.append(Shard(o, groups))
-        cur_in[p.dim] //= parts
-        cur_out[o] //= parts
+        cur_in[p.dim] = split_size(cur_in[p.dim], parts)
+        cur_out[o] = split_size(cur_out[o], parts)
     return Decision({x: Layout(*needed)}, Layout(*out))
+
+
+def _kept_uneven(in_shape, out_shape, p: Shard, parts: int):
+    """(out dim, 1) where an uneven plain split lands on its own dim, whole (padding stays at its end)."""
+    size = in_shape[p.dim]
+    if p.groups != 1 or size % parts == 0:
+        return None
+    before = math.prod(in_shape[:p.dim])
+    kept = [o for o in range(len(out_shape)) if out_shape[o] == size and math.prod(out_shape[:o]) == before]
+    return (kept[0], 1) if kept else None
+
+
+def _unit_dim_map(in_shape, out_shape) -> dict[int, int] | None:
+    """{in dim: out dim} of the dims of size > 1 of a view that only inserts or removes
+    size-1 dims (a split of a size-1 dim, on an axis of size 1, is dropped); else None."""
+    kept_in = [d for d, size in enumerate(in_shape) if size != 1]
+    kept_out = [d for d, size in enumerate(out_shape) if size != 1]
+    if [in_shape[d] for d in kept_in] != [out_shape[d] for d in kept_out]:
+        return None
+    return dict(zip(kept_in, kept_out))
 
 
 def _map_view_split(in_shape, out_shape, p: Shard, parts, head_dim_last: bool):
@@ -203,6 +236,8 @@ def _ask_groups(ctx, x, in_shape, out_shape, p: Shard, parts, head_dim_last: boo
 
 
 def place_expand(node: Node, ctx) -> Decision:
+    """expand / expand_as: x's splits shifted by the new leading dims (expand_as's other
+    tensor gives only a shape; the lowering expands to the local shape)."""
     x = node.args[0]
     layout = layout_of(ctx, x)
     shift = len(shape_of(node)) - len(shape_of(x))
@@ -314,6 +349,27 @@ def place_cat(node: Node, ctx) -> Decision:
     return Decision(required, Layout(*out))
 
 
+def place_slice(node: Node, ctx) -> Decision:
+    """slice(x, dim, ...): the sliced dim whole; a slice of all of it (`x[:, :, None]`) keeps every split."""
+    if shape_of(node) != shape_of(node.args[0]):
+        return dims_local(dim_arg)(node, ctx)
+    return Decision({node.args[0]: layout_of(ctx, node.args[0])}, layout_of(ctx, node.args[0]))
+
+
+def place_stack(node: Node, ctx) -> Decision:
+    """stack(tensors, dim): as cat along a new dim. Every input takes the layout of the
+    input with the most splits (partial sums stay on an axis only where every input is
+    partial); the output has it with split dims at or after `dim` shifted by one."""
+    tensors = list(dict.fromkeys(node.args[0]))
+    dim = normalize_dim(get_arg(node, 1, "dim", 0), len(shape_of(node)))
+    layouts = [layout_of(ctx, t) for t in tensors]
+    widest = max(layouts, key=lambda layout: sum(isinstance(p, Shard) for p in layout.placements))
+    needed = [P if all(isinstance(layout.placements[index], Partial) for layout in layouts) else p
+              for index, p in enumerate(without_partial(widest).placements)]
+    out = [Shard(p.dim + (p.dim >= dim), p.groups) if isinstance(p, Shard) else p for p in needed]
+    return Decision({t: Layout(*needed) for t in tensors}, Layout(*out))
+
+
 _VIEWS = [
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
@@ -333,6 +389,15 @@ def lower_expand(b: Builder, node: Node, args, kwargs):
     return b.call(aten.expand.default, args[0], _local_shape(b, node))
 
 
+def lower_squeeze(b: Builder, node: Node, args, kwargs):
+    """squeeze, or a reshape to the local shape where a split leaves a dim of size 1 on this rank."""
+    x = node.args[0]
+    local_in = node.meta["arg_layouts"][x].local_shape(shape_of(x), b.mesh)
+    if local_in.count(1) == shape_of(x).count(1):
+        return lower_default(b, node, args, kwargs)
+    return lower_reshape(b, node, args, kwargs)
+
+
 def lower_split(b: Builder, node: Node, args, kwargs):
     x = node.args[0]
     ndim = x.meta["val"].dim()
@@ -350,9 +415,10 @@ def lower_split(b: Builder, node: Node, args, kwargs):
 
 PLACEMENT = {
     **{op: place_view for op in _VIEWS},
-    aten.slice.Tensor: dims_local(dim_arg),
+    aten.slice.Tensor: place_slice,
     aten.select.int: dims_local(dim_arg),
     aten.expand.default: place_expand,
+    aten.expand_as.default: place_expand,
     aten.repeat.default: place_repeat,
     aten.transpose.int: place_permute,
     aten.permute.default: place_permute,
@@ -363,6 +429,7 @@ PLACEMENT = {
     aten.split_with_sizes.default: place_split,
     aten.chunk.default: place_split,
     aten.cat.default: place_cat,
+    aten.stack.default: place_stack,
 }
 
 
@@ -371,7 +438,11 @@ LOWERING = {
     aten.reshape.default: lower_reshape,
     aten._unsafe_view.default: lower_reshape,
     aten.unflatten.int: lower_reshape,
+    aten.squeeze.dim: lower_squeeze,
+    aten.squeeze.dims: lower_squeeze,
+    aten.squeeze.default: lower_squeeze,
     aten.expand.default: lower_expand,
+    aten.expand_as.default: lower_expand,
     aten.split.Tensor: lower_split,
     aten.split_with_sizes.default: lower_split,
 }

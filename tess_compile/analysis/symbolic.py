@@ -39,6 +39,7 @@ from torch.fx import GraphModule, Node
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, bytes_by_phase, collective_costs
 from tess_compile.analysis.symbolic_shapes import ByteFormula, Shape, SymbolicShapes, mesh_values, q, size_symbols
 from tess_compile.core.fake_run import fake_run
+from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import Program
 
@@ -109,6 +110,7 @@ def symbolic_costs(
     fake run of the graph.
     """
     size_symbols(sizes)  # bad sizes fail before any work
+    _check_even(gm, mesh)
     if costs is None:
         costs = collective_costs(gm, mesh, inputs_require_grad=inputs_require_grad)
     shapes = SymbolicShapes(mesh, sizes, fake_run(gm, mesh, inputs_require_grad=inputs_require_grad))
@@ -122,6 +124,18 @@ def symbolic_costs(
             formulas.append(NodeFormula(cost, forward, backward))
     _check_totals(formulas, costs, mesh, sizes)
     return formulas
+
+
+def _check_even(gm: GraphModule, mesh: Mesh) -> None:
+    """ValueError if a value is split unevenly: its blocks are a ceiling, which no formula here says."""
+    for node in gm.graph.nodes:
+        layout, shape = node.meta.get("layout"), node.meta.get("global_shape")
+        if isinstance(layout, Layout) and shape is not None and layout.uneven_dims(shape, mesh):
+            raise ValueError(
+                f"{node.name} of shape {list(shape)} is split unevenly ({layout}) on mesh {mesh}: its blocks are "
+                "padded to ceil(size / parts), which the byte formulas do not express; leave sizes out, or use "
+                "sizes the mesh divides"
+            )
 
 
 def _check_totals(formulas: list[NodeFormula], costs: list[CollectiveCost], mesh: Mesh, sizes) -> None:

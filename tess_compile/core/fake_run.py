@@ -13,12 +13,22 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 
 from tess_compile.core.mesh import Mesh
 
-__all__ = ["fake_run", "local_bytes", "local_placeholder", "requires_grad", "tensor_bytes"]
+# What stops a fake run early: data-dependent shapes, ops with no fake kernel, and devices fixed
+# in the graph (a model built on the meta device makes some tensors there, beside CPU inputs).
+UNCHECKABLE = (
+    fake_tensor.DataDependentOutputException,
+    fake_tensor.DynamicOutputShapeException,
+    fake_tensor.UnsupportedOperatorException,
+    fake_tensor.FakeTensorDeviceMismatchError,
+)
+
+__all__ = ["UNCHECKABLE", "fake_run", "local_bytes", "local_placeholder", "requires_grad", "tensor_bytes"]
 
 
 def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):

@@ -8,6 +8,15 @@ block of rank `(k, i, j)` is block `k*q + i`.
 `S(dim)` may carry `groups`: the dim is viewed as `[groups, parts, rest]`
 and the `parts` factor is split. A fused QKV output `[.., 3h]` laid out
 `S(2, groups=3)` over `col` gives column `j` the heads of q, k and v alike.
+
+A plain split of a dim that its parts do not divide (GPT-2's vocabulary of
+50257 over 2) is uneven, as torch.chunk and DTensor split: blocks of
+`split_size(size, parts) = ceil(size / parts)`, the last ones short or empty.
+Rank `t`'s true block (`local_block`, what the runtimes store) is its chunk;
+in the per-rank program every block has the full size, the short ones padded
+at the end (`pad_block`, `unpad_block`), so that every rank runs the same
+shapes. Gathering the padded blocks gives the tensor with its padding at the
+end of the dim.
 """
 
 from __future__ import annotations
@@ -29,9 +38,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "assemble",
+    "chunk",
     "local_block",
+    "pad_block",
     "put_blocks",
+    "split_size",
     "take_block",
+    "unpad_block",
 ]
 
 
@@ -60,10 +73,7 @@ class Shard:
 
 Placement = Replicate | Shard | Partial
 
-
 R = Replicate()
-
-
 P = Partial()
 
 
@@ -96,12 +106,35 @@ class Layout:
         return [a for a in AXES if isinstance(self.on(a), kind) and mesh.size(a) > 1]
 
     def local_shape(self, shape: Sequence[int], mesh: Mesh) -> list[int]:
-        """The shape each rank holds of a tensor of global `shape`."""
+        """The shape each rank's block of a tensor of global `shape` has in the per-rank program
+        (an uneven split's blocks padded to the full block size)."""
         local = list(shape)
         for axis in AXES:
             placement = self.on(axis)
             if isinstance(placement, Shard):
-                local[placement.dim] //= mesh.size(axis)
+                local[placement.dim] = split_size(local[placement.dim], mesh.size(axis))
+        return local
+
+    def uneven_dims(self, shape: Sequence[int], mesh: Mesh) -> list[int]:
+        """The dims of a tensor of global `shape` that this layout splits unevenly."""
+        local, dims = list(shape), []
+        for axis in AXES:
+            placement = self.on(axis)
+            if isinstance(placement, Shard) and local[placement.dim] % mesh.size(axis):
+                dims.append(placement.dim)
+            if isinstance(placement, Shard):
+                local[placement.dim] = split_size(local[placement.dim], mesh.size(axis))
+        return dims
+
+    def chunk_shape(self, shape: Sequence[int], mesh: Mesh, rank: int) -> list[int]:
+        """The shape of `rank`'s true block of a tensor of global `shape` (`local_block`'s)."""
+        local = list(shape)
+        for axis in AXES:
+            placement = self.on(axis)
+            if isinstance(placement, Shard) and mesh.size(axis) > 1:
+                size, parts, index = local[placement.dim], mesh.size(axis), mesh.coord(rank, axis)
+                block = split_size(size, parts)
+                local[placement.dim] = max(0, min(block, size - index * block))
         return local
 
     def to_dtensor(self) -> tuple:
@@ -120,8 +153,22 @@ class Layout:
         return "".join(str(p) for p in self.placements)
 
 
+def split_size(size: int, parts: int) -> int:
+    """The block size of a dim of `size` split in `parts`: ceil(size / parts), as torch.chunk's."""
+    return -(-size // parts)
+
+
+def chunk(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    """Chunk `index` of `parts` along `dim`, as torch.chunk cuts it (the last short or empty)."""
+    size = t.shape[dim]
+    block = split_size(size, parts)
+    start = min(index * block, size)
+    return t.narrow(dim, start, min(block, size - start))
+
+
 def take_block(t: torch.Tensor, dim: int, groups: int, parts: int, index: int) -> torch.Tensor:
-    """Block `index` of `parts` along `dim`, viewed as `[groups, parts, rest]`."""
+    """Block `index` of `parts` along `dim`, viewed as `[groups, parts, rest]` (even splits: the
+    collectives' blocks, of padded tensors)."""
     if groups == 1:
         size = t.shape[dim] // parts
         return t.narrow(dim, index * size, size)
@@ -137,15 +184,41 @@ def put_blocks(blocks: Sequence[torch.Tensor], dim: int, groups: int) -> torch.T
 
 
 def local_block(full: torch.Tensor, layout: Layout, mesh: Mesh, rank: int) -> torch.Tensor:
-    """The part of `full` that `rank` holds under `layout` (a view where possible)."""
+    """The part of `full` that `rank` holds under `layout` (a view where possible); of an uneven
+    split, the rank's true chunk."""
     out = full
     for axis in AXES:
         placement = layout.on(axis)
         if isinstance(placement, Partial):
             raise ValueError(f"a full tensor cannot be split into partial sums ({layout})")
         if isinstance(placement, Shard) and mesh.size(axis) > 1:
-            out = take_block(out, placement.dim, placement.groups, mesh.size(axis), mesh.coord(rank, axis))
+            parts, index = mesh.size(axis), mesh.coord(rank, axis)
+            if placement.groups == 1:
+                out = chunk(out, placement.dim, parts, index)
+            else:
+                out = take_block(out, placement.dim, placement.groups, parts, index)
     return out
+
+
+def pad_block(block: torch.Tensor, layout: Layout, shape: Sequence[int], mesh: Mesh) -> torch.Tensor:
+    """A rank's true block padded with zeros at the end of each uneven dim to the block size of the
+    per-rank program (differentiable: the gradient is the true part's); the block itself if even."""
+    full = layout.local_shape(shape, mesh)
+    if list(block.shape) == full:
+        return block
+    pad = []
+    for dim in reversed(range(block.dim())):
+        pad += [0, full[dim] - block.shape[dim]]
+    return torch.nn.functional.pad(block, pad)
+
+
+def unpad_block(block: torch.Tensor, layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int) -> torch.Tensor:
+    """A per-rank program's block without its padding: `rank`'s true block (inverse of `pad_block`)."""
+    true = layout.chunk_shape(shape, mesh, rank)
+    for dim, size in enumerate(true):
+        if block.shape[dim] != size:
+            block = block.narrow(dim, 0, size)
+    return block
 
 
 def assemble(locals_by_rank: Sequence[torch.Tensor], layout: Layout, mesh: Mesh) -> torch.Tensor:

@@ -48,6 +48,7 @@ class Program:
     graph: GraphModule
     slots: list[Slot]
     output_layouts: list[Layout | None]
+    output_shapes: list[tuple[int, ...] | None]  # each output's global shape (None: not a tensor)
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     tensors: dict[str, torch.Tensor]  # the model's parameters, buffers, constants
@@ -66,14 +67,15 @@ class Program:
         return [s for s in self.slots if s.role == "param"]
 
     def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:
-        """The block of a parameter/buffer/constant that `rank` holds (a copy, on `device`).
+        """The block of a parameter/buffer/constant that `rank` holds (a copy, on `device`; of an
+        uneven split, its true chunk).
 
         Of a meta tensor (a model built on the meta device): an uninitialised
-        tensor of the local shape, so that the full tensor never exists.
+        tensor of the block's shape, so that the full tensor never exists.
         """
         full = self.tensors[slot.name] if full is None else full
         if full.is_meta:
-            return torch.empty(slot.layout.local_shape(slot.shape, self.mesh), dtype=slot.dtype, device=device)
+            return torch.empty(slot.layout.chunk_shape(slot.shape, self.mesh, rank), dtype=slot.dtype, device=device)
         return local_block(full.detach(), slot.layout, self.mesh, rank).to(device or full.device, copy=True)
 
     def flatten_inputs(self, args: tuple, kwargs: dict, device: torch.device | str | None = None) -> list:

@@ -12,7 +12,7 @@ from torch.distributed import tensor as dt
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tess_compile.core.layout import Layout, Partial, Replicate, Shard, assemble, local_block
+from tess_compile.core.layout import Layout, Partial, Replicate, Shard, assemble, local_block, pad_block, unpad_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.runtime.groups import world_of
 
@@ -74,18 +74,28 @@ def full_tensor(x):
     world = world_of(x.device_mesh)
     if world is None:
         return x.full_tensor()
-    return _GatherFull.apply(x.to_local(), world, layout_of(x.placements))
+    return _GatherFull.apply(x.to_local(), world, layout_of(x.placements), tuple(x.shape))
 
 
 class _GatherFull(torch.autograd.Function):
     """Every rank's local tensor gathered and assembled; backward: this rank's block."""
 
     @staticmethod
-    def forward(ctx, local, world, layout):
+    def forward(ctx, local, world, layout, shape):
         ctx.world, ctx.layout = world, layout
-        return assemble(world.all_gather(local, "full_tensor"), layout, world.mesh)
+        return gather_blocks(world, local, layout, shape, "full_tensor")
 
     @staticmethod
     def backward(ctx, grad):
         summed = [Replicate() if isinstance(p, Partial) else p for p in ctx.layout.placements]
-        return local_block(grad, Layout(*summed), ctx.world.mesh, ctx.world.rank).contiguous(), None, None
+        return local_block(grad, Layout(*summed), ctx.world.mesh, ctx.world.rank).contiguous(), None, None, None
+
+
+def gather_blocks(world, local: torch.Tensor, layout: Layout, shape, op: str) -> torch.Tensor:
+    """The global tensor of `shape` from this rank's true block `local` (laid out by `layout`) and
+    every other rank's, in one all-gather over `world` (blocks of uneven splits padded to one size
+    for it, and cut back)."""
+    mesh = world.mesh
+    padded = pad_block(local, layout, shape, mesh)
+    blocks = world.all_gather(padded, op)
+    return assemble([unpad_block(block, layout, shape, mesh, r) for r, block in enumerate(blocks)], layout, mesh)

@@ -21,13 +21,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.utils import _pytree as pytree
 
-from tess_compile.core.layout import assemble
+from tess_compile.core.layout import unpad_block
 from tess_compile.core.program import INPUT_ROLES, Program, Slot
 from tess_compile.ops.collectives import use_comm
 from tess_compile.runtime import state
 from tess_compile.runtime.consistency import check_same_inputs, check_same_model
 from tess_compile.runtime.dist_comm import DistComm
-from tess_compile.runtime.dtensors import contiguous_stride, placements_of
+from tess_compile.runtime.dtensors import contiguous_stride, gather_blocks, placements_of
 from tess_compile.runtime.groups import (
     DEFAULT_TIMEOUT,
     check_device_mesh,
@@ -111,13 +111,18 @@ class ShardedModule(ModeModule):
         else:
             with use_comm(self.comm):
                 outs = self.program.runnable(*inputs)
-        wrapped = [self._wrap(out, layout) for out, layout in zip(outs, self.program.output_layouts)]
-        return pytree.tree_unflatten(wrapped, self.program.out_spec)
+        program = self.program
+        wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
+                   zip(outs, program.output_layouts, program.output_shapes)]
+        return pytree.tree_unflatten(wrapped, program.out_spec)
 
-    def _wrap(self, out, layout):
+    def _wrap(self, out, layout, shape):
+        """An output as the DTensor of its global `shape`: this rank's true block of it."""
         if not self.wrap_outputs or layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
             return out
-        return DTensor.from_local(out, self.device_mesh, layout.to_dtensor(), run_check=False)
+        local = unpad_block(out, layout, shape, self.mesh, self.world.rank)
+        return DTensor.from_local(local, self.device_mesh, layout.to_dtensor(), run_check=False,
+                                  shape=torch.Size(shape), stride=contiguous_stride(shape))
 
     def _as_dtensor(self, slot: Slot, local: torch.Tensor) -> nn.Parameter:
         """A parameter's local tensor as the DTensor of the model's global shape, placed by its layout."""
@@ -129,7 +134,7 @@ class ShardedModule(ModeModule):
 
     def _gather(self, slot: Slot) -> torch.Tensor:
         local = state.get_tensor(self, slot).detach()
-        return assemble(self.world.all_gather(local, f"gather of {slot.name!r}"), slot.layout, self.mesh)
+        return gather_blocks(self.world, local, slot.layout, slot.shape, f"gather of {slot.name!r}")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
         """Scale the gradients so that their norm over the whole model is at most `max_norm`, as

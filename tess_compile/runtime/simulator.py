@@ -22,6 +22,7 @@ from tess_compile.core.layout import assemble
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import Program
 from tess_compile.ops.collectives import ADJOINT, COLLECTIVE_OPS, Comm, current_comm, use_comm
+from tess_compile.ops.dropout import LOCKSTEP as RANDOM_LOCKSTEP
 from tess_compile.ops.fetched_product import fetched_product, lockstep_product
 from tess_compile.ops.grad_bucket import grad_bucket, lockstep_bucket
 from tess_compile.ops.recompute_region import checkpointed
@@ -67,8 +68,10 @@ class _Collective(torch.autograd.Function):
         return (None, None, None, *out)
 
 
-# Graph targets that communicate in backward, by their versions over every rank's tensors.
-_LOCKSTEP = {fetched_product: lockstep_product, split_norm: lockstep_norm, grad_bucket: lockstep_bucket}
+# Graph targets that communicate in backward, or draw random numbers once for all ranks,
+# by their versions over every rank's tensors.
+_LOCKSTEP = {fetched_product: lockstep_product, split_norm: lockstep_norm, grad_bucket: lockstep_bucket,
+             **RANDOM_LOCKSTEP}
 
 
 def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> list:
@@ -140,11 +143,7 @@ class SimulatedModule(ModeModule):
         else:
             with use_comm(self.comm):
                 outs = run_lockstep(self.program.runnable, self.comm, rank_inputs)
-        flat_out = [
-            assemble([outs[r][i] for r in range(len(outs))], layout, self.mesh) if layout is not None else outs[0][i]
-            for i, layout in enumerate(self.program.output_layouts)
-        ]
-        return pytree.tree_unflatten(flat_out, self.program.out_spec)
+        return pytree.tree_unflatten(state.global_outputs(self.program, outs), self.program.out_spec)
 
     def _gather(self, slot, grad: bool = False) -> torch.Tensor | None:
         tensors = [state.get_tensor(module, slot) for module in self.ranks]

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.utils import _pytree as pytree
 
-from tess_compile.core.layout import Layout, Shard, local_block, take_block
+from tess_compile.core.layout import Layout, Shard, assemble, chunk, local_block, pad_block, take_block, unpad_block
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import INPUT_ROLES, Program, Slot
 from tess_compile.ops.recompute_region import outline_regions
@@ -133,8 +133,23 @@ def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
 
 def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> list:
     """The per-rank graph's placeholder values, in order: DTensor parameters as their
-    local tensors, whose gradients arrive on the parameters as DTensors of the same placements."""
-    return [flat_inputs[int(s.name)] if s.role in INPUT_ROLES else get_tensor(module, s) for s in program.slots]
+    local tensors, whose gradients arrive on the parameters as DTensors of the same placements;
+    the true chunks of uneven splits padded with zeros to the program's block size (`pad_block`)."""
+    return [flat_inputs[int(s.name)] if s.role in INPUT_ROLES
+            else pad_block(get_tensor(module, s), s.layout, s.shape, program.mesh) for s in program.slots]
+
+
+def global_outputs(program: Program, rank_outputs: Sequence[Sequence]) -> list:
+    """The global value of each output from every rank's outputs of the per-rank graph (the
+    padding of uneven splits cut off, `unpad_block`); an output without a layout as rank 0 has it."""
+    mesh, out = program.mesh, []
+    for index, (layout, shape) in enumerate(zip(program.output_layouts, program.output_shapes)):
+        values = [outputs[index] for outputs in rank_outputs]
+        if layout is None:
+            out.append(values[0])
+        else:
+            out.append(assemble([unpad_block(v, layout, shape, mesh, r) for r, v in enumerate(values)], layout, mesh))
+    return out
 
 
 def state_slots(program: Program) -> list[Slot]:
@@ -239,7 +254,8 @@ def _held_indices(layout: Layout, shape: Sequence[int], mesh: Mesh, rank: int, d
     for axis in AXES:
         placement = layout.on(axis)
         if isinstance(placement, Shard) and placement.dim == dim and mesh.size(axis) > 1:
-            index = take_block(index, 0, placement.groups, mesh.size(axis), mesh.coord(rank, axis))
+            parts, coord = mesh.size(axis), mesh.coord(rank, axis)
+            index = chunk(index, 0, parts, coord) if placement.groups == 1 else take_block(index, 0, placement.groups, parts, coord)
     return index
 
 

@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils import _pytree as pytree
 
-from tess_compile.core.layout import assemble
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import split_example_inputs
@@ -105,12 +104,8 @@ class SimulatedPipeline(nn.Module):
                 ]
             with use_comm(stage.comm):
                 outs = run_lockstep(program.runnable, stage.comm, rank_inputs)
-        last = self.stages[-1]
-        flat_out = [
-            assemble([outs[r][i] for r in range(len(outs))], layout, last.mesh) if layout is not None else outs[0][i]
-            for i, layout in enumerate(last.program.output_layouts)
-        ]
-        return pytree.tree_unflatten(flat_out, last.program.out_spec)
+        last = self.stages[-1].program
+        return pytree.tree_unflatten(state.global_outputs(last, outs), last.out_spec)
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Each parameter's full gradient, keyed like `nn.Sequential(*stages).named_parameters()`."""

@@ -1,0 +1,151 @@
+"""The one-per-compile summary of work that ranks repeat: ops that run replicated, and ops whose
+FLOPs repeat across ranks.
+
+An analysis of the per-rank graph beside the placed graph it came from; it
+writes nothing. An op with no rule runs replicated (the place pass marks it,
+`meta["replicated"]`). An op with a rule may still repeat work: a product of
+a tensor replicated over an axis, experts computed for every token. So every
+compile counts, per op of the model, the matmul-like FLOPs of the unsharded
+op (a fake run of the placed graph, global shapes) and of the per-rank nodes
+made for it (a fake run of the per-rank graph, `meta["global_node"]`), and
+names each op whose FLOPs over all ranks exceed the unsharded op's by more
+than `REPEATED_SHARE` of the model's FLOPs, with its source line and the
+repeated FLOPs. One warning lists both kinds; `strict=True` makes repeated
+work an error (ops without a rule are refused already by the place pass).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils.flop_counter import FlopCounterMode
+
+from passes.source_lines import source_line
+from tess_compile.core.fake_run import UNCHECKABLE, local_placeholder
+from tess_compile.core.layout import Layout, Partial
+from tess_compile.core.mesh import Mesh
+
+__all__ = ["REPEATED_SHARE", "report_repeated_work"]
+
+log = logging.getLogger("tess_compile")
+
+# Repeated FLOPs of one op, as a share of the model's, above which the op is named.
+REPEATED_SHARE = 0.05
+
+
+def report_repeated_work(gm: GraphModule, mesh: Mesh, *, placed: GraphModule, strict: bool = False) -> GraphModule:
+    """Warn once about the ops of `placed` that run replicated or repeat FLOPs across the ranks
+    of the per-rank `gm` (see the module docstring); `strict`: a ValueError for the latter."""
+    lines = _repeated_lines(gm, mesh, placed)
+    if lines and strict:
+        raise ValueError(
+            f"{len(lines)} op(s) repeat work across the ranks of mesh {mesh}, and strict=True forbids it:\n"
+            + "\n".join(lines) + "\nshard the op (split the dim the repeated work runs over), or pass strict=False"
+        )
+    replicated, count = _replicated_lines(placed, mesh)
+    sections = []
+    if replicated:
+        sections.append(f"{count} op(s) have no sharding rule and run replicated on mesh {mesh} (inputs gathered on "
+                        "every rank, outputs re-split by their consumers; strict=True makes this an error):\n"
+                        + "\n".join(replicated))
+    if lines:
+        sections.append(f"{len(lines)} op(s) repeat work across the ranks of mesh {mesh} (FLOPs over all ranks beyond "
+                        f"the unsharded op's, over {REPEATED_SHARE:.0%} of the model's; strict=True makes this an "
+                        "error):\n" + "\n".join(lines))
+    if sections:
+        warnings.warn("\n".join(sections), UserWarning, stacklevel=2)
+    return gm
+
+
+def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[str]:
+    """A line per op whose FLOPs over all ranks exceed its unsharded FLOPs by over the share;
+    none if a fake run cannot count them (`UNCHECKABLE`: data-dependent shapes, a meta model)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = [local_placeholder(n, mesh) for n in _placeholders(gm)]
+    try:
+        unsharded = flops_by_node(placed, [_global_value(n) for n in _placeholders(placed)])
+        local = flops_by_node(gm, inputs)
+    except UNCHECKABLE as err:
+        log.debug("repeated work not counted: %s", err)
+        return []
+    per_rank: dict[str, int] = {}
+    for node, flops in local.items():
+        name = node.meta.get("global_node")
+        per_rank[name] = per_rank.get(name, 0) + flops
+    model = sum(unsharded.values())
+    lines = []
+    for node, flops in unsharded.items():
+        repeated = mesh.num_ranks * per_rank.get(node.name, 0) - flops
+        if model and repeated > REPEATED_SHARE * model and "replicated" not in node.meta:
+            lines.append(f"  {node.target} at {source_line(node)}: repeats {repeated} FLOPs "
+                         f"({repeated / model:.0%} of the model's {model})")
+    return lines
+
+
+def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
+    """The matmul-like FLOPs (torch's FlopCounterMode) each node of `gm` runs on `inputs`, on fake
+    tensors; nodes that run none are left out."""
+    counter = FlopCounterMode(display=False)
+    run = _CountingRun(gm, counter)
+    with FakeTensorMode(allow_non_fake_inputs=True), counter, torch.no_grad():  # forward FLOPs: no autograd
+        run.run(*inputs)
+    return run.flops
+
+
+class _CountingRun(Interpreter):
+    def __init__(self, gm: GraphModule, counter: FlopCounterMode):
+        super().__init__(gm)
+        self.counter, self.flops = counter, {}
+
+    def run_node(self, node: Node):
+        before = self.counter.get_total_flops()
+        value = super().run_node(node)
+        spent = self.counter.get_total_flops() - before
+        if spent:
+            self.flops[node] = spent
+        return value
+
+
+def _placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _global_value(node: Node):
+    """An empty tensor like a placed graph's placeholder, or the value itself."""
+    val = node.meta["val"]
+    if not isinstance(val, torch.Tensor):
+        return val
+    return torch.empty(val.shape, dtype=val.dtype, device=val.device)
+
+
+def _replicated_lines(placed: GraphModule, mesh: Mesh) -> tuple[list[str], int]:
+    """A line per op and source line that runs replicated, with the input bytes a rank gathers;
+    and the number of such nodes."""
+    groups: dict[tuple[str, str], list[int]] = {}  # (op, line) -> [nodes, bytes gathered]
+    for node in placed.graph.nodes:
+        if "replicated" in node.meta:
+            group = groups.setdefault((str(node.target), node.meta["replicated"]), [0, 0])
+            group[0] += 1
+            group[1] += _gathered_bytes(node, mesh)
+    lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank"
+             for (op, where), (count, num_bytes) in groups.items()]
+    return lines, sum(count for count, _ in groups.values())
+
+
+def _gathered_bytes(node: Node, mesh: Mesh) -> int:
+    """Bytes of `node`'s inputs that a rank does not hold and receives to run it whole
+    (a partial sum counts whole)."""
+    total = 0
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        layout = arg.meta.get("layout") if isinstance(arg.meta.get("layout"), Layout) else Layout.replicated()
+        held = 0 if layout.axes_where(Partial, mesh) else math.prod(layout.local_shape(val.shape, mesh))
+        total += (val.numel() - held) * val.element_size()
+    return total
