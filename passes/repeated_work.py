@@ -26,7 +26,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
 from passes.source_lines import source_line
-from tess_compile.core.fake_run import UNCHECKABLE, local_placeholder
+from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, local_placeholder, requires_grad
 from tess_compile.core.layout import Layout, Partial
 from tess_compile.core.mesh import Mesh
 
@@ -66,9 +66,9 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
     """A line per op whose FLOPs over all ranks exceed its unsharded FLOPs by over the share;
     none if a fake run cannot count them (`UNCHECKABLE`: data-dependent shapes, a meta model)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        inputs = [local_placeholder(n, mesh) for n in _placeholders(gm)]
+        inputs = [local_placeholder(n, mesh, requires_grad(n, False)) for n in _placeholders(gm)]
     try:
-        unsharded = flops_by_node(placed, [_global_value(n) for n in _placeholders(placed)])
+        unsharded = flops_by_node(placed, [global_placeholder(n, _device(n)) for n in _placeholders(placed)])
         local = flops_by_node(gm, inputs)
     except UNCHECKABLE as err:
         log.debug("repeated work not counted: %s", err)
@@ -92,7 +92,7 @@ def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
     tensors; nodes that run none are left out."""
     counter = FlopCounterMode(display=False)
     run = _CountingRun(gm, counter)
-    with FakeTensorMode(allow_non_fake_inputs=True), counter, torch.no_grad():  # forward FLOPs: no autograd
+    with FakeTensorMode(allow_non_fake_inputs=True), counter:
         run.run(*inputs)
     return run.flops
 
@@ -115,12 +115,10 @@ def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _global_value(node: Node):
-    """An empty tensor like a placed graph's placeholder, or the value itself."""
+def _device(node: Node):
+    """The device of a placed placeholder's value (a model built on the meta device stays there)."""
     val = node.meta["val"]
-    if not isinstance(val, torch.Tensor):
-        return val
-    return torch.empty(val.shape, dtype=val.dtype, device=val.device)
+    return val.device if isinstance(val, torch.Tensor) else None
 
 
 def _replicated_lines(placed: GraphModule, mesh: Mesh) -> tuple[list[str], int]:

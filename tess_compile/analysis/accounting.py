@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from passes.capture import capture
-from tess_compile.core.fake_run import fake_run, tensor_bytes
+from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs
 from tess_compile.ops.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
@@ -96,21 +96,10 @@ def captured_forward_flops(gm: GraphModule) -> int:
     """`unsharded_forward_flops` of a graph already captured."""
     counter = FlopCounterMode(display=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        inputs = [_global_placeholder(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        inputs = [global_placeholder(n) for n in gm.graph.nodes if n.op == "placeholder"]
         with counter:
             Interpreter(gm).run(*inputs)
     return counter.get_total_flops()
-
-
-def _global_placeholder(node: Node):
-    """An empty tensor like the captured placeholder's value (on the default device),
-    requiring grad if it is a parameter, as in `fake_run` (some kernels, such as CPU
-    attention, take another path when grad is required), or the value itself."""
-    val = node.meta["val"]
-    if not isinstance(val, torch.Tensor):
-        return val
-    weight = node.meta.get("role", ("",))[0] == "param" and (val.is_floating_point() or val.is_complex())
-    return torch.empty(val.shape, dtype=val.dtype, requires_grad=weight)
 
 
 def saved_bytes(run, parameters) -> int:

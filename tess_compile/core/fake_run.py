@@ -28,7 +28,7 @@ UNCHECKABLE = (
     fake_tensor.FakeTensorDeviceMismatchError,
 )
 
-__all__ = ["UNCHECKABLE", "fake_run", "local_bytes", "local_placeholder", "requires_grad", "tensor_bytes"]
+__all__ = ["UNCHECKABLE", "fake_run", "global_placeholder", "local_bytes", "local_placeholder", "requires_grad", "tensor_bytes"]
 
 
 def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
@@ -38,6 +38,18 @@ def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
         return node.meta["constant_value"]
     shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
     return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=requires_grad)
+
+
+def global_placeholder(node: Node, device=None):
+    """An empty tensor like a captured or placed graph's placeholder (on `device`, default
+    the default device), requiring grad if it is a parameter, as in `fake_run` (some
+    kernels, such as CPU attention, take another path when grad is required, and
+    FlopCounterMode counts only one of them), or the value itself."""
+    val = node.meta["val"]
+    if not isinstance(val, torch.Tensor):
+        return val
+    weight = node.meta.get("role", ("",))[0] == "param" and (val.is_floating_point() or val.is_complex())
+    return torch.empty(val.shape, dtype=val.dtype, device=device, requires_grad=weight)
 
 
 def local_bytes(node, mesh: Mesh) -> int:
