@@ -54,7 +54,7 @@ def compile_model(
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
 
-    `options` (a `CompileOptions` of the mesh's mode), or its fields as
+    `options` (a `CompileOptions` of the mesh's mode, none "auto"), or its fields as
     `keywords`, choose the schedule of the products, what backward keeps or
     recomputes, and the checks (docs/modes.md, docs/memory.md).
 
@@ -68,6 +68,11 @@ def compile_model(
     shape, so one stage's output block is the next stage's input block.
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
+    if options.auto:
+        name = options.auto[0]
+        raise ValueError(f"{name}='auto' must be resolved before compiling: tess_compile.shard, simulate, dump and "
+                         f"backend price the candidates on a cluster (tess_compile.analysis.schedule_choice); "
+                         f"here pass a concrete {name}")
     args, kwargs = split_example_inputs(example_inputs)
     start = time.perf_counter()
     run = _Passes(mesh)

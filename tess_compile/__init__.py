@@ -6,9 +6,11 @@ compile options of `CompileOptions` as keywords: a `mode`, "2.5d" (Tesseract,
 the default), "2d" (Optimus, d=1), "3d" (d=q) or "1d" (Megatron-LM over the
 same q*q*d ranks; see `tess_compile.core.mesh`), a `summa` schedule of the
 matrix products: "broadcast" (the papers' q steps, the default), "overlap"
-(step t+1's broadcasts in flight during step t's product) or "gather" (one
-all-gather per operand, one product), and what backward keeps or recomputes.
-`plan` ranks the modes and meshes of a model on a cluster by predicted time.
+(step t+1's broadcasts in flight during step t's product), "gather" (one
+all-gather per operand, one product) or "auto" (the fastest on a cluster,
+`cluster=`), and what backward keeps or recomputes.
+`plan` ranks the modes and meshes of a model on a cluster by predicted time;
+`profile_cluster` measures the machine it runs on (a `Cluster` to plan with).
 
 The package's layers, each importing only those before it: `core` (mesh,
 layouts, options, programs), `ops` (what a per-rank graph calls), `runtime`
@@ -19,17 +21,22 @@ model, planner, dumps), `training` and `scale_out`; this file, `backend` and
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
 from passes.driver import mode_compiler
+from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.graph_dump import dump
 from tess_compile.analysis.planner import plan
+from tess_compile.analysis.profiling import profile_cluster
+from tess_compile.analysis.schedule_choice import resolve_auto
 from tess_compile.backend import backend
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
-from tess_compile.core.program import split_example_inputs
+from tess_compile.core.program import Program, split_example_inputs
 from tess_compile.moved import install as _install_moved_modules
 from tess_compile.runtime.dtensors import full_tensor
 from tess_compile.runtime.groups import check_device_mesh, check_zero, dp_size
@@ -43,6 +50,7 @@ from tess_compile.training.clip import clip_grad_norm_
 from tess_compile.training.shard_loading import for_dcp, load_pretrained_shards, load_shards_from
 
 __all__ = [
+    "Cluster",
     "CompileOptions",
     "Mesh",
     "backend",
@@ -54,6 +62,7 @@ __all__ = [
     "load_shards_from",
     "pipeline_stage",
     "plan",
+    "profile_cluster",
     "run_local",
     "shard",
     "shard_program",
@@ -63,6 +72,16 @@ __all__ = [
 
 
 _install_moved_modules()  # the old module paths, deprecated (tess_compile.moved)
+
+
+def _compiler(model: torch.nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
+              cluster: Cluster | str | os.PathLike | None) -> tuple[Callable[[bool], Program], Program]:
+    """`compile_in(training)` (`mode_compiler`) and the program of the model's mode, "auto"
+    options resolved on `cluster` first (`schedule_choice.resolve_auto`): the chosen program,
+    compiled to price it, is not compiled again."""
+    resolved = resolve_auto(model, mesh, example_inputs, options, cluster)
+    compile_in = mode_compiler(model, mesh, example_inputs, resolved.options)
+    return compile_in, resolved.program if resolved.program is not None else compile_in(model.training)
 
 
 def _check_compile(compile, where: str) -> None:
@@ -83,6 +102,7 @@ def simulate(
     options: CompileOptions | None = None,
     dp: int = 1,
     compile: bool = False,
+    cluster: Cluster | str | os.PathLike | None = None,
 ):
     """Compile `model` for the `[q, q, d]` mesh in `mode` and run all `q*q*d` ranks in this process.
 
@@ -90,7 +110,11 @@ def simulate(
     After `backward()`, `full_grads()` gives every parameter's full gradient.
     Returns a `tess_compile.runtime.simulator.SimulatedModule`. The compile
     options (`mode`, `summa`, `keep_blocks`, `recompute`, `strict`, `verify`)
-    are those of `CompileOptions`.
+    are those of `CompileOptions`; `summa="auto"` and `keep_blocks="auto"`
+    compile the fastest candidate on `cluster` that fits its memory (a
+    `tess_compile.analysis.cluster.Cluster`, the path of a JSON file
+    `Cluster.save` wrote, or None: `CALIBRATED_CLUSTER`), logged on the
+    `tess_compile` logger (docs/modes.md).
 
     `dp=N` runs N data-parallel groups of that mesh (`N*q*q*d` ranks, the mesh
     `(dp, depth, row, col)`): `example_inputs` and each call take the
@@ -106,14 +130,13 @@ def simulate(
     _check_compile(compile, "tess_compile.simulate")
     mesh = options.mesh(q, d)
     if dp == 1:
-        compile_in = mode_compiler(model, mesh, example_inputs, options)
-        return SimulatedModule(compile_in(model.training), recompile=compile_in, compile=compile)
+        compile_in, program = _compiler(model, mesh, example_inputs, options, cluster)
+        return SimulatedModule(program, recompile=compile_in, compile=compile)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r} is not a number of data-parallel groups: pass an int >= 1, e.g. dp=2")
     check_batch(example_inputs, mesh, "tess_compile.simulate(dp=...)", num_groups=dp)
     group_args, group_kwargs = split_batch(*split_example_inputs(example_inputs), dp)[0]
-    compile_in = mode_compiler(model, mesh, group_kwargs if group_kwargs else tuple(group_args), options)
-    program = compile_in(model.training)
+    compile_in, program = _compiler(model, mesh, group_kwargs if group_kwargs else tuple(group_args), options, cluster)
     return SimulatedDataParallel([SimulatedModule(program, recompile=compile_in, compile=compile) for _ in range(dp)])
 
 
@@ -130,6 +153,7 @@ def shard(
     mesh=None,
     zero: bool = False,
     compile: bool = False,
+    cluster: Cluster | str | os.PathLike | None = None,
 ):
     """Compile `model` for the `[q, q, d]` mesh in `mode`; call on every rank of a world of `q*q*d`.
 
@@ -139,10 +163,11 @@ def shard(
     it takes the model's global inputs (the same batch on every rank) and
     returns DTensors on the mesh (plain tensors for scalars). The compile
     options (`mode`, `summa`, `keep_blocks`, `recompute`, `strict`, `verify`)
-    are those of `CompileOptions`. `device` defaults to the current CUDA
-    device under NCCL and the CPU otherwise; a collective whose peers do not
-    arrive within `timeout` (seconds or a timedelta; default 10 minutes) fails
-    with a message.
+    are those of `CompileOptions`; "auto" ones are chosen on `cluster` as in
+    `simulate` (the pricing is deterministic: every rank compiles the same
+    program). `device` defaults to the current CUDA device under NCCL and the
+    CPU otherwise; a collective whose peers do not arrive within `timeout`
+    (seconds or a timedelta; default 10 minutes) fails with a message.
 
     `mesh`: a torch DeviceMesh whose dims include "depth", "row" and "col" of
     sizes `(d, q, q)`; its other named dims (e.g. "dp") are data parallel
@@ -166,6 +191,6 @@ def shard(
         check_zero(zero, mesh, dp_dims, tess_mesh)
         if mesh is not None:
             check_batch(example_inputs, tess_mesh, "mesh=", dp_size(mesh, dp_dims), device_mesh=mesh)
-    compile_in = mode_compiler(model, tess_mesh, example_inputs, options)
-    return shard_program(compile_in(model.training), device=device, timeout=timeout, recompile=compile_in,
+    compile_in, program = _compiler(model, tess_mesh, example_inputs, options, cluster)
+    return shard_program(program, device=device, timeout=timeout, recompile=compile_in,
                          mesh=mesh, zero=zero, compile=compile)

@@ -7,7 +7,9 @@ exported to the ATen IR that `shard` uses, compiled for the mesh and run
 on it: by the distributed runtime on every rank of an initialized world of
 `q*q*d`, or with `simulate=True` by the simulator in this process. With
 `inner="inductor"` each per-rank program runs through inductor, forward and
-backward, as `shard(..., compile=True)` does (docs/compiled.md).
+backward, as `shard(..., compile=True)` does (docs/compiled.md). With
+`summa="auto"` or `keep_blocks="auto"` each graph gets the fastest candidate
+on `cluster=` (`tess_compile.analysis.schedule_choice`).
 
 Parameters arrive as graph inputs, whole. Each call slices this rank's
 blocks out of them (a copy of the blocks, never of the whole model), and
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from passes.driver import compile_model
+from tess_compile.analysis.cluster import Cluster
+from tess_compile.analysis.schedule_choice import load_cluster, resolve_auto
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import RENAMED, CompileOptions, takes_compile_options
 from tess_compile.runtime.sharded_module import shard_program
@@ -47,22 +52,24 @@ def backend(
     simulate: bool = False,
     timeout: float | None = None,
     inner: str = "eager",
+    cluster: Cluster | str | os.PathLike | None = None,
 ) -> Callable:
     """A torch.compile backend that runs each graph on the `[q, q, d]` mesh with the compile
     options of `CompileOptions` (`mode`, the `summa` schedule of the matrix products,
-    `keep_blocks` and `recompute` as in `tess_compile.simulate`; docs/modes.md,
-    docs/memory.md); `simulate=True` runs every rank in this process.
-    `inner="inductor"` compiles each per-rank program with inductor (docs/compiled.md)."""
+    `keep_blocks` and `recompute` as in `tess_compile.simulate`, "auto" ones chosen per graph
+    on `cluster`; docs/modes.md, docs/memory.md); `simulate=True` runs every rank in this
+    process. `inner="inductor"` compiles each per-rank program with inductor (docs/compiled.md)."""
     if inner not in _INNER:
         raise ValueError(
             f"backend 'tesseract' got inner={inner!r}: it runs each per-rank program as one of "
             f"{', '.join(map(repr, _INNER))}; pass inner='inductor' to compile it, or leave inner out"
         )
     mesh = options.mesh(q, d)
+    load_cluster(cluster)  # a bad cluster= fails here, not inside Dynamo
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
         return _compile(gm, list(example_inputs), mesh, options, simulate=simulate, timeout=timeout,
-                        compile=inner == "inductor")
+                        compile=inner == "inductor", cluster=cluster)
 
     return compile_graph
 
@@ -82,7 +89,7 @@ def tesseract(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict 
 
 
 def _compile(gm, example_inputs: list, mesh: Mesh, options: CompileOptions, *, simulate: bool, timeout,
-             compile: bool) -> Callable:
+             compile: bool, cluster) -> Callable:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if not isinstance(value, torch.Tensor):
@@ -96,8 +103,10 @@ def _compile(gm, example_inputs: list, mesh: Mesh, options: CompileOptions, *, s
         if isinstance(value, nn.Parameter) or "_buffers_" in node.target
     }
     _untag_checkpoints(gm)
-    program = compile_model(gm, mesh, tuple(example_inputs), options=options, weight_inputs=weights,
-                            replicate_outputs=True)
+    boundary = {"weight_inputs": weights, "replicate_outputs": True}
+    options, program, _ = resolve_auto(gm, mesh, tuple(example_inputs), options, cluster, **boundary)
+    if program is None:
+        program = compile_model(gm, mesh, tuple(example_inputs), options=options, **boundary)
     log.info("torch.compile backend: graph of %d nodes on mesh %s", len(gm.graph.nodes), mesh)
     if simulate:
         return SimulatedModule(program, compile=compile)

@@ -59,3 +59,13 @@ def test_vs_dtensor_benchmark_runs(capsys):
     assert bench.main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "DTensor eager" in out and "tess 2.5d" in out and "saved B/rank" in out
+
+
+def test_plan_accuracy_benchmark_runs(capsys, tmp_path):
+    bench = importlib.import_module("benchmarks.plan_accuracy")  # by package name: spawned ranks import it
+    path = tmp_path / "cluster.json"
+    assert bench.main(["--quick", "--steps", "1", "--warmup", "1", "--profile-out", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted ms" in out and "Kendall tau-b" in out and "1-D p=8" in out and "dp 2 x [2,2,1]" in out
+    assert bench.kendall_tau_b([1, 2, 3], [1, 2, 3]) == 1.0 and bench.kendall_tau_b([1, 2, 3], [3, 2, 1]) == -1.0
+    assert path.exists()

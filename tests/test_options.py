@@ -49,6 +49,11 @@ def test_the_command_line_takes_the_same_options(command):
                                                                    recompute="blocks", strict=True, verify=True)
     old = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--checkpoint", "selective"])
     assert old.recompute == "selective"
+    auto = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--summa", "auto",
+                              "--keep-blocks", "auto"])
+    assert (auto.summa, auto.keep_blocks) == ("auto", "auto")
+    off = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--keep-blocks", "off"])
+    assert off.keep_blocks is False
 
 
 def test_options_object_and_keywords_give_one_program():
@@ -89,7 +94,7 @@ def test_an_unknown_keyword_names_the_options():
     ("summa", "ring", "summa='ring' is not a schedule: use one of 'broadcast', 'overlap', 'gather'"),
     ("recompute", "all", "recompute='all' is not a recompute option: use one of 'none', 'blocks', 'selective'"),
     ("mode", "4d", "mode '4d' is not one of '1d', '2d', '2.5d', '3d'"),
-    ("keep_blocks", "yes", "keep_blocks='yes' is not a bool"),
+    ("keep_blocks", "yes", "keep_blocks='yes' is not a bool or 'auto': pass keep_blocks=True, False or 'auto'"),
     ("verify", 1, "verify=1 is not a bool"),
 ])
 def test_bad_option_values(field, value, message):

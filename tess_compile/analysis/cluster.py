@@ -19,7 +19,9 @@ and `PAPER_CLUSTER` the paper's cluster as specified, uncalibrated.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +64,9 @@ def _log2(g: int) -> int:
 #   all_reduce          L alpha + L n/B               (recursive doubling)
 #   all_gather          L alpha + (g-1) n/B           (recursive doubling)
 #   reduce_scatter      L alpha + (g-1)/g n/B         (recursive halving)
+_OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+
 COLLECTIVE_RULES: dict[tuple[str, str], Callable[[int], tuple[float, float]]] = {
     ("ring", "broadcast"): lambda g: (g - 1, 1),
     ("ring", "reduce"): lambda g: (g - 1, 1),
@@ -98,6 +103,13 @@ class Cluster:
     other kernels move their bytes at `memory_bandwidth` (bytes/s); each
     kernel launch costs `kernel_overhead` seconds. The defaults (0, inf, 0)
     give the uncalibrated alpha-beta model.
+
+    A profiled cluster (`tess_compile.analysis.profiling.profile_cluster`) also
+    holds the optimizer step, `optimizer_overhead` seconds per parameter tensor
+    plus its parameter bytes at `optimizer_bandwidth` (AdamW; the defaults, 0
+    and inf, leave it out), and `collectives`: measured lines `(op, group size,
+    "intra" or "inter", seconds, seconds per byte)` that price those
+    collectives in place of `COLLECTIVE_RULES`.
     """
 
     gpus_per_node: int
@@ -111,16 +123,26 @@ class Cluster:
     matmul_half_size: float = 0.0
     memory_bandwidth: float = math.inf
     kernel_overhead: float = 0.0
+    optimizer_overhead: float = 0.0
+    optimizer_bandwidth: float = math.inf
+    collectives: tuple[tuple[str, int, str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r}: use a positive integer, e.g. 4 or 8")
-        for name in ("intra_bandwidth", "inter_bandwidth", "flops", "memory", "memory_bandwidth"):
+        for name in ("intra_bandwidth", "inter_bandwidth", "flops", "memory", "memory_bandwidth",
+                     "optimizer_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number > 0")
-        for name in ("intra_latency", "inter_latency", "matmul_half_size", "kernel_overhead"):
+        for name in ("intra_latency", "inter_latency", "matmul_half_size", "kernel_overhead", "optimizer_overhead"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0")
+        object.__setattr__(self, "collectives", tuple(map(tuple, self.collectives)))
+        for entry in self.collectives:
+            if not (len(entry) == 5 and entry[0] in _OPS and isinstance(entry[1], int) and entry[1] > 1
+                    and entry[2] in ("intra", "inter") and entry[3] >= 0 and entry[4] >= 0):
+                raise ValueError(f"Cluster collectives entry {entry!r}: use (op, group size > 1, 'intra' or "
+                                 f"'inter', latency s >= 0, s per byte >= 0), op one of {', '.join(_OPS)}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"collective algorithm {self.algorithm!r} is not one of "
                              f"{', '.join(map(repr, ALGORITHMS))}: use 'ring' (NCCL's default) or 'tree'")
@@ -128,6 +150,27 @@ class Cluster:
     def is_intra_node(self, mesh: Mesh, axis: str) -> bool:
         """Whether every group along `axis` lies within one node."""
         return all(len({rank // self.gpus_per_node for rank in group}) == 1 for group in mesh.groups(axis))
+
+    def measured(self, op: str, group_size: int, intra: bool) -> tuple[float, float] | None:
+        """(seconds, seconds per byte) of `op` over `group_size` ranks as profiled, or None."""
+        link = "intra" if intra else "inter"
+        for entry in self.collectives:
+            if entry[:3] == (op, group_size, link):
+                return entry[3], entry[4]
+        return None
+
+    def collective_seconds(self, op: str, group_size: int, num_bytes: int, intra: bool) -> float:
+        """Seconds of `op` on `num_bytes` (as `accounting` counts them) over `group_size`
+        ranks: the profiled line (`collectives`) where there is one, else `COLLECTIVE_RULES`
+        on the link."""
+        if group_size <= 1 or num_bytes == 0:
+            return 0.0
+        line = self.measured(op, group_size, intra)
+        if line is not None:
+            return line[0] + line[1] * num_bytes
+        link = Link(self.intra_bandwidth, self.intra_latency) if intra else Link(self.inter_bandwidth,
+                                                                                self.inter_latency)
+        return collective_time(op, group_size, num_bytes, link, self.algorithm)
 
     def link(self, mesh: Mesh, axis: str) -> Link:
         """The link the collectives along `axis` run on."""
@@ -138,6 +181,49 @@ class Cluster:
     def matmul_efficiency(self, size: float) -> float:
         """The fraction of `flops` a matrix product whose smallest dimension is `size` reaches."""
         return size / (size + self.matmul_half_size)
+
+    def to_dict(self) -> dict:
+        """The fields as a dict of JSON values (an infinite bandwidth as the string "inf")."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["collectives"] = [list(entry) for entry in self.collectives]
+        return {key: "inf" if value == math.inf else value for key, value in values.items()}
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "the cluster") -> Cluster:
+        """The cluster of `to_dict`'s dict; a ValueError names an unknown or missing field."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"{where}: unknown Cluster field {unknown[0]!r}; the fields are {', '.join(names)}")
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ValueError(f"{where}: Cluster field {missing[0]!r} is missing; give every one of "
+                             f"{', '.join(required)}")
+        return cls(**{key: math.inf if value == "inf" else value for key, value in values.items()})
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cluster to `path` as JSON (`Cluster.load` reads it back)."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.to_dict(), file, indent=2)
+            file.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Cluster:
+        """The cluster `save` (or `tess-compile profile`) wrote to `path`."""
+        try:
+            with open(path, encoding="utf-8") as file:
+                values = json.load(file)
+        except FileNotFoundError:
+            raise ValueError(f"cluster file {os.fspath(path)!r} not found: write one with "
+                             "`tess-compile profile -o FILE` or Cluster.save") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cluster file {os.fspath(path)!r} is not JSON ({exc}): write it with "
+                             "`tess-compile profile -o FILE` or Cluster.save") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"cluster file {os.fspath(path)!r} holds a {type(values).__name__}, not an object "
+                             "of Cluster fields")
+        return cls.from_dict(values, where=f"cluster file {os.fspath(path)!r}")
 
 
 # The paper's cluster (Tesseract, section 4: MeluXina): 4 A100 per node, NVLink

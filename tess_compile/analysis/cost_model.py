@@ -15,7 +15,10 @@ both. Per phase (forward, backward):
 - `kernel_overhead` seconds per kernel launched (views and allocations
   launch none; collectives are priced below, with the copies that pack a
   gradient bucket, `tess_compile.ops.grad_bucket`, as part of its all-reduce);
-- each collective by `collective_time` on the link of its axis.
+- each collective by `Cluster.collective_seconds` on the link of its axis
+  (its profiled line, else `collective_time`'s rule);
+- the optimizer step (AdamW) on the rank's parameter shards, where the
+  cluster prices it (a profiled one does).
 
 Backward is priced from the kernels autograd runs (recomputed regions and
 the refetches of the memory-lean products included); compute and
@@ -25,6 +28,7 @@ backward runs its collectives synchronously).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,7 +40,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, collective_costs, transfers
-from tess_compile.analysis.cluster import COLLECTIVE_RULES, Cluster, collective_rule, collective_time
+from tess_compile.analysis.cluster import COLLECTIVE_RULES, Cluster, collective_rule
 from tess_compile.core.fake_run import local_placeholder, requires_grad, tensor_bytes
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
@@ -52,6 +56,7 @@ __all__ = [
     "TERMS",
     "coefficients",
     "comm_seconds",
+    "optimizer_seconds",
     "predict_time",
     "profile_program",
     "ring_wire_bytes",
@@ -73,11 +78,12 @@ def ring_wire_bytes(costs: Iterable[CollectiveCost], mesh: Mesh) -> dict[str, fl
 
 
 def comm_seconds(costs: Iterable[CollectiveCost], mesh: Mesh, cluster: Cluster) -> dict[str, float]:
-    """`{"forward": s, "backward": s}`: the time of the collectives in `costs`, one after another."""
-    links = {axis: cluster.link(mesh, axis) for axis in AXES}
+    """`{"forward": s, "backward": s}`: the time of the collectives in `costs`, one after another
+    (`Cluster.collective_seconds`: profiled lines where the cluster has them)."""
+    intra = {axis: cluster.is_intra_node(mesh, axis) for axis in AXES}
     seconds = dict.fromkeys(PHASES, 0.0)
     for phase, op, axis, num_bytes in transfers(costs):
-        seconds[phase] += collective_time(op, mesh.size(axis), num_bytes, links[axis], cluster.algorithm)
+        seconds[phase] += cluster.collective_seconds(op, mesh.size(axis), num_bytes, intra[axis])
     return seconds
 
 
@@ -92,6 +98,8 @@ class StepTime:
     forward_bytes: int
     backward_bytes: int
     overlap: tuple[str, ...] = ()  # the phases whose compute and communication overlap
+    optimizer_s: float = 0.0  # the optimizer step on this rank's parameters
+    grad_tensors: int = 0  # parameter shards whose gradients this rank holds (a data-parallel all-reduce each)
 
     def _phase(self, phase: str, compute: float, comm: float) -> float:
         return max(compute, comm) if phase in self.overlap else compute + comm
@@ -106,7 +114,7 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.forward_s + self.backward_s
+        return self.forward_s + self.backward_s + self.optimizer_s
 
     @property
     def comm_bytes(self) -> int:
@@ -298,29 +306,42 @@ def time_terms(profile: ProgramProfile, cluster: Cluster, *, grad_sync: bool = T
 
 
 def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str = False,
-              grad_sync: bool = True) -> StepTime:
-    """Forward and backward seconds of `profile` on `cluster` (see the module docstring)."""
+              grad_sync: bool = True, optimizer_s: float = 0.0, grad_tensors: int = 0) -> StepTime:
+    """Forward and backward seconds of `profile` on `cluster` (see the module docstring),
+    `optimizer_s` for the optimizer step, over `grad_tensors` parameter shards."""
     terms = time_terms(profile, cluster, grad_sync=grad_sync)
     price = coefficients(cluster)
 
-    def seconds(phase: str, names: tuple[str, ...]) -> float:
-        return sum(price[name] * terms[phase][name] for name in names)
+    def compute(phase: str) -> float:
+        return sum(price[name] * terms[phase][name] for name in COMPUTE_TERMS)
 
     costs = _priced_costs(profile, grad_sync)
+    comm = comm_seconds(costs, profile.mesh, cluster)
     return StepTime(
-        forward_compute_s=seconds("forward", COMPUTE_TERMS),
-        forward_comm_s=seconds("forward", COMM_TERMS),
-        backward_compute_s=seconds("backward", COMPUTE_TERMS),
-        backward_comm_s=seconds("backward", COMM_TERMS),
+        forward_compute_s=compute("forward"),
+        forward_comm_s=comm["forward"],
+        backward_compute_s=compute("backward"),
+        backward_comm_s=comm["backward"],
         forward_bytes=sum(c.forward_bytes for c in costs if c.forward_bytes is not None),
         backward_bytes=sum(c.backward_bytes for c in costs if c.backward_bytes is not None),
         overlap=_OVERLAPPED_PHASES[overlap],
+        optimizer_s=optimizer_s,
+        grad_tensors=grad_tensors,
     )
+
+
+def optimizer_seconds(program: Program, cluster: Cluster) -> float:
+    """Seconds of one AdamW step over this rank's parameter shards: `optimizer_overhead`
+    per tensor plus their bytes at `optimizer_bandwidth` (0 on a cluster without them)."""
+    shards = [(slot.layout.local_shape(slot.shape, program.mesh), slot.dtype.itemsize) for slot in program.params]
+    num_bytes = sum(math.prod(shape) * itemsize for shape, itemsize in shards)
+    return len(shards) * cluster.optimizer_overhead + num_bytes / cluster.optimizer_bandwidth
 
 
 def predict_time(program: Program, cluster: Cluster, *, overlap: bool | str = False,
                  inputs_require_grad: bool = False, grad_sync: bool = True) -> StepTime:
-    """Forward and backward seconds of one step of `program` on `cluster`:
-    `step_time(profile_program(program), cluster)`."""
+    """Forward, backward and optimizer seconds of one step of `program` on `cluster`:
+    `step_time(profile_program(program), cluster)` with `optimizer_seconds`."""
     profile = profile_program(program, inputs_require_grad=inputs_require_grad)
-    return step_time(profile, cluster, overlap=overlap, grad_sync=grad_sync)
+    return step_time(profile, cluster, overlap=overlap, grad_sync=grad_sync,
+                     optimizer_s=optimizer_seconds(program, cluster), grad_tensors=len(program.params))

@@ -10,7 +10,9 @@ Not a pass: it reads what the passes leave and changes nothing. Stages:
   header with the rank's parameter bytes, memory, redundant work (forward
   FLOPs over all ranks / the unsharded model's) and bytes moved
   (`tess_compile.analysis.accounting`); with `sizes=`, also those bytes as formulas
-  in the model's sizes and the mesh (`tess_compile.analysis.symbolic`).
+  in the model's sizes and the mesh (`tess_compile.analysis.symbolic`); with
+  `summa="auto"` or `keep_blocks="auto"`, the schedule auto chose and its
+  alternatives (`tess_compile.analysis.schedule_choice`).
 
 Text dumps have one node a line (`name = op(args)  # comment`); `#` lines
 are the header and, in "placed", the conversions before the node needing
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 
 import torch
 from torch.fx import GraphModule
@@ -36,6 +39,7 @@ from passes.driver import compile_model
 from passes.observers import PassResult, add_pass_observer
 from passes.place import place
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
+from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.graph_views import (
     STAGE_VIEWS,
     redundant_work_text,
@@ -45,6 +49,7 @@ from tess_compile.analysis.graph_views import (
     rewritten_view,
 )
 from tess_compile.analysis.memory import predict_memory
+from tess_compile.analysis.schedule_choice import load_cluster, resolve_auto
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import Program, split_example_inputs
@@ -69,20 +74,27 @@ def dump(
     stage: str = "rewritten",
     format: str = "text",
     sizes: dict[str, int] | None = None,
+    cluster: Cluster | str | os.PathLike | None = None,
 ) -> str:
     """Compile `model` for the `[q, q, d]` mesh with the compile options of `CompileOptions`
     (`mode`, `summa`, ...) and render `stage` for `rank` in `format`.
 
     `sizes` names the model's sizes (`{"b": 8, "s": 12, "h": 40}`, the sizes
     of `example_inputs` and the model); the rewritten stage's header then
-    gives the bytes moved as formulas in them and in q, d, p.
+    gives the bytes moved as formulas in them and in q, d, p. "auto" options
+    are chosen on `cluster` as in `tess_compile.simulate`, and the rewritten
+    stage's header says what they chose (the other stages do not depend on them).
     """
     mesh = options.mesh(q, d)
     _check_options(stage, format, rank, mesh, sizes)
     if stage == "rewritten":
-        program = compile_model(model, mesh, example_inputs, options=options)
+        options, program, summary = resolve_auto(model, mesh, example_inputs, options, cluster)
+        if program is None:
+            program = compile_model(model, mesh, example_inputs, options=options)
         unsharded_flops = unsharded_forward_flops(model, example_inputs)
-        return dump_program(program, rank=rank, format=format, sizes=sizes, unsharded_flops=unsharded_flops)
+        return dump_program(program, rank=rank, format=format, sizes=sizes, unsharded_flops=unsharded_flops,
+                            notes=[summary] if summary else [])
+    load_cluster(cluster)  # unused by the other stages, checked all the same
     args, kwargs = split_example_inputs(example_inputs)
     gm = capture(model, args, kwargs)
     if stage == "placed":
@@ -92,16 +104,17 @@ def dump(
 
 def dump_program(
     program: Program, *, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None,
-    unsharded_flops: int | None = None,
+    unsharded_flops: int | None = None, notes: Sequence[str] = (),
 ) -> str:
-    """The rewritten stage of a compiled `Program`: rank `rank`'s per-rank graph, with the
-    rank's predicted memory in the header and, given the unsharded model's forward FLOPs
-    (`accounting.unsharded_forward_flops`), the redundant work (`sizes`: see `dump`)."""
+    """The rewritten stage of a compiled `Program`: rank `rank`'s per-rank graph, with `notes`
+    and the rank's predicted memory in the header and, given the unsharded model's forward
+    FLOPs (`accounting.unsharded_forward_flops`), the redundant work (`sizes`: see `dump`)."""
     _check_options("rewritten", format, rank, program.mesh, sizes)
     memory = predict_memory(program)
     notes = [
+        *notes,
         f"memory per rank (bytes): parameters {memory.params}, gradients {memory.grads}, AdamW state "
-        f"{memory.optimizer}, saved for backward {memory.activations}, collective buffers {memory.transient}"
+        f"{memory.optimizer}, saved for backward {memory.activations}, collective buffers {memory.transient}",
     ]
     if unsharded_flops is not None:
         notes.append(redundant_work_text(redundant_work(program, unsharded_flops)))

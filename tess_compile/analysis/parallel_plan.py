@@ -13,9 +13,11 @@ apart. The tensor-parallel program is compiled for one microbatch,
   priced (one block a microbatch, small beside the stage's own
   collectives);
 - data parallel: each stage's gradients are all-reduced over the `dp`
-  replicas after backward (ZeRO: reduce-scattered, and the parameters
-  all-gathered, the same bytes on a ring), on the intra-node link if the
-  replicas share a node, else the inter-node one;
+  replicas in backward, one all-reduce per parameter shard as the runtime
+  runs them (ZeRO: reduce-scattered, and the parameters all-gathered, the
+  same bytes on a ring, priced as one), on the intra-node link if the
+  replicas share a node, else the inter-node one; the optimizer steps the
+  stage's parameters (ZeRO: their 1/dp share);
 - memory per rank: the stage's share (1/pp) of the parameters, gradients and
   AdamW state (gradients and AdamW state also 1/dp with ZeRO), and the saved
   activations of the microbatches in flight, at most `pp` with 1F1B.
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tess_compile.analysis.cluster import Cluster, Link, collective_time
+from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.cost_model import StepTime
 from tess_compile.analysis.memory import MemoryEstimate
 
@@ -116,10 +118,13 @@ def dp_link_is_intra(cluster: Cluster, outer: Outer, tp: int) -> bool:
     return outer.dp * tp * outer.pp <= cluster.gpus_per_node
 
 
-def _dp_link(cluster: Cluster, outer: Outer, tp: int) -> Link:
-    if dp_link_is_intra(cluster, outer, tp):
-        return Link(cluster.intra_bandwidth, cluster.intra_latency)
-    return Link(cluster.inter_bandwidth, cluster.inter_latency)
+def _dp_sync_seconds(cluster: Cluster, outer: Outer, tp: int, grad_bytes: int, tensors: int) -> float:
+    """The data-parallel gradient sync: one all-reduce per parameter shard, as the runtime
+    reduces each gradient in backward (ZeRO: FSDP2's reduce-scatter and all-gather, bucketed: one)."""
+    intra = dp_link_is_intra(cluster, outer, tp)
+    if outer.zero:
+        return cluster.collective_seconds("all_reduce", outer.dp, grad_bytes, intra)
+    return tensors * cluster.collective_seconds("all_reduce", outer.dp, grad_bytes // tensors, intra)
 
 
 def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster) -> tuple[StepTime, MemoryEstimate]:
@@ -127,7 +132,7 @@ def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster
     microbatch costs `time` and `memory` (see the module docstring)."""
     slots = (outer.microbatches + outer.pp - 1) / outer.pp  # stage slots, each 1/pp of the program
     grad_bytes = memory.grads // outer.pp
-    reduce_s = collective_time("all_reduce", outer.dp, grad_bytes, _dp_link(cluster, outer, tp), cluster.algorithm)
+    reduce_s = _dp_sync_seconds(cluster, outer, tp, grad_bytes, max(1, time.grad_tensors // outer.pp))
     dp_bytes = grad_bytes if outer.dp > 1 else 0
     step = StepTime(
         forward_compute_s=time.forward_compute_s * slots,
@@ -137,6 +142,8 @@ def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster
         forward_bytes=int(time.forward_bytes * outer.microbatches / outer.pp),
         backward_bytes=int(time.backward_bytes * outer.microbatches / outer.pp) + dp_bytes,
         overlap=time.overlap,
+        optimizer_s=time.optimizer_s / (outer.pp * (outer.dp if outer.zero else 1)),
+        grad_tensors=time.grad_tensors // outer.pp,
     )
     sharded_state = outer.dp if outer.zero else 1
     in_flight = min(outer.pp, outer.microbatches)

@@ -23,11 +23,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from passes.driver import compile_model
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
-from tess_compile.analysis.cost_model import StepTime, predict_time
-from tess_compile.analysis.memory import MemoryEstimate, predict_memory
+from tess_compile.analysis.cost_model import StepTime
+from tess_compile.analysis.memory import MemoryEstimate
 from tess_compile.analysis.parallel_plan import (
     Outer,
     batch_size,
@@ -38,8 +37,9 @@ from tess_compile.analysis.parallel_plan import (
     outer_options,
     price,
 )
+from tess_compile.analysis.schedule_choice import choose_schedule
 from tess_compile.core.mesh import AXES, MODES, Mesh
-from tess_compile.core.options import SCHEDULES, renamed
+from tess_compile.core.options import CompileOptions, renamed
 
 __all__ = ["DEFAULT_MODES", "GB", "HEADER", "PlanRow", "candidate_meshes", "format_table", "mesh_label", "plan"]
 
@@ -150,53 +150,29 @@ def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
 def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
               overlap: bool, summa: str, strict: bool, keep_blocks: bool | str = False,
               recompute: str = "none", unsharded_flops: Callable[[], int]) -> PlanRow:
-    """Compile `model` for `mesh` in each schedule (and, with keep_blocks="auto", with and
-    without keeping the fetched blocks) and price it: the fastest option that fits the
-    budget, or the fastest with the reason if none fits or it fails to compile.
+    """The row of `mesh`: `model` priced in each schedule (and, with keep_blocks="auto", with and
+    without keeping the fetched blocks; `schedule_choice.choose_schedule`), the fastest option
+    that fits the budget, or the fastest with the reason if none fits or it fails to compile.
     `unsharded_flops()` gives the unsharded model's forward FLOPs."""
-    priced = []  # (step seconds, schedule, keep, StepTime, MemoryEstimate)
-    compiled = {}
-    for schedule in _schedules(mesh, summa):
-        for keep in _keep_options(mesh, keep_blocks):
-            # overlap sends what broadcast sends: priced, not compiled again
-            key = ("broadcast" if schedule == "overlap" else schedule, keep)
-            if key not in compiled:
-                try:
-                    program = compile_model(model, mesh, inputs, strict=strict, summa=key[0], keep_blocks=keep,
-                                            recompute=recompute)
-                except (ValueError, RuntimeError) as exc:
-                    log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
-                    return PlanRow(mesh, note=f"does not compile: {exc}")
-                compiled[key] = (program, predict_memory(program))
-            program, memory = compiled[key]
-            time = predict_time(program, cluster, overlap=overlap or ("forward" if schedule == "overlap" else False))
-            priced.append((time.step_s, schedule, keep, time, memory))
-    fitting = [item for item in priced if item[4].total <= budget]
-    _, schedule, keep, time, memory = min(fitting or priced, key=lambda item: item[0])
-    program = compiled[("broadcast" if schedule == "overlap" else schedule, keep)][0]
-    redundant = redundant_work(program, unsharded_flops())
-    if not fitting:
-        note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
-        return PlanRow(mesh, time, memory, note, summa=schedule, keep_blocks=keep, redundant_work=redundant)
+    try:
+        options = CompileOptions(mode=mesh.mode, summa=summa, keep_blocks=keep_blocks, recompute=recompute,
+                                 strict=strict)
+        choice = choose_schedule(model, mesh, inputs, options, cluster, budget=budget, overlap=overlap)
+    except (ValueError, RuntimeError) as exc:
+        log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
+        return PlanRow(mesh, note=f"does not compile: {exc}")
+    best = choice.best
+    redundant = redundant_work(choice.priced_program, unsharded_flops())
+    if not choice.fits:
+        note = f"needs {best.memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
+        return PlanRow(mesh, best.time, best.memory, note, summa=best.summa, keep_blocks=best.keep_blocks,
+                       redundant_work=redundant)
     inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
     note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
-    if len(priced) > 1:
-        note = f"summa={schedule}{', keep_blocks' if keep else ''}; {note}"
-    return PlanRow(mesh, time, memory, note, fits=True, summa=schedule, keep_blocks=keep, redundant_work=redundant)
-
-
-def _keep_options(mesh: Mesh, keep_blocks: bool | str) -> tuple[bool, ...]:
-    """Whether to keep fetched blocks: both where products fetch blocks and keep_blocks is "auto"."""
-    if keep_blocks != "auto":
-        return (bool(keep_blocks),)
-    return (False,) if mesh.mode == "1d" or mesh.q == 1 else (False, True)
-
-
-def _schedules(mesh: Mesh, summa: str) -> tuple[str, ...]:
-    """The schedules to price: all of them for "auto" where products run SUMMA steps."""
-    if summa != "auto":
-        return (summa,)
-    return ("broadcast",) if mesh.mode == "1d" or mesh.q == 1 else SCHEDULES
+    if len(choice.priced) > 1:
+        note = f"summa={best.summa}{', keep_blocks' if best.keep_blocks else ''}; {note}"
+    return PlanRow(mesh, best.time, best.memory, note, fits=True, summa=best.summa, keep_blocks=best.keep_blocks,
+                   redundant_work=redundant)
 
 
 def _sort_key(row: PlanRow) -> tuple:

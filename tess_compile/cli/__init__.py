@@ -1,8 +1,9 @@
-"""The `tess-compile` command: dump a model's compiled graph, train it sharded, or plan a mesh.
+"""The `tess-compile` command: dump a model's compiled graph, train it sharded, plan a mesh, or profile.
 
     tess-compile dump model.py:make --q 2 --d 2 [compile options] [--rank R] [--stage S] [--format F] [-o OUT]
     tess-compile run model.py:make --q 2 --d 2 [compile options] [--steps N] [--lr LR] [--simulate] [--timeout S]
     tess-compile plan model.py:make --gpus 64 [--gpus-per-node 4] [--modes 1d,2d,2.5d] [--memory-gb 40] ...
+    tess-compile profile [-o cluster.json] [--processes 8] [--backend gloo]
 
 `make` is a function in model.py that takes no arguments and returns
 `(model, example_inputs)`: an `nn.Module` and a tensor, a tuple of positional
@@ -24,7 +25,9 @@ the default), 2d (Optimus, d=1), 3d (d=q) or 1d (Megatron-LM over q*q*d
 ranks, e.g. --q 1 --d 8). `plan` builds the model on the meta device, compiles it
 for every mesh of --gpus ranks in --modes and prints the meshes by predicted
 step time on the cluster the options describe (default: the Tesseract
-paper's, 4 A100 per node); see docs/planner.md.
+paper's, 4 A100 per node); see docs/planner.md. `profile` measures this machine
+over local processes (`tess_compile.profile_cluster`) and writes the cluster as
+JSON for `plan --cluster`.
 
 User errors (the FILE.py:FACTORY argument, the file, the factory, the mesh,
 shapes the mesh cannot split) print a message and exit with 2.
@@ -35,19 +38,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tess_compile.cli import dump, plan, run
+from tess_compile.cli import dump, plan, profile, run
 from tess_compile.cli.common import CliError
 
 __all__ = ["main", "make_parser"]
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """The parser of `tess-compile` and its commands `dump`, `run` and `plan`."""
+    """The parser of `tess-compile` and its commands `dump`, `run`, `plan` and `profile`."""
     parser = argparse.ArgumentParser(
         prog="tess-compile",
         description="Shard a PyTorch model with Tesseract (2.5-D) tensor parallelism on a [q, q, d] mesh.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (dump, run, plan):
+    for command in (dump, run, plan, profile):
         command.add_command(commands)
     return parser
 

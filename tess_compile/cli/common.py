@@ -1,5 +1,5 @@
 """What the commands of `tess-compile` share: the model factory, argument types, the
-mesh and compile-option flags, and the error that prints one line and exits."""
+mesh, compile-option and cluster flags, and the error that prints one line and exits."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import traceback
 import torch
 from torch import nn
 
-from tess_compile.core.options import RENAMED, CompileOptions
+from tess_compile.analysis.cluster import Cluster
+from tess_compile.core.options import AUTO, RENAMED, CompileOptions
 
 __all__ = [
     "CliError",
+    "KEEP_BLOCKS",
     "MODULE_NAME",
     "SEED",
     "add_model_arguments",
@@ -25,8 +27,10 @@ __all__ = [
     "compile_options",
     "count_or_auto",
     "describe",
+    "load_cluster_file",
     "load_factory",
     "non_negative",
+    "on_off_auto",
     "parse_target",
     "positive",
     "type_names",
@@ -36,6 +40,9 @@ SEED = 0  # torch's seed before every call of the factory
 
 
 MODULE_NAME = "_tess_compile_factory"  # the name the factory's file is imported under
+
+# --keep-blocks's words -> keep_blocks.
+KEEP_BLOCKS = {AUTO: AUTO, "on": True, "off": False}
 
 
 class CliError(Exception):
@@ -145,6 +152,13 @@ def positive(kind):
     return convert
 
 
+def on_off_auto(text: str):
+    """An argparse type: a word of `KEEP_BLOCKS` (auto, on, off) as its value ("auto", True, False)."""
+    if text not in KEEP_BLOCKS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(KEEP_BLOCKS)}, got {text!r}")
+    return KEEP_BLOCKS[text]
+
+
 def count_or_auto(text: str):
     """A positive whole number, or "auto"."""
     if text == "auto":
@@ -153,9 +167,10 @@ def count_or_auto(text: str):
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """What dump and run take: the factory, the mesh, and a flag per field of `CompileOptions`
+    """What dump and run take: the factory, the mesh, a flag per field of `CompileOptions`
     (`--keep-blocks` for keep_blocks) with its choices, default and help, an old name
-    (`RENAMED`) as a second spelling of the new one."""
+    (`RENAMED`) as a second spelling of the new one, and `--cluster`. A bool field that
+    also takes auto is `--keep-blocks [auto|on|off]`, alone: on."""
     parser.add_argument("target", metavar="FILE.py:FACTORY",
                         help="a function in FILE.py that takes no arguments and returns (model, example_inputs)")
     parser.add_argument("--q", type=int, required=True, help="mesh side: q*q*d ranks")
@@ -166,7 +181,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name in old_names:
             flags.append(f"--{old_names[field.name]}")
         help_text = field.metadata["help"]
-        if "choices" in field.metadata:
+        if AUTO in field.metadata.get("also", ()):
+            words = {value: word for word, value in KEEP_BLOCKS.items()}
+            parser.add_argument(*flags, dest=field.name, nargs="?", const=True, type=on_off_auto,
+                                default=field.default, metavar="{" + ",".join(KEEP_BLOCKS) + "}",
+                                help=f"{help_text} (alone: on; default {words[field.default]})")
+        elif "choices" in field.metadata:
             parser.add_argument(*flags, dest=field.name, choices=field.metadata["choices"], default=field.default,
                                 help=f"{help_text} (default {field.default})")
         elif field.default is None:
@@ -174,6 +194,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
         else:
             parser.add_argument(*flags, dest=field.name, action="store_true", help=help_text)
+    parser.add_argument("--cluster", metavar="FILE.json",
+                        help="a cluster file (Cluster.save, tess-compile profile -o) that prices the candidates of "
+                             "auto options (default: the calibrated cluster)")
+
+
+def load_cluster_file(path: str) -> Cluster:
+    """The cluster of the JSON file at `path` (`--cluster`); a CliError if it holds none."""
+    try:
+        return Cluster.load(path)
+    except ValueError as exc:
+        raise CliError(f"{exc} (--cluster)") from None
 
 
 def compile_options(args) -> CompileOptions:

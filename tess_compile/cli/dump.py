@@ -35,7 +35,7 @@ def cmd_dump(args) -> int:
     options = compile_options(args)
     try:
         text = dump(model, args.q, args.d, example_inputs=inputs, rank=args.rank, stage=args.stage,
-                    format=args.format, options=options)
+                    format=args.format, options=options, cluster=args.cluster)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if not text.endswith("\n"):

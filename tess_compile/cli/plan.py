@@ -2,12 +2,14 @@
 
 It builds the model on the meta device, compiles it for every mesh of --gpus
 ranks in --modes and prints the meshes by predicted step time on the cluster
-the options describe (default: the Tesseract paper's, 4 A100 per node, with
-the constants fitted to its Table 1); see docs/planner.md.
+the options describe: `--cluster`'s file or the Tesseract paper's (4 A100 per
+node, with the constants fitted to its Table 1), with the cluster flags given
+in place of its values; see docs/planner.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
@@ -17,9 +19,11 @@ from tess_compile.analysis.cluster import CALIBRATED_CLUSTER as paper
 from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.planner import candidate_meshes, format_table, plan
 from tess_compile.cli.common import (
+    KEEP_BLOCKS,
     CliError,
     call_factory,
     count_or_auto,
+    load_cluster_file,
     load_factory,
     non_negative,
     parse_target,
@@ -27,10 +31,22 @@ from tess_compile.cli.common import (
 )
 from tess_compile.core.options import RECOMPUTE, SCHEDULES
 
-__all__ = ["KEEP_BLOCKS", "add_command", "cluster_of", "cmd_plan"]
+__all__ = ["CLUSTER_FLAGS", "add_command", "cluster_of", "cmd_plan"]
 
-# --keep-blocks of plan -> the planner's keep_blocks.
-KEEP_BLOCKS = {"auto": "auto", "on": True, "off": False}
+# Cluster field -> (the flag's dest, the field's units in one of the flag's; None: the same).
+CLUSTER_FLAGS = {
+    "gpus_per_node": ("gpus_per_node", None),
+    "intra_bandwidth": ("intra_bandwidth", 1e9),
+    "intra_latency": ("intra_latency", 1e-6),
+    "inter_bandwidth": ("inter_bandwidth", 1e9),
+    "inter_latency": ("inter_latency", 1e-6),
+    "flops": ("tflops", 1e12),
+    "memory": ("memory_gb", 1e9),
+    "algorithm": ("algorithm", None),
+    "matmul_half_size": ("matmul_half_size", None),
+    "memory_bandwidth": ("memory_bandwidth", 1e9),
+    "kernel_overhead": ("kernel_overhead", 1e-6),
+}
 
 
 def cmd_plan(args) -> int:
@@ -53,10 +69,11 @@ def cmd_plan(args) -> int:
                     dp=args.dp, pp=args.pp, microbatches=args.microbatches, zero=args.zero)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {args.intra_bandwidth:g} GB/s, "
-          f"{args.intra_latency:g} us; inter-node {args.inter_bandwidth:g} GB/s, {args.inter_latency:g} us; "
-          f"{args.tflops:g} TFLOP/s and {args.memory_gb:g} GB per GPU; matmul half size {args.matmul_half_size:g}, "
-          f"memory {args.memory_bandwidth:g} GB/s, {args.kernel_overhead:g} us a kernel; {cluster.algorithm} collectives"
+    print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {cluster.intra_bandwidth / 1e9:g} GB/s, "
+          f"{cluster.intra_latency * 1e6:g} us; inter-node {cluster.inter_bandwidth / 1e9:g} GB/s, "
+          f"{cluster.inter_latency * 1e6:g} us; {cluster.flops / 1e12:g} TFLOP/s and {cluster.memory / 1e9:g} GB "
+          f"per GPU; matmul half size {cluster.matmul_half_size:g}, memory {cluster.memory_bandwidth / 1e9:g} GB/s, "
+          f"{cluster.kernel_overhead * 1e6:g} us a kernel; {cluster.algorithm} collectives"
           f"{'; compute and communication overlapped' if args.overlap else ''}")
     sys.stdout.write(format_table(rows))
     if not any(row.fits for row in rows):
@@ -66,59 +83,62 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cluster_of(args):
-    """The Cluster the plan options describe."""
+def cluster_of(args) -> Cluster:
+    """The Cluster the plan options describe: `--cluster`'s file (default the calibrated
+    cluster) with the values of the cluster flags given (`CLUSTER_FLAGS`) in place of its own."""
+    base = paper if args.cluster is None else load_cluster_file(args.cluster)
+    given = {}
+    for name, (dest, unit) in CLUSTER_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            given[name] = value if unit is None else value * unit
     try:
-        return Cluster(gpus_per_node=args.gpus_per_node,
-                       intra_bandwidth=args.intra_bandwidth * 1e9, intra_latency=args.intra_latency / 1e6,
-                       inter_bandwidth=args.inter_bandwidth * 1e9, inter_latency=args.inter_latency / 1e6,
-                       flops=args.tflops * 1e12, memory=args.memory_gb * 1e9, algorithm=args.algorithm,
-                       matmul_half_size=args.matmul_half_size, memory_bandwidth=args.memory_bandwidth * 1e9,
-                       kernel_overhead=args.kernel_overhead / 1e6)
+        return dataclasses.replace(base, **given)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
 
 def add_command(commands) -> None:
-    """The `plan` command; the cluster options default to the calibrated cluster
-    (the Tesseract paper's, with constants fitted to its Table 1)."""
+    """The `plan` command; the cluster flags default to `--cluster`'s values, else the calibrated
+    cluster's (the Tesseract paper's, with constants fitted to its Table 1)."""
     parser = commands.add_parser(
         "plan", help="rank the meshes of a GPU count by predicted step time",
         description="Build the model of FACTORY on the meta device, compile it for every mesh of --gpus "
                     "ranks in --modes, and print the meshes by predicted step time (the calibrated cost model; "
-                    "see docs/planner.md). Cluster defaults: the Tesseract paper's (4 A100 40 GB per node), "
-                    "with link, matmul-efficiency and kernel constants fitted to its Table 1. "
+                    "see docs/planner.md). Cluster defaults: --cluster's file, else the Tesseract paper's (4 A100 "
+                    "40 GB per node) with link, matmul-efficiency and kernel constants fitted to its Table 1. "
                     "Exit code 1 if no mesh fits in memory.")
     parser.add_argument("target", metavar="FILE.py:FACTORY",
                         help="a function in FILE.py that takes no arguments and returns (model, example_inputs)")
     parser.add_argument("--gpus", type=positive(int), required=True, help="number of GPUs (ranks)")
-    parser.add_argument("--gpus-per-node", type=positive(int), default=paper.gpus_per_node,
+    parser.add_argument("--cluster", metavar="FILE.json",
+                        help="the cluster to price on: a JSON file of Cluster fields (Cluster.save, tess-compile "
+                             "profile -o) instead of the calibrated cluster; cluster flags given replace its values")
+    parser.add_argument("--gpus-per-node", type=positive(int),
                         help=f"GPUs per node; ranks fill nodes in order (default {paper.gpus_per_node})")
     parser.add_argument("--modes", default="1d,2d,2.5d",
                         help="comma-separated modes among 1d, 2d, 2.5d, 3d (default 1d,2d,2.5d)")
-    parser.add_argument("--intra-bandwidth", type=positive(float), default=paper.intra_bandwidth / 1e9,
-                        metavar="GB_PER_S", help=f"GB/s within a node (default {paper.intra_bandwidth / 1e9:g})")
-    parser.add_argument("--intra-latency", type=non_negative, default=paper.intra_latency * 1e6, metavar="US",
+    parser.add_argument("--intra-bandwidth", type=positive(float), metavar="GB_PER_S",
+                        help=f"GB/s within a node (default {paper.intra_bandwidth / 1e9:g})")
+    parser.add_argument("--intra-latency", type=non_negative, metavar="US",
                         help=f"microseconds per step within a node (default {paper.intra_latency * 1e6:g})")
-    parser.add_argument("--inter-bandwidth", type=positive(float), default=paper.inter_bandwidth / 1e9,
-                        metavar="GB_PER_S",
+    parser.add_argument("--inter-bandwidth", type=positive(float), metavar="GB_PER_S",
                         help=f"GB/s between nodes (default {paper.inter_bandwidth / 1e9:g}: 200 Gb/s InfiniBand)")
-    parser.add_argument("--inter-latency", type=non_negative, default=paper.inter_latency * 1e6, metavar="US",
+    parser.add_argument("--inter-latency", type=non_negative, metavar="US",
                         help=f"microseconds per step between nodes (default {paper.inter_latency * 1e6:g})")
-    parser.add_argument("--tflops", type=positive(float), default=paper.flops / 1e12,
+    parser.add_argument("--tflops", type=positive(float),
                         help=f"sustained matmul TFLOP/s of one GPU (default {paper.flops / 1e12:g})")
-    parser.add_argument("--matmul-half-size", type=non_negative, default=paper.matmul_half_size, metavar="M",
+    parser.add_argument("--matmul-half-size", type=non_negative, metavar="M",
                         help="a product whose smallest dimension is m runs at tflops * m / (m + M); 0: always at "
                            f"--tflops (default {paper.matmul_half_size:g})")
-    parser.add_argument("--memory-bandwidth", type=positive(float), default=paper.memory_bandwidth / 1e9,
-                        metavar="GB_PER_S",
+    parser.add_argument("--memory-bandwidth", type=positive(float), metavar="GB_PER_S",
                         help=f"GB/s of one GPU's memory, for kernels other than products (default "
                            f"{paper.memory_bandwidth / 1e9:g})")
-    parser.add_argument("--kernel-overhead", type=non_negative, default=paper.kernel_overhead * 1e6, metavar="US",
+    parser.add_argument("--kernel-overhead", type=non_negative, metavar="US",
                         help=f"microseconds per kernel launch (default {paper.kernel_overhead * 1e6:g})")
-    parser.add_argument("--memory-gb", type=positive(float), default=paper.memory / 1e9,
+    parser.add_argument("--memory-gb", type=positive(float),
                         help=f"memory of one GPU in GB, the budget a mesh must fit (default {paper.memory / 1e9:g})")
-    parser.add_argument("--algorithm", choices=("ring", "tree"), default=paper.algorithm,
+    parser.add_argument("--algorithm", choices=("ring", "tree"),
                         help=f"collective algorithm (default {paper.algorithm})")
     parser.add_argument("--summa", choices=("auto", *SCHEDULES), default="auto",
                         help="schedule of the matrix products to price; auto (default) prices each, keeps the fastest")

@@ -24,6 +24,7 @@ from tess_compile.cli.common import (
     add_model_arguments,
     build,
     compile_options,
+    load_cluster_file,
     parse_target,
     positive,
     type_names,
@@ -55,11 +56,14 @@ def cmd_run(args) -> int:
     """Train the sharded model beside the oracle; exit 1 if their losses differ."""
     path, name = parse_target(args.target)
     options = compile_options(args)
+    if args.cluster is not None:
+        load_cluster_file(args.cluster)  # a bad file fails here, before any process starts
     world = args.q * args.q * args.d
     start = time.perf_counter()
     if args.simulate:
         print(f"simulating {world} ranks in this process", file=sys.stderr, flush=True)
-        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, args.q, args.d, options=options)
+        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, args.q, args.d, options=options,
+                                           cluster=args.cluster)
         rows = train(sim, oracle, inputs, args.steps, args.lr, show=True)
         mode = "simulated"
     else:
@@ -83,7 +87,7 @@ def compile_pair(compile_fn, path: str, name: str, q: int, d: int, **options):
 def launch(path: str, name: str, args, options: CompileOptions) -> list[tuple]:
     """Run rank_main on q*q*d local gloo processes; return rank 0's rows."""
     world = args.q * args.q * args.d
-    job = (path, name, args.q, args.d, options, args.steps, args.lr, args.timeout)
+    job = (path, name, args.q, args.d, options, args.cluster, args.steps, args.lr, args.timeout)
     try:
         rows, error = run_local(rank_main, world, args=job, timeout_s=args.timeout,
                                 collective_timeout_s=args.timeout)[0]
@@ -96,11 +100,11 @@ def launch(path: str, name: str, args, options: CompileOptions) -> list[tuple]:
     return rows
 
 
-def rank_main(rank: int, world_size: int, path, name, q, d, options, steps, lr, timeout) -> tuple:
+def rank_main(rank: int, world_size: int, path, name, q, d, options, cluster, steps, lr, timeout) -> tuple:
     """One process of `run`: (rows, None), or (None, message) for a user error."""
     try:
         sharded, oracle, inputs = compile_pair(tess_compile.shard, path, name, q, d, options=options,
-                                               timeout=timeout)
+                                               cluster=cluster, timeout=timeout)
     except CliError as exc:  # the same on every rank: compiling needs no peer
         return None, str(exc)
     return train(sharded, oracle, inputs, steps, lr, show=rank == 0), None

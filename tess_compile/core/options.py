@@ -8,6 +8,11 @@ compile is. `shard`, `simulate`, `dump`, `pipeline_stage`,
 exactly these keywords (`takes_compile_options` builds their signatures
 from the fields; the command line builds its flags from them), so no copy
 can drift. Each field's metadata holds its choices and help text.
+
+`summa` and `keep_blocks` also take "auto": `shard`, `simulate`, `dump` and
+the backend price the candidates on a cluster and compile the fastest that
+fits its memory (`tess_compile.analysis.schedule_choice`); a compile itself
+(`passes.driver.compile_model`) takes concrete options only.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from dataclasses import dataclass, field
 
 from tess_compile.core.mesh import MODES, Mesh, check_mode
 
-__all__ = ["CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renamed", "takes_compile_options"]
+__all__ = ["AUTO", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renamed", "takes_compile_options"]
 
 # How the q steps of a matrix product run: "broadcast" one after another (the papers'
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
 # "gather": one all-gather of each operand and one product.
 SCHEDULES = ("broadcast", "overlap", "gather")
+# `summa` and `keep_blocks` besides their own values: price the candidates on a cluster and
+# take the fastest that fits (`tess_compile.analysis.schedule_choice`).
+AUTO = "auto"
 # What backward recomputes instead of saving: nothing, each repeated block, or runs of
 # cheap local ops (besides the model's own torch.utils.checkpoint regions).
 RECOMPUTE = ("none", "blocks", "selective")
@@ -47,18 +55,22 @@ class CompileOptions:
         "choices": MODES, "check": check_mode,
         "help": "2.5d (Tesseract, the default), 2d (Optimus, d=1), 3d (d=q), or 1d (Megatron-LM over q*q*d ranks)"})
     summa: str = field(default="broadcast", metadata={
-        "choices": SCHEDULES, "what": "a schedule",
-        "help": "schedule of the matrix products: broadcast (the papers' q steps, the default), overlap (the next "
-                "step's broadcasts in flight) or gather (one all-gather per operand)"})
-    keep_blocks: bool = field(default=False, metadata={
+        "choices": (*SCHEDULES, AUTO), "what": "a schedule",
+        "help": "schedule of the matrix products: broadcast (the papers' q steps), overlap (the next step's "
+                "broadcasts in flight), gather (one all-gather per operand), or auto (price each on the cluster "
+                "and compile the fastest that fits its memory)"})
+    keep_blocks: bool | str = field(default=False, metadata={
+        "also": (AUTO,),
         "help": "keep the fetched blocks of the matrix products for backward (less communication, q times the "
-                "saved bytes) instead of fetching them again"})
+                "saved bytes) instead of fetching them again; auto: price both on the cluster and keep them where "
+                "that is faster and fits its memory"})
     recompute: str = field(default="none", metadata={
         "choices": RECOMPUTE, "what": "a recompute option",
         "help": "recompute in backward instead of saving: none (the default), blocks (each repeated block) or "
                 "selective (runs of cheap local ops)"})
     strict: bool = field(default=False, metadata={"help": "fail on ops that would run replicated"})
     verify: bool | None = field(default=None, metadata={
+        "also": (None,),
         "help": "check the placed graph too (default: when TESS_COMPILE_DEBUG=1; the per-rank graph is always checked)"})
 
     def __post_init__(self) -> None:
@@ -70,8 +82,16 @@ class CompileOptions:
             elif choices is not None and value not in choices:
                 raise ValueError(f"{f.name}={value!r} is not {f.metadata['what']}: use one of "
                                  f"{', '.join(map(repr, choices))} ({f.metadata['help']})")
-            if choices is None and not isinstance(value, bool) and not (f.name == "verify" and value is None):
-                raise ValueError(f"{f.name}={value!r} is not a bool: pass {f.name}=True or {f.name}=False")
+            also = f.metadata.get("also", ())  # values a bool field takes besides True and False
+            if choices is None and not isinstance(value, bool) and value not in also:
+                values = ["True", "False", *map(repr, also)]
+                raise ValueError(f"{f.name}={value!r} is not a bool{''.join(f' or {v!r}' for v in also)}: pass "
+                                 f"{f.name}={', '.join(values[:-1])} or {values[-1]}")
+
+    @property
+    def auto(self) -> tuple[str, ...]:
+        """The fields set to "auto", which the face resolves on a cluster before compiling."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) == AUTO)
 
     @property
     def checked(self) -> bool:

@@ -1,0 +1,264 @@
+"""The planner's predicted step time against measured, over 8 local gloo processes.
+
+A launch of 8 local processes first profiles this machine
+(`tess_compile.profile_cluster`: every rank busy at once, so the profile
+holds the contention of 8 processes on this machine's cores); then, for two
+model sizes (a stack of GPT blocks, `benchmarks.paper_tables.Block`), a
+launch of its own trains each configuration the planner lists for 8 ranks,
+in each schedule of its matrix products (in one launch, the process groups
+and modules of earlier configurations slowed later ones by up to 2x):
+
+- 1-D p=8 (Megatron-LM), [2,2,2] in 2.5-D and in 3-D;
+- data parallel 2 x [2,2,1] (2-D) and 2 x 1-D p=4 (`shard(..., mesh=)`);
+- pipeline 2 x [2,2,1] (`pipeline_stage`, GPipe, the planner's microbatches).
+
+A step is zero_grad, forward, backward of the mean square of this rank's
+output block, and AdamW; its time is the slowest rank's (a barrier before
+and after), the median over `--steps` steps after `--warmup`. Then this
+process plans each configuration with `tess_compile.plan(...,
+cluster=profiled)` and prints predicted against measured per row, the mean
+absolute percentage error, Kendall's tau-b over the rows, and whether the
+predicted fastest row is within 10% of the measured fastest.
+
+    python3 benchmarks/plan_accuracy.py [--steps 5] [--warmup 2] [--sizes small,large] [--quick] [--profile-out cluster.json]
+
+`--quick` runs one tiny size and two configurations, for the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tess_compile  # noqa: E402
+from benchmarks.paper_tables import Block  # noqa: E402
+from tess_compile.analysis.parallel_plan import default_microbatches  # noqa: E402
+from tess_compile.analysis.profiling import profile_cluster  # noqa: E402
+from tess_compile.runtime.launch import run_local  # noqa: E402
+
+WORLD = 8
+
+SIZES = {
+    "small": {"layers": 2, "hidden": 128, "heads": 8, "batch": 16, "seq": 64},
+    "large": {"layers": 2, "hidden": 256, "heads": 8, "batch": 16, "seq": 128},
+}
+QUICK_SIZES = {"tiny": {"layers": 2, "hidden": 32, "heads": 8, "batch": 8, "seq": 8}}
+
+# (label, mode, q, d, dp, pp)
+CONFIGS = [
+    ("1-D p=8", "1d", 1, 8, 1, 1),
+    ("2.5-D [2,2,2]", "2.5d", 2, 2, 1, 1),
+    ("3-D [2,2,2]", "3d", 2, 2, 1, 1),
+    ("dp 2 x [2,2,1]", "2d", 2, 1, 2, 1),
+    ("dp 2 x 1-D p=4", "1d", 1, 4, 2, 1),
+    ("pp 2 x [2,2,1]", "2d", 2, 1, 1, 2),
+]
+QUICK_CONFIGS = [CONFIGS[0], CONFIGS[3]]
+SCHEDULES = ("broadcast", "overlap", "gather")
+
+
+def schedules_of(mode: str, q: int) -> tuple[str, ...]:
+    """The schedules a mesh runs differently: all of them where products take SUMMA steps."""
+    return ("broadcast",) if mode == "1d" or q == 1 else SCHEDULES
+
+
+def make_model(size: dict) -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(size["hidden"], size["heads"]) for _ in range(size["layers"])])
+    return model, torch.randn(size["batch"], size["seq"], size["hidden"])
+
+
+def _timed_steps(step, steps: int, warmup: int) -> float:
+    """The median over `steps` of the slowest rank's step time (barriers around each)."""
+    times = []
+    for number in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        if number >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _loss(out) -> torch.Tensor:
+    return out.to_local().square().mean()
+
+
+def _tensor_parallel_step(model, x, mode, q, d, dp, summa):
+    mesh = None
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tess_compile.Mesh(q, d, mode).shape
+        mesh = init_device_mesh("cpu", (dp, *shape), mesh_dim_names=("dp", "depth", "row", "col"))
+        rows = x.shape[0] // dp
+        group = mesh.get_local_rank("dp")
+        x = x[group * rows:(group + 1) * rows]
+    sharded = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, summa=summa, mesh=mesh, timeout=300)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad()
+        _loss(sharded(x)).backward()
+        opt.step()
+
+    return step
+
+
+def _pipeline_step(model, x, q, d, summa, microbatches):
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    stage_index = dist.get_rank() // (q * q * d)
+    half = len(model) // 2
+    part = model[:half] if stage_index == 0 else model[half:]
+    rows = x.shape[0] // microbatches
+    example = (x[:rows],) if stage_index == 0 else (torch.zeros_like(x[:rows]),)
+    stage = tess_compile.pipeline_stage(part, q, d, stage_index, 2, example_inputs=example, mode="2d",
+                                        summa=summa, timeout=300)
+    schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=lambda out, _: _loss(out))
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-4)
+    target = torch.zeros(x.shape[0])
+
+    def step():
+        opt.zero_grad()
+        if stage_index == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=target)
+        opt.step()
+
+    return step
+
+
+def _profile_worker(rank: int, world: int):
+    torch.set_num_threads(1)
+    return profile_cluster()
+
+
+def _config_worker(rank: int, world: int, size: dict, config: tuple, summa: str, steps: int, warmup: int) -> float:
+    torch.set_num_threads(1)
+    _, mode, q, d, dp, pp = config
+    model, x = make_model(size)
+    if pp > 1:
+        step = _pipeline_step(model, x, q, d, summa, default_microbatches(x.shape[0], pp))
+    else:
+        step = _tensor_parallel_step(model, x, mode, q, d, dp, summa)
+    return _timed_steps(step, steps, warmup)
+
+
+def measure(sizes: dict, configs: list, steps: int, warmup: int) -> dict:
+    """{(size, label, schedule): seconds}: each configuration in a launch of its own, so that
+    no process group or module of another configuration lingers beside it."""
+    measured = {}
+    for size_name, size in sizes.items():
+        for config in configs:
+            label, mode, q = config[:3]
+            for summa in schedules_of(mode, q):
+                measured[(size_name, label, summa)] = run_local(
+                    _config_worker, WORLD, args=(size, config, summa, steps, warmup), timeout_s=900,
+                    collective_timeout_s=600)[0]
+    return measured
+
+
+def predict(sizes: dict, configs: list, cluster) -> dict:
+    """{(size, label, schedule): StepTime} from `tess_compile.plan` on the profiled cluster."""
+    predicted = {}
+    for size_name, size in sizes.items():
+        model, x = make_model(size)
+        for label, mode, q, d, dp, pp in configs:
+            for summa in schedules_of(mode, q):
+                rows = tess_compile.plan(model, WORLD, example_inputs=(x,), cluster=cluster, modes=(mode,),
+                                         dp=dp, pp=pp, summa=summa, keep_blocks=False)
+                row = next(r for r in rows if r.mesh.q == q and r.mesh.d == d)
+                predicted[(size_name, label, summa)] = row.time
+    return predicted
+
+
+def kendall_tau_b(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-b of two equally long lists (ties counted as neither order)."""
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif dx * dy > 0:
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = ((concordant + discordant + ties_x) * (concordant + discordant + ties_y)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def report(sizes: dict, measured: dict, predicted: dict) -> dict:
+    """Print the table per size; return {size: (MAPE %, tau-b, pick ok)}."""
+    summary = {}
+    for size_name, size in sizes.items():
+        keys = [key for key in measured if key[0] == size_name]
+        print(f"\n{size_name}: {size['layers']} GPT blocks, hidden {size['hidden']}, {size['heads']} heads, "
+              f"batch {size['batch']}, sequence {size['seq']}, fp32")
+        print(f"{'configuration':<18} {'summa':<10} {'fwd ms':>7} {'bwd ms':>7} {'opt ms':>7} "
+              f"{'predicted ms':>12} {'measured ms':>11} {'error':>7}")
+        errors = []
+        for key in keys:
+            time_, real = predicted[key], measured[key]
+            error = (time_.step_s - real) / real
+            errors.append(abs(error))
+            print(f"{key[1]:<18} {key[2]:<10} {time_.forward_s * 1e3:7.1f} {time_.backward_s * 1e3:7.1f} "
+                  f"{time_.optimizer_s * 1e3:7.1f} {time_.step_s * 1e3:12.1f} {real * 1e3:11.1f} {error:+7.1%}")
+        guess = [predicted[key].step_s for key in keys]
+        real = [measured[key] for key in keys]
+        pick = keys[guess.index(min(guess))]
+        pick_ok = measured[pick] <= 1.10 * min(real)
+        mape = 100 * statistics.mean(errors)
+        tau = kendall_tau_b(guess, real)
+        print(f"mean absolute error {mape:.1f}%, Kendall tau-b {tau:.2f}; predicted fastest {pick[1]} {pick[2]} "
+              f"measured at {measured[pick] * 1e3:.1f} ms, the fastest {min(real) * 1e3:.1f} ms: "
+              f"{'within' if pick_ok else 'NOT within'} 10%")
+        summary[size_name] = (mape, tau, pick_ok)
+    return summary
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="one tiny size, two configurations (for the tests)")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes to run, of {', '.join(SIZES)}")
+    parser.add_argument("--profile-out", help="also write the profiled cluster to this JSON file")
+    args = parser.parse_args(argv)
+    logging.getLogger("tess_compile").setLevel(logging.WARNING)
+    sizes, configs = (QUICK_SIZES, QUICK_CONFIGS) if args.quick else (SIZES, CONFIGS)
+    if not args.quick:
+        unknown = [name for name in args.sizes.split(",") if name not in SIZES]
+        if unknown:
+            parser.error(f"unknown size {unknown[0]!r}: use {', '.join(SIZES)}")
+        sizes = {name: SIZES[name] for name in args.sizes.split(",")}
+    start = time.perf_counter()
+    cluster = run_local(_profile_worker, WORLD, timeout_s=600)[0]
+    if args.profile_out:
+        cluster.save(args.profile_out)
+    measured = measure(sizes, configs, args.steps, args.warmup)
+    print(f"{WORLD} gloo processes on {os.cpu_count()} CPU cores; step: zero_grad, forward, backward, AdamW; "
+          f"median of {args.steps} steps after {args.warmup}, the slowest rank's")
+    summary = report(sizes, measured, predict(sizes, configs, cluster))
+    print(f"(wall time of the whole run {time.perf_counter() - start:.0f} s)")
+    return 0 if summary else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,317 @@
+"""Measure the machine the programs run on: `profile_cluster` returns a `Cluster`.
+
+Called on every rank of an initialised process group, it times, on every
+rank at once (so that the ranks contend for cores, memory and links as they
+do in training):
+
+- the kernel overhead: a chain of tiny products, forward and backward;
+- memory bandwidth: an add of large tensors;
+- the matrix-product rate as a function of size: products whose smallest
+  dimension runs from 8 to 512, fitted to `flops * m / (m + matmul_half_size)`;
+- each collective the programs use (broadcast, reduce, all-reduce,
+  all-gather, reduce-scatter) on every group size that divides the world,
+  all groups of that size at once, at three message sizes, each call after a
+  small product as in a program (the time of the product taken off): a line
+  `seconds + seconds per byte * bytes` per (op, group size, link),
+  intra-node for groups within a node and inter-node for groups across
+  nodes;
+- the optimizer step: AdamW over DTensor parameters, per tensor and per byte.
+
+Each time is the median of repeated runs on a rank (a run repeats a short call
+until it lasts 50 ms, so that the ranks overlap), averaged over the ranks
+with an all-reduce; every rank returns rank 0's `Cluster`. `Cluster.save`
+writes it as JSON; `tess-compile profile` runs this over local processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from tess_compile.analysis.cluster import Cluster
+
+__all__ = ["COLLECTIVES", "MESSAGE_BYTES", "profile_cluster"]
+
+log = logging.getLogger("tess_compile")
+
+COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+# The payloads (bytes a rank passes to the collective) each line is fitted on.
+MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10)
+
+_MATMUL_SIZES = (8, 16, 32, 64, 128, 256, 512)  # the smallest dimension of the timed products
+_MATMUL_OTHER = 512  # the two other dimensions
+_STREAM_ELEMENTS = 1 << 21  # float32 elements of each operand of the bandwidth add (8 MB)
+_CHAIN = 64  # tiny products per chain of the kernel overhead
+_BETWEEN = 128  # the side of the product run before each timed collective
+_RUN_S = 0.05  # seconds of one timed run (the calls of a fast function repeated to fill it)
+
+
+def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = None, device=None,
+                    repeats: int = 5) -> Cluster:
+    """Measure this machine on every rank of the default process group at once; call on every rank.
+
+    `gpus_per_node`: ranks per node (default: the ranks on rank 0's host, read from the
+    host names); `memory`: bytes per rank (default: the GPU's memory, or the host's
+    memory divided among its ranks); `device`: where to run (default: the current CUDA
+    device under NCCL, else the CPU); `repeats`: timed runs of each measurement. Returns
+    the same `Cluster` on every rank.
+    """
+    if not dist.is_initialized():
+        raise ValueError("profile_cluster() needs an initialised process group: call it on every rank after "
+                         "torch.distributed.init_process_group (or under tess_compile.run_local)")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: use a positive integer, e.g. 5")
+    device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    started = time.perf_counter()
+    per_node = gpus_per_node or _ranks_on_first_host()
+    timer = _Timer(device, repeats)
+    overhead = timer.mean(_kernel_chain(device)) / (2 * _CHAIN)
+    bandwidth = 3 * 4 * _STREAM_ELEMENTS / max(timer.mean(_stream_add(device)) - overhead, 1e-9)
+    flops, half = _fit_matmul(timer, device, overhead)
+    collectives = _collective_lines(timer, device, per_node)
+    optimizer_overhead, optimizer_bandwidth = _optimizer_line(timer, device)
+    intra = _link_figures(collectives, "intra") or (0.0, math.inf)  # a world of one: no link
+    inter = _link_figures(collectives, "inter") or intra
+    cluster = Cluster(
+        gpus_per_node=per_node, intra_bandwidth=intra[1], intra_latency=intra[0], inter_bandwidth=inter[1],
+        inter_latency=inter[0], flops=flops, memory=memory or _memory_per_rank(device, per_node),
+        matmul_half_size=half, memory_bandwidth=bandwidth, kernel_overhead=overhead,
+        optimizer_overhead=optimizer_overhead, optimizer_bandwidth=optimizer_bandwidth,
+        collectives=tuple(collectives))
+    shared = [cluster]  # rank 0's: the fits may differ in the last bit from rank to rank
+    dist.broadcast_object_list(shared, src=0)
+    cluster = shared[0]
+    log.info("profile_cluster: %d ranks, %d per node, took %.1f s", dist.get_world_size(), per_node,
+             time.perf_counter() - started)
+    return cluster
+
+
+class _Timer:
+    """Times a function on every rank at once, as training runs it: all ranks busy together.
+
+    After a warm-up call, each timed run calls the function `calls` times in a loop of
+    about `_RUN_S` seconds, `calls` agreed by all ranks (a collective is called as often
+    on each). A run of local work ends at a barrier, so its time is the slowest rank's,
+    as a training step waits for it at the next collective. The result is the median
+    over `repeats` runs of one call's time, averaged over the ranks."""
+
+    def __init__(self, device: torch.device, repeats: int):
+        self.device = device
+        self.repeats = repeats
+
+    def median(self, fn: Callable[[], object], local: bool = True) -> float:
+        fn()  # warm-up: first-call allocations and lazy initialisation
+        start = self._now()
+        fn()
+        calls = max(1, round(_RUN_S / max(_world_max(self._now() - start), 1e-7)))
+        times = []
+        for _ in range(self.repeats):
+            dist.barrier()
+            start = self._now()
+            for _ in range(calls):
+                fn()
+            if local:
+                dist.barrier()
+            times.append((self._now() - start) / calls)
+        return statistics.median(times)
+
+    def mean(self, fn: Callable[[], object]) -> float:
+        """`median` of local work averaged over all ranks (the same value on every rank)."""
+        return _world_mean([self.median(fn)])[0]
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def _world_max(value: float) -> float:
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return total.item()
+
+
+def _world_mean(values: list[float]) -> list[float]:
+    """Each value averaged over the ranks, rank 0's result sent to all so that every rank
+    holds the same numbers to the last bit."""
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    dist.broadcast(total, src=0)
+    return (total / dist.get_world_size()).tolist()
+
+
+def _ranks_on_first_host() -> int:
+    """How many ranks share rank 0's host (a ValueError if nodes do not hold equal, packed ranks)."""
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    per_node = hosts.count(hosts[0])
+    packed = all(hosts[rank] == hosts[rank - rank % per_node] for rank in range(len(hosts)))
+    if len(hosts) % per_node or not packed:
+        raise ValueError(f"ranks are not packed onto nodes in order ({per_node} on the first host of "
+                         f"{len(hosts)}): pass gpus_per_node= to profile_cluster")
+    return per_node
+
+
+def _memory_per_rank(device: torch.device, per_node: int) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return float(pages) / per_node
+
+
+def _kernel_chain(device: torch.device) -> Callable[[], None]:
+    """`_CHAIN` tiny products forward and as many backward: `2 * _CHAIN` kernels."""
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def run():
+        y = x
+        for _ in range(_CHAIN):
+            y = y * 1.0
+        y.sum().backward()
+
+    return run
+
+
+def _stream_add(device: torch.device) -> Callable[[], torch.Tensor]:
+    a = torch.ones(_STREAM_ELEMENTS, device=device)
+    b = torch.ones(_STREAM_ELEMENTS, device=device)
+    return lambda: torch.add(a, b)
+
+
+def _fit_matmul(timer: _Timer, device: torch.device, overhead: float) -> tuple[float, float]:
+    """(flops, matmul_half_size): the least-squares fit of `t = f / flops + (f / m) * h / flops`
+    over products of smallest dimension `m` (`f` their FLOPs, `t` their time less one launch)."""
+    rows, times = [], []
+    for m in _MATMUL_SIZES:
+        a = torch.randn(_MATMUL_OTHER, _MATMUL_OTHER, device=device)
+        b = torch.randn(_MATMUL_OTHER, m, device=device)
+        flops = 2 * _MATMUL_OTHER * _MATMUL_OTHER * m
+        rows.append([flops, flops / m])
+        times.append(timer.median(lambda a=a, b=b: torch.mm(a, b)) - overhead)
+    times = _world_mean(times)
+    inverse, half_over = _nonnegative_fit(rows, times)
+    inverse = max(inverse, 1e-18)
+    return 1 / inverse, half_over / inverse
+
+
+def _nonnegative_fit(rows: list[list[float]], times: list[float]) -> tuple[float, float]:
+    """Least squares of `times ~ rows @ (x, y)` with x, y >= 0, relative errors weighted alike."""
+    a = torch.tensor(rows, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64).clamp(min=1e-9)
+    weighted = a / t[:, None]
+    ones = torch.ones_like(t)
+    x, y = torch.linalg.lstsq(weighted, ones[:, None]).solution.flatten().tolist()
+    if x >= 0 and y >= 0:
+        return x, y
+    # one coefficient at zero: fit the other alone
+    only = [max(float((weighted[:, k] @ ones) / (weighted[:, k] @ weighted[:, k])), 0.0) for k in (0, 1)]
+    errors = [float(((weighted[:, k] * only[k] - ones) ** 2).sum()) for k in (0, 1)]
+    return (only[0], 0.0) if errors[0] <= errors[1] else (0.0, only[1])
+
+
+def _group_layouts(world: int, per_node: int) -> list[tuple[int, str, list[list[list[int]]]]]:
+    """(group size, link, partitions): for each size `g` dividing the world, the ranks cut
+    into groups of `g` ranks `t` apart for each stride `t` with `g * t` dividing the world,
+    as the axes of a mesh cut them; grouped by link (intra-node: `g * t <= per_node`)."""
+    layouts: dict[tuple[int, str], list] = {}
+    for size in range(2, world + 1):
+        for stride in range(1, world // size + 1):
+            if world % (size * stride):
+                continue
+            span = size * stride
+            groups = [[start + k * stride for k in range(size)]
+                      for start in range(world) if start % span < stride]
+            link = "intra" if span <= per_node else "inter"
+            layouts.setdefault((size, link), []).append(groups)
+    return [(size, link, partitions) for (size, link), partitions in layouts.items()]
+
+
+def _collective_lines(timer: _Timer, device: torch.device, per_node: int) -> list[tuple]:
+    """`(op, size, link, seconds, seconds per byte)` of each collective on each group size and link.
+
+    A timed call runs the collective on every partition of that size in turn (as a program
+    alternates its mesh axes, which couples every rank to every other), each after a
+    small product (`_between_kernels`), as a program's collectives follow its kernels;
+    the products' time is taken off."""
+    work = _between_kernels(device)
+    work_s = timer.mean(work)
+    lines = []
+    for size, link, partitions in _group_layouts(dist.get_world_size(), per_node):
+        groups = [dist.new_subgroups_by_enumeration(partition)[0] for partition in partitions]
+        for op in COLLECTIVES:
+            times = []
+            for num_bytes in MESSAGE_BYTES:
+                calls = [_collective(op, num_bytes, size, group, device) for group in groups]
+
+                def each_axis(calls=calls):
+                    for call in calls:
+                        work()
+                        call()
+
+                times.append(timer.median(each_axis, local=False) / len(calls) - work_s)
+            latency, per_byte = _nonnegative_fit([[1.0, n] for n in MESSAGE_BYTES], _world_mean(times))
+            lines.append((op, size, link, latency, per_byte))
+    return lines
+
+
+def _between_kernels(device: torch.device) -> Callable[[], torch.Tensor]:
+    """The local work timed before each collective: one product of `_BETWEEN` square."""
+    a = torch.randn(_BETWEEN, _BETWEEN, device=device)
+    return lambda: torch.mm(a, a)
+
+
+def _collective(op: str, num_bytes: int, size: int, group, device) -> Callable[[], object]:
+    """One call of `op` as the runtime makes it (`runtime.dist_comm`): a copy of the input
+    of `num_bytes` bytes, then the collective over `group`."""
+    x = torch.ones(num_bytes // 4, device=device)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x.clone(), group=group, group_src=0)
+    if op == "reduce":
+        return lambda: dist.reduce(x.clone(), group=group, group_dst=0)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x.clone(), group=group)
+    if op == "all_gather":
+        out = x.new_empty(size * x.numel())
+        return lambda: dist.all_gather_single(out, x.clone(), group=group)
+    out = x.new_empty(x.numel() // size)
+    return lambda: dist.reduce_scatter_single(out, x.clone(), group=group)
+
+
+def _optimizer_line(timer: _Timer, device: torch.device) -> tuple[float, float]:
+    """(seconds per parameter tensor, parameter bytes per second) of an AdamW step over
+    DTensor parameters, from steps over 8 small and 8 large tensors."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    times = []
+    for numel in (16, 1 << 16):
+        params = [torch.nn.Parameter(DTensor.from_local(torch.randn(numel, device=device), mesh, [Shard(0)],
+                                                        run_check=False)) for _ in range(8)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-6)
+        times.append(timer.median(optimizer.step))
+    times = _world_mean(times)
+    per_tensor, per_byte = _nonnegative_fit([[8.0, 8 * 16 * 4], [8.0, 8 * (1 << 16) * 4]], times)
+    return per_tensor, 1 / per_byte if per_byte > 0 else float("inf")
+
+
+def _link_figures(lines: list[tuple], link: str) -> tuple[float, float] | None:
+    """(latency per step, bandwidth) of `link` read from its all-reduce lines as a ring's
+    `2(g-1)` steps and `2(g-1)/g` bytes, for the collectives the lines do not price."""
+    found = [(size, latency, per_byte) for op, size, where, latency, per_byte in lines
+             if op == "all_reduce" and where == link]
+    if not found:
+        return None
+    size, latency, per_byte = max(found)
+    steps, factor = 2 * (size - 1), 2 * (size - 1) / size
+    return latency / steps, factor / per_byte if per_byte > 0 else float("inf")

@@ -1,0 +1,76 @@
+"""`tess-compile profile`: measure this machine over local processes and write the cluster.
+
+It starts `--processes` local processes (gloo on CPUs; `--backend nccl` for one
+process per GPU), runs `tess_compile.profile_cluster` on all of them at once
+and writes the `Cluster` as JSON to `-o` (`plan --cluster FILE`, `shard(...,
+cluster=...)` and `Cluster.load` read it), printing its figures.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tess_compile.analysis.profiling import profile_cluster
+from tess_compile.cli.common import CliError, positive
+from tess_compile.runtime.launch import run_local
+
+__all__ = ["add_command", "cmd_profile", "describe_cluster"]
+
+log = logging.getLogger("tess_compile")
+
+
+def _profile_rank(rank: int, world: int, gpus_per_node: int | None, repeats: int):
+    import torch
+
+    torch.set_num_threads(1)  # as run_local's training processes: one thread each
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    return profile_cluster(gpus_per_node=gpus_per_node, repeats=repeats)
+
+
+def describe_cluster(cluster) -> str:
+    """The profiled figures, one per line, in the units a reader expects."""
+    lines = [
+        f"{cluster.gpus_per_node} ranks per node",
+        f"matrix products: {cluster.flops / 1e9:.3g} GFLOP/s, half rate at smallest dimension "
+        f"{cluster.matmul_half_size:.3g}",
+        f"memory-bound kernels: {cluster.memory_bandwidth / 1e9:.3g} GB/s, {cluster.kernel_overhead * 1e6:.3g} us "
+        "a kernel",
+        f"AdamW: {cluster.optimizer_overhead * 1e6:.3g} us a parameter tensor, "
+        f"{cluster.optimizer_bandwidth / 1e9:.3g} GB/s of parameters",
+    ]
+    for op, size, link, latency, per_byte in cluster.collectives:
+        rate = f"{1 / per_byte / 1e9:.3g} GB/s" if per_byte > 0 else "bandwidth not resolved"
+        lines.append(f"{op} over {size} ({link}-node): {latency * 1e6:.4g} us + bytes at {rate}")
+    return "\n".join(lines)
+
+
+def cmd_profile(args) -> int:
+    """Profile over --processes local processes and write the cluster to -o."""
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log.info("profiling over %d %s processes", args.processes, args.backend)
+    try:
+        clusters = run_local(_profile_rank, args.processes, args=(args.gpus_per_node, args.repeats),
+                             backend=args.backend, timeout_s=args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        raise CliError(f"profiling failed: {exc}", code=1) from None
+    cluster = clusters[0]
+    cluster.save(args.output)
+    print(describe_cluster(cluster))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser("profile", help="measure this machine and write the cluster as JSON",
+                                 description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", default="cluster.json", help="the JSON file to write (cluster.json)")
+    parser.add_argument("--processes", type=positive, default=8, help="local processes (ranks) to profile (8)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process group backend (gloo)")
+    parser.add_argument("--gpus-per-node", type=positive, default=None,
+                        help="ranks per node (default: the ranks on one host, here all of them)")
+    parser.add_argument("--repeats", type=positive, default=5, help="timed runs of each measurement (5)")
+    parser.add_argument("--timeout", type=positive, default=300, help="seconds before the run is stopped (300)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.set_defaults(func=cmd_profile)

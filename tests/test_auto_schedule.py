@@ -1,0 +1,178 @@
+"""summa="auto" and keep_blocks="auto": the fastest candidate that fits a cluster's memory,
+chosen before compiling in simulate, dump, the backend and the command line; 1-D meshes
+without pricing; the log line; the program priced reused, not compiled again."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import sys
+
+import pytest
+import torch
+from models import GPTBlock
+from torch import nn
+
+import tess_compile
+from passes.driver import compile_model
+from tess_compile import CompileOptions, cli
+from tess_compile.analysis import schedule_choice
+from tess_compile.analysis.cluster import Cluster
+from tess_compile.analysis.schedule_choice import choose_schedule, resolve_auto
+from tess_compile.cli.common import MODULE_NAME
+from tess_compile.core.mesh import Mesh
+
+MESH = Mesh(2, 2, "2.5d")
+AUTO = CompileOptions(summa="auto", keep_blocks="auto")
+# Slow to start a message, memory to spare: the fewest messages win, keeping the fetched blocks.
+SLOW_LINKS = Cluster(gpus_per_node=4, intra_bandwidth=100e9, intra_latency=1e-3, inter_bandwidth=25e9,
+                     inter_latency=1e-2, flops=1e12, memory=1e12)
+MODEL_PY = '''
+import torch
+from torch import nn
+
+
+def make_mlp():
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(4, 3, 8)
+'''
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)).double(), torch.randn(
+        4, 3, 8, dtype=torch.float64)
+
+
+def fastest_fitting(choice, memory: float):
+    return min((item for item in choice.priced if item.memory.total <= memory), key=lambda item: item.time.step_s)
+
+
+def test_auto_takes_the_fastest_that_fits_each_cluster():
+    """On `SLOW_LINKS` gather keeping its blocks wins; on the same links with only the leanest
+    program's memory, a broadcast program without kept blocks. Each is the argmin of its list."""
+    model, x = mlp()
+    roomy = choose_schedule(model, MESH, (x,), AUTO, SLOW_LINKS)
+    tight_cluster = dataclasses.replace(SLOW_LINKS, memory=min(item.memory.total for item in roomy.priced))
+    tight = choose_schedule(model, MESH, (x,), AUTO, tight_cluster)
+    assert [item.label for item in roomy.priced] == ["broadcast", "broadcast+keep", "overlap", "overlap+keep",
+                                                     "gather", "gather+keep"]
+    for choice, cluster in ((roomy, SLOW_LINKS), (tight, tight_cluster)):
+        assert choice.fits and choice.best == fastest_fitting(choice, cluster.memory)
+        assert (choice.options.summa, choice.options.keep_blocks) == (choice.best.summa, choice.best.keep_blocks)
+    assert (roomy.options.summa, roomy.options.keep_blocks) == ("gather", True)
+    assert tight.options.summa in ("broadcast", "overlap") and tight.options.keep_blocks is False
+    # the face resolves on the cluster it is given; "overlap" compiles another program than the one it priced
+    resolved = resolve_auto(model, MESH, (x,), AUTO, tight_cluster)
+    assert resolved.options == tight.options
+    assert (resolved.program is None) == (tight.options.summa == "overlap")
+
+
+def test_simulate_with_auto_is_exact_and_logs_its_choice(caplog):
+    torch.manual_seed(0)
+    model, x = GPTBlock(8, 2).double(), torch.randn(4, 3, 8, dtype=torch.float64)
+    oracle = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="tess_compile"):
+        sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,), summa="auto", keep_blocks="auto")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("summa=auto, keep_blocks=auto: chose")]
+    assert len(lines) == 1, caplog.text
+    assert "on mesh [q=2, q=2, d=2] (predicted " in lines[0] and "broadcast " in lines[0], lines[0]
+    assert lines[0].endswith("on the default cluster (CALIBRATED_CLUSTER)"), lines[0]
+    target = torch.randn(4, 3, 8, dtype=torch.float64)
+    (sim(x) * target).sum().backward()
+    (oracle(x) * target).sum().backward()
+    torch.testing.assert_close(sim(x), oracle(x), rtol=1e-12, atol=1e-12)
+    grads = sim.full_grads()
+    for name, param in oracle.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_the_priced_program_is_not_compiled_again(caplog):
+    model, x = mlp()
+    with caplog.at_level(logging.INFO, logger="tess_compile"):
+        tess_compile.simulate(model, 2, 2, example_inputs=(x,), summa="gather", keep_blocks="auto", cluster=SLOW_LINKS)
+    compiles = [r for r in caplog.records if r.getMessage().startswith("compiled Sequential")]
+    assert len(compiles) == 2, caplog.text  # gather with and without kept blocks, the chosen one reused
+    assert "keep_blocks=auto: chose gather, keep_blocks=True" in caplog.text
+    assert "on the given cluster" in caplog.text
+
+
+@pytest.mark.parametrize("mesh", [Mesh(1, 4, "1d"), Mesh(1, 1, "2.5d")], ids=["1d", "q1"])
+def test_no_summa_steps_resolve_without_pricing(mesh, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("priced a mesh without SUMMA steps")
+
+    monkeypatch.setattr(schedule_choice, "compile_model", refuse)
+    model, x = mlp()
+    options, program, summary = resolve_auto(model, mesh, (x,), dataclasses.replace(AUTO, mode=mesh.mode))
+    assert (options.summa, options.keep_blocks, program) == ("broadcast", False, None)
+    assert summary.endswith("(no SUMMA steps to schedule)"), summary
+
+
+def test_a_compile_takes_no_auto_and_bad_clusters_are_named():
+    model, x = mlp()
+    with pytest.raises(ValueError, match="summa='auto' must be resolved before compiling"):
+        compile_model(model, MESH, (x,), summa="auto")
+    with pytest.raises(ValueError, match="cluster file 'nowhere.json' not found"):
+        tess_compile.simulate(model, 2, 2, example_inputs=(x,), cluster="nowhere.json")
+    with pytest.raises(TypeError, match="cluster=4 is not a cluster"):
+        tess_compile.simulate(model, 2, 2, example_inputs=(x,), cluster=4)
+
+
+def test_dump_says_what_auto_chose(tmp_path):
+    model, x = mlp()
+    path = tmp_path / "slow.json"
+    SLOW_LINKS.save(path)
+    text = tess_compile.dump(model, 2, 2, example_inputs=(x,), summa="auto", cluster=path)
+    assert "# summa=auto: chose gather, keep_blocks=False on mesh [q=2, q=2, d=2] (predicted " in text
+    assert f"on cluster {path}\n" in text
+    assert "tess.all_gather" in text and "tess.broadcast(" not in text
+
+
+def run_main(argv: list[str], folder, monkeypatch, capsys) -> tuple[int, str, str]:
+    """cli.main(argv) in `folder`: (exit code, stdout, stderr)."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the file's folder
+    monkeypatch.setitem(sys.modules, MODULE_NAME, None)  # and imports it under this name
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_line_takes_auto_and_a_cluster_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "model.py").write_text(MODEL_PY)
+    SLOW_LINKS.save(tmp_path / "slow.json")
+    mesh = ["--q", "2", "--d", "2"]
+    code, out, err = run_main(["run", "model.py:make_mlp", *mesh, "--simulate", "--steps", "1", "--summa", "auto",
+                               "--keep-blocks", "auto", "--cluster", "slow.json"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and out.splitlines()[-1].startswith("max rel diff"), err
+    code, out, err = run_main(["dump", "model.py:make_mlp", *mesh, "--keep-blocks", "auto", "--cluster", "slow.json"],
+                              tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert "# keep_blocks=auto: chose broadcast, keep_blocks=True on mesh [q=2, q=2, d=2]" in out
+    assert "on cluster slow.json\n" in out
+    code, _, err = run_main(["dump", "model.py:make_mlp", *mesh, "--summa", "auto", "--cluster", "missing.json"],
+                            tmp_path, monkeypatch, capsys)
+    assert code == 2 and "cluster file 'missing.json' not found" in err, err
+    code, out, err = run_main(["plan", "model.py:make_mlp", "--gpus", "8", "--dp", "1", "--pp", "1", "--cluster",
+                               "slow.json", "--gpus-per-node", "8"], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert out.startswith("# 8 GPUs, 8 per node; intra-node 100 GB/s, 1000 us; inter-node 25 GB/s, 10000 us; "
+                          "1 TFLOP/s and 1000 GB per GPU"), out
+
+
+def test_the_backend_with_auto(caplog):
+    torch._dynamo.reset()
+    model, x = mlp()
+    oracle = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="tesseract",
+                             options={"q": 2, "d": 2, "simulate": True, "summa": "auto", "cluster": SLOW_LINKS})
+    with caplog.at_level(logging.INFO, logger="tess_compile"):
+        out = compiled(x)
+    assert "summa=auto: chose gather, keep_blocks=False" in caplog.text
+    out.sum().backward()
+    expected = oracle(x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for param, ref in zip(model.parameters(), oracle.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,144 @@
+"""Profiling the machine (`profile_cluster`), the cluster's JSON round trip, the profiled
+collective lines and optimizer term in the cost model, and the planner on a profiled cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tess_compile
+from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
+from tess_compile.analysis.cost_model import optimizer_seconds, predict_time
+from tess_compile.analysis.profiling import COLLECTIVES, profile_cluster
+from tess_compile.cli import main
+from tess_compile.runtime.launch import run_local
+from tests.models import GPTStack
+
+# A cluster as `profile_cluster` returns one: measured lines for groups of 2 and 4.
+PROFILED = dataclasses.replace(
+    CALIBRATED_CLUSTER, gpus_per_node=4, flops=2e10, matmul_half_size=20.0, memory_bandwidth=5e9,
+    kernel_overhead=1e-5, optimizer_overhead=2e-4, optimizer_bandwidth=5e8,
+    collectives=tuple((op, size, "intra", 1e-3 * size, 1e-9) for op in COLLECTIVES for size in (2, 4)))
+
+
+def make_stack():
+    torch.manual_seed(0)
+    return GPTStack(16, 8, 2).double(), torch.randn(8, 4, 16, dtype=torch.float64)
+
+
+def test_cluster_json_round_trip(tmp_path):
+    path = tmp_path / "cluster.json"
+    PROFILED.save(path)
+    assert Cluster.load(path) == PROFILED
+    assert Cluster.load(path).collectives == PROFILED.collectives  # tuples again, not lists
+    CALIBRATED_CLUSTER.save(path)  # infinite optimizer bandwidth written as "inf"
+    assert json.loads(path.read_text())["optimizer_bandwidth"] == "inf"
+    assert Cluster.load(path) == CALIBRATED_CLUSTER
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[1, 2]", ["holds a list"]),
+    ("{not json", ["is not JSON"]),
+    ('{"gpus_per_node": 4, "flops": 1}', ["intra_bandwidth", "missing"]),
+    (json.dumps({**PROFILED.to_dict(), "bogus": 1}), ["unknown Cluster field 'bogus'"]),
+])
+def test_cluster_file_errors_name_the_file_and_the_fix(tmp_path, text, words):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        Cluster.load(path)
+    assert all(word in str(info.value) for word in words + ["bad.json"]), str(info.value)
+    with pytest.raises(ValueError, match="tess-compile profile"):
+        Cluster.load(tmp_path / "missing.json")
+
+
+def test_bad_collective_line_is_refused():
+    with pytest.raises(ValueError, match="collectives entry"):
+        dataclasses.replace(PROFILED, collectives=(("all_to_all", 2, "intra", 1e-3, 1e-9),))
+
+
+def test_measured_lines_price_their_collectives_and_rules_the_rest():
+    # a measured line: seconds + seconds per byte * bytes
+    assert PROFILED.collective_seconds("all_reduce", 4, 1000, intra=True) == pytest.approx(4e-3 + 1e-6)
+    assert PROFILED.collective_seconds("all_reduce", 4, 0, intra=True) == 0.0
+    # no line for 8 ranks, or inter-node: the ring rule on the link's figures
+    ring = 2 * 7 * PROFILED.intra_latency + 2 * 7 / 8 * 1000 / PROFILED.intra_bandwidth
+    assert PROFILED.collective_seconds("all_reduce", 8, 1000, intra=True) == pytest.approx(ring)
+
+
+def test_optimizer_term_prices_every_parameter_shard():
+    model, x = make_stack()
+    program = tess_compile.simulate(model, 2, 2, example_inputs=(x,)).program
+    shards = [(math.prod(s.layout.local_shape(s.shape, program.mesh)), s.dtype.itemsize) for s in program.params]
+    expected = len(shards) * 2e-4 + sum(n * size for n, size in shards) / 5e8
+    assert optimizer_seconds(program, PROFILED) == pytest.approx(expected)
+    time = predict_time(program, PROFILED)
+    assert time.optimizer_s == pytest.approx(expected)
+    assert time.step_s == pytest.approx(time.forward_s + time.backward_s + expected)
+    assert predict_time(program, CALIBRATED_CLUSTER).optimizer_s == 0.0  # no optimizer figures: left out
+
+
+def test_plan_rows_on_a_profiled_cluster_include_the_optimizer_and_dp_sync():
+    model, x = make_stack()
+    rows = tess_compile.plan(model, 8, example_inputs=(x,), cluster=PROFILED, modes=("1d", "2d"), dp="auto",
+                             summa="broadcast", keep_blocks=False)
+    fitting = [row for row in rows if row.time is not None]
+    assert fitting and all(row.time.optimizer_s > 0 for row in fitting)
+    by_outer = {(row.outer.dp, row.mesh.mode): row for row in fitting}
+    single, replicated = by_outer[(1, "1d")], by_outer[(2, "2d")]
+    # each data-parallel replica's gradients are all-reduced: one measured all-reduce per parameter
+    assert replicated.time.backward_comm_s > 0 and single.time.step_s > 0
+    assert rows == sorted(rows, key=lambda row: (not row.fits, row.time.step_s if row.time else math.inf))
+
+
+def _init_world_of_one(tmp_path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+
+def test_profile_cluster_on_a_world_of_one(tmp_path):
+    _init_world_of_one(tmp_path)
+    try:
+        cluster = profile_cluster(repeats=1, memory=1e9)
+    finally:
+        dist.destroy_process_group()
+    assert cluster.gpus_per_node == 1 and cluster.memory == 1e9
+    assert cluster.flops > 1e8 and cluster.memory_bandwidth > 1e8 and cluster.kernel_overhead > 0
+    assert cluster.optimizer_overhead >= 0 and cluster.collectives == ()  # no group of two ranks
+    path = tmp_path / "one.json"
+    cluster.save(path)
+    assert Cluster.load(path) == cluster
+
+
+def test_profile_cluster_refuses_without_a_process_group():
+    with pytest.raises(ValueError, match="init_process_group"):
+        profile_cluster()
+
+
+def _profile_worker(rank, world):
+    return profile_cluster(repeats=1)
+
+
+@pytest.mark.slow
+def test_profile_over_four_processes_is_the_same_on_every_rank(tmp_path):
+    clusters = run_local(_profile_worker, 4, timeout_s=300)
+    assert all(cluster == clusters[0] for cluster in clusters)
+    cluster = clusters[0]
+    assert cluster.gpus_per_node == 4
+    lines = {(op, size) for op, size, link, *_ in cluster.collectives}
+    assert lines == {(op, size) for op in COLLECTIVES for size in (2, 4)}
+    assert all(link == "intra" for _, _, link, *_ in cluster.collectives)
+    assert cluster.optimizer_overhead > 0
+
+
+@pytest.mark.slow
+def test_profile_command_writes_a_cluster_plan_reads(tmp_path, capsys):
+    path = tmp_path / "cluster.json"
+    assert main(["profile", "--processes", "2", "--repeats", "1", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "all_reduce over 2" in out and str(path) in out
+    assert Cluster.load(path).gpus_per_node == 2
