@@ -66,11 +66,11 @@ def add_command(commands) -> None:
     parser = commands.add_parser("profile", help="measure this machine and write the cluster as JSON",
                                  description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--output", default="cluster.json", help="the JSON file to write (cluster.json)")
-    parser.add_argument("--processes", type=positive, default=8, help="local processes (ranks) to profile (8)")
+    parser.add_argument("--processes", type=positive(int), default=8, help="local processes (ranks) to profile (8)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process group backend (gloo)")
-    parser.add_argument("--gpus-per-node", type=positive, default=None,
+    parser.add_argument("--gpus-per-node", type=positive(int), default=None,
                         help="ranks per node (default: the ranks on one host, here all of them)")
-    parser.add_argument("--repeats", type=positive, default=5, help="timed runs of each measurement (5)")
-    parser.add_argument("--timeout", type=positive, default=300, help="seconds before the run is stopped (300)")
+    parser.add_argument("--repeats", type=positive(int), default=5, help="timed runs of each measurement (5)")
+    parser.add_argument("--timeout", type=positive(float), default=300, help="seconds before the run is stopped (300)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     parser.set_defaults(func=cmd_profile)
