@@ -37,12 +37,16 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.paper_tables import Block  # noqa: E402
 from tess_compile.analysis.parallel_plan import default_microbatches  # noqa: E402
 from tess_compile.analysis.profiling import profile_cluster  # noqa: E402
+from tess_compile.analysis.schedule_choice import has_summa_steps  # noqa: E402
+from tess_compile.core.options import SCHEDULES  # noqa: E402
 from tess_compile.runtime.launch import run_local  # noqa: E402
 
 WORLD = 8
@@ -63,12 +67,11 @@ CONFIGS = [
     ("pp 2 x [2,2,1]", "2d", 2, 1, 1, 2),
 ]
 QUICK_CONFIGS = [CONFIGS[0], CONFIGS[3]]
-SCHEDULES = ("broadcast", "overlap", "gather")
 
 
-def schedules_of(mode: str, q: int) -> tuple[str, ...]:
+def schedules_of(mode: str, q: int, d: int) -> tuple[str, ...]:
     """The schedules a mesh runs differently: all of them where products take SUMMA steps."""
-    return ("broadcast",) if mode == "1d" or q == 1 else SCHEDULES
+    return SCHEDULES if has_summa_steps(tess_compile.Mesh(q, d, mode)) else ("broadcast",)
 
 
 def make_model(size: dict) -> tuple[nn.Sequential, torch.Tensor]:
@@ -97,8 +100,6 @@ def _loss(out) -> torch.Tensor:
 def _tensor_parallel_step(model, x, mode, q, d, dp, summa):
     mesh = None
     if dp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         shape = tess_compile.Mesh(q, d, mode).shape
         mesh = init_device_mesh("cpu", (dp, *shape), mesh_dim_names=("dp", "depth", "row", "col"))
         rows = x.shape[0] // dp
@@ -116,8 +117,6 @@ def _tensor_parallel_step(model, x, mode, q, d, dp, summa):
 
 
 def _pipeline_step(model, x, q, d, summa, microbatches):
-    from torch.distributed.pipelining import ScheduleGPipe
-
     stage_index = dist.get_rank() // (q * q * d)
     half = len(model) // 2
     part = model[:half] if stage_index == 0 else model[half:]
@@ -141,12 +140,10 @@ def _pipeline_step(model, x, q, d, summa, microbatches):
 
 
 def _profile_worker(rank: int, world: int):
-    torch.set_num_threads(1)
     return profile_cluster()
 
 
 def _config_worker(rank: int, world: int, size: dict, config: tuple, summa: str, steps: int, warmup: int) -> float:
-    torch.set_num_threads(1)
     _, mode, q, d, dp, pp = config
     model, x = make_model(size)
     if pp > 1:
@@ -162,8 +159,8 @@ def measure(sizes: dict, configs: list, steps: int, warmup: int) -> dict:
     measured = {}
     for size_name, size in sizes.items():
         for config in configs:
-            label, mode, q = config[:3]
-            for summa in schedules_of(mode, q):
+            label, mode, q, d = config[:4]
+            for summa in schedules_of(mode, q, d):
                 measured[(size_name, label, summa)] = run_local(
                     _config_worker, WORLD, args=(size, config, summa, steps, warmup), timeout_s=900,
                     collective_timeout_s=600)[0]
@@ -176,7 +173,7 @@ def predict(sizes: dict, configs: list, cluster) -> dict:
     for size_name, size in sizes.items():
         model, x = make_model(size)
         for label, mode, q, d, dp, pp in configs:
-            for summa in schedules_of(mode, q):
+            for summa in schedules_of(mode, q, d):
                 rows = tess_compile.plan(model, WORLD, example_inputs=(x,), cluster=cluster, modes=(mode,),
                                          dp=dp, pp=pp, summa=summa, keep_blocks=False)
                 row = next(r for r in rows if r.mesh.q == q and r.mesh.d == d)

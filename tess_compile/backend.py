@@ -27,9 +27,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from passes.driver import compile_model
 from tess_compile.analysis.cluster import Cluster
-from tess_compile.analysis.schedule_choice import load_cluster, resolve_auto
+from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import RENAMED, CompileOptions, takes_compile_options
 from tess_compile.runtime.sharded_module import shard_program
@@ -103,10 +102,8 @@ def _compile(gm, example_inputs: list, mesh: Mesh, options: CompileOptions, *, s
         if isinstance(value, nn.Parameter) or "_buffers_" in node.target
     }
     _untag_checkpoints(gm)
-    boundary = {"weight_inputs": weights, "replicate_outputs": True}
-    options, program, _ = resolve_auto(gm, mesh, tuple(example_inputs), options, cluster, **boundary)
-    if program is None:
-        program = compile_model(gm, mesh, tuple(example_inputs), options=options, **boundary)
+    program, _ = compile_auto(gm, mesh, tuple(example_inputs), options, cluster, weight_inputs=weights,
+                              replicate_outputs=True)
     log.info("torch.compile backend: graph of %d nodes on mesh %s", len(gm.graph.nodes), mesh)
     if simulate:
         return SimulatedModule(program, compile=compile)

@@ -14,8 +14,9 @@ import torch.distributed as dist
 import tess_compile
 from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.analysis.cost_model import optimizer_seconds, predict_time
-from tess_compile.analysis.profiling import COLLECTIVES, profile_cluster
+from tess_compile.analysis.profiling import _group_layouts, _payload_elements, profile_cluster
 from tess_compile.cli import main
+from tess_compile.ops.collectives import COMMUNICATING
 from tess_compile.runtime.launch import run_local
 from tests.models import GPTStack
 
@@ -23,7 +24,7 @@ from tests.models import GPTStack
 PROFILED = dataclasses.replace(
     CALIBRATED_CLUSTER, gpus_per_node=4, flops=2e10, matmul_half_size=20.0, memory_bandwidth=5e9,
     kernel_overhead=1e-5, optimizer_overhead=2e-4, optimizer_bandwidth=5e8,
-    collectives=tuple((op, size, "intra", 1e-3 * size, 1e-9) for op in COLLECTIVES for size in (2, 4)))
+    collectives=tuple((op, size, "intra", 1e-3 * size, 1e-9) for op in COMMUNICATING for size in (2, 4)))
 
 
 def make_stack():
@@ -96,6 +97,22 @@ def test_plan_rows_on_a_profiled_cluster_include_the_optimizer_and_dp_sync():
     assert rows == sorted(rows, key=lambda row: (not row.fits, row.time.step_s if row.time else math.inf))
 
 
+def test_group_layouts_cut_the_ranks_as_mesh_axes_and_find_their_link():
+    layouts = {(size, link): partitions for size, link, partitions in _group_layouts(8, 8)}
+    assert sorted(layouts) == [(2, "intra"), (4, "intra"), (8, "intra")]
+    assert layouts[(2, "intra")] == [[[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]],
+                                     [[0, 4], [1, 5], [2, 6], [3, 7]]]  # the axes of [2, 2, 2]
+    # 6 ranks a node: consecutive groups of 4 ([4..7]) cross a node, so they are inter-node
+    layouts = {(size, link): partitions for size, link, partitions in _group_layouts(12, 6)}
+    assert [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] in layouts[(4, "inter")]
+    assert [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]] in layouts[(3, "intra")]
+
+
+def test_payloads_split_evenly_over_the_group():
+    assert _payload_elements(4096, 2) == 1024
+    assert _payload_elements(4096, 3) == 1023 and _payload_elements(4096, 6) == 1020
+
+
 def _init_world_of_one(tmp_path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
 
@@ -130,7 +147,7 @@ def test_profile_over_four_processes_is_the_same_on_every_rank(tmp_path):
     cluster = clusters[0]
     assert cluster.gpus_per_node == 4
     lines = {(op, size) for op, size, link, *_ in cluster.collectives}
-    assert lines == {(op, size) for op in COLLECTIVES for size in (2, 4)}
+    assert lines == {(op, size) for op in COMMUNICATING for size in (2, 4)}
     assert all(link == "intra" for _, _, link, *_ in cluster.collectives)
     assert cluster.optimizer_overhead > 0
 

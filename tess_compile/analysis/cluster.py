@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tess_compile.core.mesh import Mesh
+from tess_compile.ops.collectives import COMMUNICATING
 
 __all__ = [
     "ALGORITHMS",
@@ -64,9 +65,6 @@ def _log2(g: int) -> int:
 #   all_reduce          L alpha + L n/B               (recursive doubling)
 #   all_gather          L alpha + (g-1) n/B           (recursive doubling)
 #   reduce_scatter      L alpha + (g-1)/g n/B         (recursive halving)
-_OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
-
-
 COLLECTIVE_RULES: dict[tuple[str, str], Callable[[int], tuple[float, float]]] = {
     ("ring", "broadcast"): lambda g: (g - 1, 1),
     ("ring", "reduce"): lambda g: (g - 1, 1),
@@ -139,10 +137,10 @@ class Cluster:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0")
         object.__setattr__(self, "collectives", tuple(map(tuple, self.collectives)))
         for entry in self.collectives:
-            if not (len(entry) == 5 and entry[0] in _OPS and isinstance(entry[1], int) and entry[1] > 1
+            if not (len(entry) == 5 and entry[0] in COMMUNICATING and isinstance(entry[1], int) and entry[1] > 1
                     and entry[2] in ("intra", "inter") and entry[3] >= 0 and entry[4] >= 0):
                 raise ValueError(f"Cluster collectives entry {entry!r}: use (op, group size > 1, 'intra' or "
-                                 f"'inter', latency s >= 0, s per byte >= 0), op one of {', '.join(_OPS)}")
+                                 f"'inter', latency s >= 0, s per byte >= 0), op one of {', '.join(COMMUNICATING)}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"collective algorithm {self.algorithm!r} is not one of "
                              f"{', '.join(map(repr, ALGORITHMS))}: use 'ring' (NCCL's default) or 'tree'")
@@ -168,13 +166,14 @@ class Cluster:
         line = self.measured(op, group_size, intra)
         if line is not None:
             return line[0] + line[1] * num_bytes
-        link = Link(self.intra_bandwidth, self.intra_latency) if intra else Link(self.inter_bandwidth,
-                                                                                self.inter_latency)
-        return collective_time(op, group_size, num_bytes, link, self.algorithm)
+        return collective_time(op, group_size, num_bytes, self._link(intra), self.algorithm)
 
     def link(self, mesh: Mesh, axis: str) -> Link:
         """The link the collectives along `axis` run on."""
-        if self.is_intra_node(mesh, axis):
+        return self._link(self.is_intra_node(mesh, axis))
+
+    def _link(self, intra: bool) -> Link:
+        if intra:
             return Link(self.intra_bandwidth, self.intra_latency)
         return Link(self.inter_bandwidth, self.inter_latency)
 

@@ -28,7 +28,6 @@ backward runs its collectives synchronously).
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, collective_costs, transfers
 from tess_compile.analysis.cluster import COLLECTIVE_RULES, Cluster, collective_rule
+from tess_compile.analysis.memory import param_shards
 from tess_compile.core.fake_run import local_placeholder, requires_grad, tensor_bytes
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
@@ -333,8 +333,8 @@ def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str 
 def optimizer_seconds(program: Program, cluster: Cluster) -> float:
     """Seconds of one AdamW step over this rank's parameter shards: `optimizer_overhead`
     per tensor plus their bytes at `optimizer_bandwidth` (0 on a cluster without them)."""
-    shards = [(slot.layout.local_shape(slot.shape, program.mesh), slot.dtype.itemsize) for slot in program.params]
-    num_bytes = sum(math.prod(shape) * itemsize for shape, itemsize in shards)
+    shards = param_shards(program)
+    num_bytes = sum(numel * itemsize for numel, itemsize in shards)
     return len(shards) * cluster.optimizer_overhead + num_bytes / cluster.optimizer_bandwidth
 
 

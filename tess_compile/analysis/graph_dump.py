@@ -35,7 +35,6 @@ import torch
 from torch.fx import GraphModule
 
 from passes.capture import capture
-from passes.driver import compile_model
 from passes.observers import PassResult, add_pass_observer
 from passes.place import place
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
@@ -49,7 +48,7 @@ from tess_compile.analysis.graph_views import (
     rewritten_view,
 )
 from tess_compile.analysis.memory import predict_memory
-from tess_compile.analysis.schedule_choice import load_cluster, resolve_auto
+from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import Program, split_example_inputs
@@ -88,9 +87,7 @@ def dump(
     mesh = options.mesh(q, d)
     _check_options(stage, format, rank, mesh, sizes)
     if stage == "rewritten":
-        options, program, summary = resolve_auto(model, mesh, example_inputs, options, cluster)
-        if program is None:
-            program = compile_model(model, mesh, example_inputs, options=options)
+        program, summary = compile_auto(model, mesh, example_inputs, options, cluster)
         unsharded_flops = unsharded_forward_flops(model, example_inputs)
         return dump_program(program, rank=rank, format=format, sizes=sizes, unsharded_flops=unsharded_flops,
                             notes=[summary] if summary else [])

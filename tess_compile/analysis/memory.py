@@ -22,6 +22,7 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "activation_bytes",
     "collective_buffer_bytes",
+    "param_shards",
     "predict_memory",
 ]
 
@@ -44,8 +45,8 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.transient
 
 
-def _local_numel(program: Program) -> list[tuple[int, int]]:
-    """(elements, bytes per element) of each parameter shard of a rank."""
+def param_shards(program: Program) -> list[tuple[int, int]]:
+    """(elements, bytes per element) of each parameter shard of a rank (its local block)."""
     out = []
     for slot in program.params:
         shape = slot.layout.local_shape(slot.shape, program.mesh)
@@ -110,7 +111,7 @@ def predict_memory(program: Program) -> MemoryEstimate:
     Not counted: temporary buffers of single ops, the allocator's slack, and
     fp32 master weights of mixed-precision training.
     """
-    shards = _local_numel(program)
+    shards = param_shards(program)
     param_bytes = sum(numel * size for numel, size in shards)
     return MemoryEstimate(
         params=param_bytes,

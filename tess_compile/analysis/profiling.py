@@ -39,12 +39,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from tess_compile.analysis.cluster import Cluster
+from tess_compile.ops.collectives import COMMUNICATING
 
-__all__ = ["COLLECTIVES", "MESSAGE_BYTES", "profile_cluster"]
+__all__ = ["MESSAGE_BYTES", "profile_cluster"]
 
 log = logging.getLogger("tess_compile")
-
-COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
 
 # The payloads (bytes a rank passes to the collective) each line is fitted on.
 MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10)
@@ -223,7 +222,8 @@ def _nonnegative_fit(rows: list[list[float]], times: list[float]) -> tuple[float
 def _group_layouts(world: int, per_node: int) -> list[tuple[int, str, list[list[list[int]]]]]:
     """(group size, link, partitions): for each size `g` dividing the world, the ranks cut
     into groups of `g` ranks `t` apart for each stride `t` with `g * t` dividing the world,
-    as the axes of a mesh cut them; grouped by link (intra-node: `g * t <= per_node`)."""
+    as the axes of a mesh cut them; grouped by link (intra-node: every group within a node,
+    ranks packed onto nodes in order)."""
     layouts: dict[tuple[int, str], list] = {}
     for size in range(2, world + 1):
         for stride in range(1, world // size + 1):
@@ -232,8 +232,8 @@ def _group_layouts(world: int, per_node: int) -> list[tuple[int, str, list[list[
             span = size * stride
             groups = [[start + k * stride for k in range(size)]
                       for start in range(world) if start % span < stride]
-            link = "intra" if span <= per_node else "inter"
-            layouts.setdefault((size, link), []).append(groups)
+            within = all(group[0] // per_node == group[-1] // per_node for group in groups)
+            layouts.setdefault((size, "intra" if within else "inter"), []).append(groups)
     return [(size, link, partitions) for (size, link), partitions in layouts.items()]
 
 
@@ -249,10 +249,11 @@ def _collective_lines(timer: _Timer, device: torch.device, per_node: int) -> lis
     lines = []
     for size, link, partitions in _group_layouts(dist.get_world_size(), per_node):
         groups = [dist.new_subgroups_by_enumeration(partition)[0] for partition in partitions]
-        for op in COLLECTIVES:
+        for op in COMMUNICATING:
             times = []
-            for num_bytes in MESSAGE_BYTES:
-                calls = [_collective(op, num_bytes, size, group, device) for group in groups]
+            payloads = [_payload_elements(num_bytes, size) * 4 for num_bytes in MESSAGE_BYTES]
+            for num_bytes in payloads:
+                calls = [_collective(op, num_bytes // 4, size, group, device) for group in groups]
 
                 def each_axis(calls=calls):
                     for call in calls:
@@ -260,7 +261,7 @@ def _collective_lines(timer: _Timer, device: torch.device, per_node: int) -> lis
                         call()
 
                 times.append(timer.median(each_axis, local=False) / len(calls) - work_s)
-            latency, per_byte = _nonnegative_fit([[1.0, n] for n in MESSAGE_BYTES], _world_mean(times))
+            latency, per_byte = _nonnegative_fit([[1.0, n] for n in payloads], _world_mean(times))
             lines.append((op, size, link, latency, per_byte))
     return lines
 
@@ -271,10 +272,16 @@ def _between_kernels(device: torch.device) -> Callable[[], torch.Tensor]:
     return lambda: torch.mm(a, a)
 
 
-def _collective(op: str, num_bytes: int, size: int, group, device) -> Callable[[], object]:
+def _payload_elements(num_bytes: int, size: int) -> int:
+    """float32 elements of a payload of about `num_bytes`, a multiple of `size` (a
+    reduce-scatter over `size` ranks splits it evenly)."""
+    return num_bytes // 4 // size * size
+
+
+def _collective(op: str, elements: int, size: int, group, device) -> Callable[[], object]:
     """One call of `op` as the runtime makes it (`runtime.dist_comm`): a copy of the input
-    of `num_bytes` bytes, then the collective over `group`."""
-    x = torch.ones(num_bytes // 4, device=device)
+    of `elements` float32 elements, then the collective over `group`."""
+    x = torch.ones(elements, device=device)
     if op == "broadcast":
         return lambda: dist.broadcast(x.clone(), group=group, group_src=0)
     if op == "reduce":

@@ -35,7 +35,8 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, SCHEDULES, CompileOptions
 from tess_compile.core.program import Program
 
-__all__ = ["Priced", "Resolved", "ScheduleChoice", "candidates", "choose_schedule", "load_cluster", "resolve_auto"]
+__all__ = ["Priced", "Resolved", "ScheduleChoice", "candidates", "choose_schedule", "compile_auto", "load_cluster",
+           "resolve_auto"]
 
 log = logging.getLogger("tess_compile")
 
@@ -167,6 +168,17 @@ def resolve_auto(model: nn.Module, mesh: Mesh, example_inputs, options: CompileO
     summary = f"{fields}: chose {_summary(choice, mesh)} on {name}"
     log.info("%s", summary)
     return Resolved(choice.options, choice.program, summary)
+
+
+def compile_auto(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
+                 cluster: Cluster | str | os.PathLike | None = None, **boundary) -> tuple[Program, str]:
+    """The program of `options` (`compile_model` with `boundary`'s keywords), "auto" resolved on
+    `cluster` first (`resolve_auto`, whose priced program is reused), and its summary line."""
+    resolved = resolve_auto(model, mesh, example_inputs, options, cluster, **boundary)
+    program = resolved.program
+    if program is None:
+        program = compile_model(model, mesh, example_inputs, options=resolved.options, **boundary)
+    return program, resolved.summary
 
 
 def _summary(choice: ScheduleChoice, mesh: Mesh) -> str:

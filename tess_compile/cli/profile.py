@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from tess_compile.analysis.profiling import profile_cluster
 from tess_compile.cli.common import CliError, positive
 from tess_compile.runtime.launch import run_local
@@ -20,9 +22,6 @@ log = logging.getLogger("tess_compile")
 
 
 def _profile_rank(rank: int, world: int, gpus_per_node: int | None, repeats: int):
-    import torch
-
-    torch.set_num_threads(1)  # as run_local's training processes: one thread each
     if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     return profile_cluster(gpus_per_node=gpus_per_node, repeats=repeats)
