@@ -14,6 +14,8 @@ import torch.distributed as dist
 import tess_compile
 from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.analysis.cost_model import optimizer_seconds, predict_time
+from tess_compile.analysis.memory import predict_memory
+from tess_compile.analysis.parallel_plan import Outer, price
 from tess_compile.analysis.profiling import _group_layouts, _payload_elements, profile_cluster
 from tess_compile.cli import main
 from tess_compile.ops.collectives import COMMUNICATING
@@ -111,6 +113,22 @@ def test_group_layouts_cut_the_ranks_as_mesh_axes_and_find_their_link():
 def test_payloads_split_evenly_over_the_group():
     assert _payload_elements(4096, 2) == 1024
     assert _payload_elements(4096, 3) == 1023 and _payload_elements(4096, 6) == 1020
+
+
+def test_data_parallel_sync_is_one_measured_all_reduce_per_parameter_shard():
+    model, x = make_stack()
+    program = tess_compile.simulate(model, 2, 1, example_inputs=(x,)).program
+    node = dataclasses.replace(PROFILED, gpus_per_node=8)  # both replicas in one node: the measured line
+    time, memory = predict_time(program, node), predict_memory(program)
+    replicated, _ = price(time, memory, Outer(dp=2), program.mesh.num_ranks, node)
+    tensors = len(program.params)
+    line = node.measured("all_reduce", 2, intra=True)
+    expected = tensors * (line[0] + line[1] * (memory.grads // tensors))
+    assert time.grad_tensors == tensors > 1
+    assert replicated.backward_comm_s - time.backward_comm_s == pytest.approx(expected)
+    zero, _ = price(time, memory, Outer(dp=2, zero=True), program.mesh.num_ranks, node)
+    assert zero.backward_comm_s - time.backward_comm_s == pytest.approx(line[0] + line[1] * memory.grads)
+    assert zero.optimizer_s == pytest.approx(time.optimizer_s / 2)
 
 
 def _init_world_of_one(tmp_path) -> None:
