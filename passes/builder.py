@@ -25,12 +25,30 @@ class Builder:
         self.keep_blocks = keep_blocks
         self.graph = Graph()
         self.shared: dict[tuple, Node] = {}
+        self._sizes: dict[object, Node | int] = {}  # a symbolic size's formula -> the node computing it
 
     def call(self, target, *args, **kwargs) -> Node:
         if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
             self.shared.clear()
         name = getattr(target, "_opname", None)  # "broadcast", not "broadcast_default"
+        args, kwargs = self.size((args, kwargs))
         return self.graph.create_node("call_function", target, args, kwargs, name=name)
+
+    def size(self, value):
+        """`value` with each symbolic size in it (a dynamic compile's, `tess_compile.core.dynamic`)
+        replaced by nodes that compute it from the inputs' sizes at run time
+        (`Graph.materialize_symints`, which reads them from the placeholders' `meta["val"]`),
+        each formula emitted once."""
+        if isinstance(value, torch.SymInt):
+            expr = value.node.expr
+            if expr not in self._sizes:
+                self._sizes[expr] = self.graph.materialize_symints([value])[0]
+            return self._sizes[expr]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.size(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.size(v) for k, v in value.items()}
+        return value
 
     def collective(self, op, x: Node, axis: str, *args) -> Node:
         """`op(x, axis, *args)`, or `x` itself when `axis` has size 1."""

@@ -41,9 +41,10 @@ from torch.fx.node import map_aggregate
 from torch.fx.traceback import annotate, preserve_node_meta
 from torch.utils import _pytree as pytree
 
+from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.ops.local import device_of
 
-__all__ = ["capture"]
+__all__ = ["capture", "shape_env_of"]
 
 log = logging.getLogger("tess_compile.passes")
 
@@ -55,15 +56,25 @@ _ROLE = {
 }
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, weight_inputs: dict[int, str] | None = None) -> torch.fx.GraphModule:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, weight_inputs: dict[int, str] | None = None,
+            batch_factor: int | None = None) -> torch.fx.GraphModule:
     """Export `model` on example inputs and tag each placeholder with its role.
 
     `weight_inputs` maps user-input positions that are really weights (as in
     Dynamo's graphs, where parameters arrive as inputs) to their names; those
-    placeholders get `meta["weight_input"] = name`.
+    placeholders get `meta["weight_input"] = name`. `batch_factor` (a dynamic
+    compile's) captures the batch as a symbolic multiple of it and the other
+    dims of the inputs symbolic where the model allows (`tess_compile.core.dynamic`);
+    `gm.meta["guards"]` is then the number of guards the capture left, so
+    that the driver can tell those the later passes add.
     """
     start = time.perf_counter()
-    ep = _export(model, args, kwargs or {})
+    kwargs = kwargs or {}
+    dims = None
+    if batch_factor is not None:
+        dims = export_dims(args, kwargs, batch_factor)
+        args, kwargs = export_example(args, kwargs, batch_factor)
+    ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module
     specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
@@ -91,6 +102,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     _drop_dead_code(gm)
     _mark_checkpoints(gm)
     _devices_at_run_time(gm)
+    if batch_factor is not None:
+        shape_env = shape_env_of(gm)
+        gm.meta["guards"] = len(shape_env.guards) if shape_env is not None else 0
     gm.meta["in_spec"] = ep.call_spec.in_spec
     gm.meta["out_spec"] = ep.call_spec.out_spec
     gm.meta["tensors"] = tensors
@@ -99,23 +113,23 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     return gm
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict):
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tuple | None):
     """`torch.export.export` of the model, its outputs made exportable (`_exportable`). A model that
     returns a cache and takes `use_cache` (not given) is exported again with `use_cache=False`: a
     training forward does not need the cache, and its graph then holds none of the cache's ops."""
     dropped: list[str] = []
-    ep = _export_with(model, args, kwargs, dropped, {})
+    ep = _export_with(model, args, kwargs, dropped, {}, dims)
     if not dropped:
         return ep
     takes = "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs
     if takes:
-        ep = _export_with(model, args, kwargs, [], {"use_cache": False})
+        ep = _export_with(model, args, kwargs, [], {"use_cache": False}, dims)
     log.warning("%s returns %s: the sharded module returns None there%s (a training forward does not need the "
                 "cache)", type(model).__name__, ", ".join(dropped), ", compiled with use_cache=False" if takes else "")
     return ep
 
 
-def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: list[str], fixed: dict):
+def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: list[str], fixed: dict, dims: tuple | None):
     """Export with the model's forward called with the keywords `fixed` added and its outputs made
     exportable (the caches among them noted in `dropped`); the model's own forward afterwards."""
     own = model.__dict__.get("forward")  # an instance attribute, if the model has one
@@ -129,12 +143,40 @@ def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: lis
     model.forward = forward
     try:
         with preserve_node_meta(), _traced_checkpoints():
-            return torch.export.export(model, args, kwargs, strict=False)
+            if dims is None:
+                return torch.export.export(model, args, kwargs, strict=False)
+            return _export_dynamic(model, args, kwargs, dims)
     finally:
         if own is None:
             del model.forward
         else:
             model.forward = own
+
+
+def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tuple):
+    """Export with symbolic dims; a model whose code fixes the batch is a ValueError with the fix."""
+    try:
+        # size-oblivious: a symbol may also be 1 (a batch of one block, a sequence of one token)
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dims, strict=False)
+    except torch._dynamo.exc.UserError as err:
+        said = " ".join(line.strip() for line in str(err).strip().splitlines()[:8] if line.strip())
+        raise ValueError(
+            f"dynamic=True: {type(model).__name__}'s code fixes a dim that is captured as symbolic (the batch, dim 0 "
+            f"of the inputs); torch.export says: {said}\nwrite the model's sizes from its inputs (x.shape[0], "
+            "view(-1, ...)) instead of constants, or pass dynamic=False"
+        ) from err
+
+
+def shape_env_of(gm: torch.fx.GraphModule):
+    """The ShapeEnv of a graph captured with symbolic dims (from its inputs' sizes), or None."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None
 
 
 # Values an output may hold besides tensors: the sharded module returns them as they are.

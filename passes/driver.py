@@ -21,7 +21,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from passes.bucket_gradients import bucket_gradients
-from passes.capture import capture
+from passes.capture import capture, shape_env_of
 from passes.observers import PassResult, notify
 from passes.place import place
 from passes.recompute_blocks import mark_blocks
@@ -29,10 +29,11 @@ from passes.recompute_selective import mark_selective
 from passes.repeated_work import report_repeated_work
 from passes.rewrite import rewrite
 from passes.verify import verify_placed, verify_rewritten
+from tess_compile.core.dynamic import DynamicShapes, concrete
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions
-from tess_compile.core.program import Program, Slot, split_example_inputs
+from tess_compile.core.program import Program, Slot, input_names, split_example_inputs
 from tess_compile.ops.recompute_region import outline_regions
 
 __all__ = ["compile_model", "mode_compiler"]
@@ -73,10 +74,15 @@ def compile_model(
         raise ValueError(f"{name}='auto' must be resolved before compiling: tess_compile.shard, simulate, dump and "
                          f"backend price the candidates on a cluster (tess_compile.analysis.schedule_choice); "
                          f"here pass a concrete {name}")
+    if options.dynamic and local_inputs:
+        raise ValueError("dynamic=True is not supported for pipeline stages yet (their inputs arrive as this rank's "
+                         "blocks, whose sizes are not the global ones): compile the stages with dynamic=False")
     args, kwargs = split_example_inputs(example_inputs)
     start = time.perf_counter()
-    run = _Passes(mesh)
-    gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, guarded=False)
+    run = _Passes(mesh, options.dynamic)
+    batch_factor = mesh.size("depth") * mesh.size("row") if options.dynamic else None
+    gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
+             guarded=False)
     _mark_local_boundary(gm, local_inputs, local_outputs)
     placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs)
     if options.checked:
@@ -103,21 +109,26 @@ def compile_model(
         state_keys=gm.meta["state_keys"],
         training=model.training,
         runnable=outline_regions(gm),
+        dynamic=_dynamic_shapes(placed) if options.dynamic else None,
     )
 
 
 class _Passes:
     """Runs the passes of one compile: checks that each gives a graph, names a pass that
     fails (`guarded`: anything but a user's ValueError becomes a RuntimeError naming it),
-    and reports each to the observers (`passes.observers`)."""
+    and reports each to the observers (`passes.observers`).
 
-    def __init__(self, mesh: Mesh):
-        self.mesh, self.index, self.nodes = mesh, 0, None
+    In a dynamic compile the passes ask of symbolic sizes size-obliviously: a rule's `size == 1`
+    of a symbolic sequence is False without a guard, the general case, which holds at 1 too."""
+
+    def __init__(self, mesh: Mesh, dynamic: bool = False):
+        self.mesh, self.dynamic, self.index, self.nodes = mesh, dynamic, 0, None
 
     def __call__(self, name: str, run_pass, *args, guarded: bool = True, **kwargs) -> GraphModule:
         start = time.perf_counter()
         try:
-            gm = run_pass(*args, **kwargs)
+            with torch.fx.experimental._config.patch(backed_size_oblivious=self.dynamic):
+                gm = run_pass(*args, **kwargs)
         except ValueError:
             raise
         except Exception as err:
@@ -148,6 +159,25 @@ def _mark_local_boundary(gm: GraphModule, local_inputs: bool, local_outputs: boo
             node.meta["local_outputs"] = True
 
 
+def _dynamic_shapes(placed: GraphModule) -> DynamicShapes | None:
+    """The symbolic shapes of a dynamic compile's inputs and outputs, and the conditions on the
+    symbols that the passes after capture assumed (the guards they added), if any dim is symbolic."""
+    placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
+    inputs = {n.meta["role"][1]: n.meta["val"] for n in placeholders
+              if n.meta["role"][0] == "input" and isinstance(n.meta["val"], torch.Tensor)}
+    names = dict(enumerate(input_names(placed.meta["in_spec"])))
+    output = next(n for n in placed.graph.nodes if n.op == "output")
+    outputs = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
+    shape_env = shape_env_of(placed)
+    added = shape_env.guards[placed.meta["guards"]:] if shape_env is not None else []
+    conditions = [guard.expr for guard in added if guard.expr.free_symbols]
+    for guard in added:
+        log.debug("dynamic shapes: the compile assumed %s at %s", guard.expr, guard.sloc)
+    dynamic = DynamicShapes.of(inputs, outputs, conditions, names)
+    log.info("dynamic shapes: %s", dynamic.describe() if dynamic is not None else "none (every input dim is fixed)")
+    return dynamic
+
+
 def _slots(placed: GraphModule) -> list[Slot]:
     placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
     slots = []
@@ -163,14 +193,14 @@ def _slots(placed: GraphModule) -> list[Slot]:
         elif role == "input":
             role = "weight" if "weight_input" in node.meta else "input"
             layout = Layout.replicated()  # inputs arrive whole
-        slots.append(Slot(role, str(name), layout, tuple(val.shape), val.dtype, node.meta.get("alias_of")))
+        slots.append(Slot(role, str(name), layout, concrete(val.shape), val.dtype, node.meta.get("alias_of")))
     return slots
 
 
 def _output_shapes(placed: GraphModule) -> list[tuple[int, ...] | None]:
     output = next(n for n in placed.graph.nodes if n.op == "output")
     values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
-    return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in values]
+    return [concrete(v.shape) if isinstance(v, torch.Tensor) else None for v in values]
 
 
 def _output_layouts(placed: GraphModule) -> list[Layout | None]:

@@ -36,6 +36,7 @@ from passes.builder import Builder
 from passes.redistribute import redistribute
 from passes.rules import lowering_rules
 from passes.rules.common import lower_default
+from tess_compile.core.dynamic import concrete, has_symbols
 from tess_compile.core.layout import Layout, Replicate
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import SCHEDULES
@@ -124,9 +125,11 @@ def _placeholder(b: Builder, node: Node) -> Node:
     x.meta.update(
         role=node.meta["role"],
         layout=Layout.replicated() if whole else layout,
-        global_shape=tuple(node.meta["val"].shape),
+        global_shape=concrete(node.meta["val"].shape),
         dtype=node.meta["val"].dtype,
     )
+    if whole and has_symbols(node.meta["val"].shape):
+        x.meta["val"] = node.meta["val"]  # its sizes are the symbols' source (`Builder.call`)
     if whole:
         x = redistribute(b, x, Layout.replicated(), layout, node.meta["val"].shape)
     if role == "param":
@@ -151,4 +154,4 @@ def _annotate(out, node: Node) -> None:
         out.meta.setdefault("global_node", node.name)
     if isinstance(out, Node) and isinstance(node.meta.get("layout"), Layout):
         out.meta.setdefault("layout", node.meta["layout"])
-        out.meta.setdefault("global_shape", tuple(node.meta["val"].shape))
+        out.meta.setdefault("global_shape", concrete(node.meta["val"].shape))

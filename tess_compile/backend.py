@@ -63,6 +63,10 @@ def backend(
             f"backend 'tesseract' got inner={inner!r}: it runs each per-rank program as one of "
             f"{', '.join(map(repr, _INNER))}; pass inner='inductor' to compile it, or leave inner out"
         )
+    if options.dynamic:
+        raise ValueError("backend 'tesseract' got dynamic=True: it compiles each graph Dynamo hands it for that "
+                         "graph's shapes (Dynamo recompiles for new ones); for one program for every batch and "
+                         "sequence length use tess_compile.shard or simulate with dynamic=True")
     mesh = options.mesh(q, d)
     load_cluster(cluster)  # a bad cluster= fails here, not inside Dynamo
 

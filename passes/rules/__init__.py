@@ -27,6 +27,7 @@ from passes.rules import (
     pooling,
     products,
     reductions,
+    sizes,
     views,
 )
 from passes.rules.family import Family
@@ -35,7 +36,7 @@ __all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rules"]
 
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
-    complex_numbers, experts, pooling, indexing,
+    complex_numbers, experts, pooling, indexing, sizes,
 ))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from passes.builder import Builder
 from passes.rules.family import Decision
@@ -23,6 +24,7 @@ __all__ = [
     "dims_local",
     "display_name",
     "get_arg",
+    "is_one",
     "is_param",
     "layout_of",
     "lower_default",
@@ -43,6 +45,12 @@ WHOLE = Layout(R, R, R)
 
 def tensor_inputs(node: Node) -> list[Node]:
     return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def is_one(size) -> bool:
+    """`size == 1`; of a symbolic size (a dynamic compile's) asked size-obliviously: False unless it is 1 in
+    every call, so a rule takes the general case, which holds at 1 too, and adds no condition."""
+    return guard_or_false(size == 1) if isinstance(size, torch.SymInt) else size == 1
 
 
 def shape_of(node: Node) -> tuple[int, ...]:

@@ -35,6 +35,7 @@ from passes.rules.common import (
     R,
     aten,
     display_name,
+    is_one,
     layout_of,
     lower_default,
     normalize_dim,
@@ -119,7 +120,7 @@ def _constant_mask_dims(mask: Node, ndim: int) -> set[int]:
         if isinstance(source, Node):
             shape = shape_of(source)
             shift = ndim - len(shape)
-            constant |= {d for d in range(ndim) if d < shift or shape[d - shift] == 1}
+            constant |= {d for d in range(ndim) if d < shift or is_one(shape[d - shift])}
     return constant
 
 

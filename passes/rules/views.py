@@ -27,6 +27,7 @@ from passes.rules.common import (
     dims_local,
     display_name,
     get_arg,
+    is_one,
     is_param,
     layout_of,
     lower_default,
@@ -192,8 +193,8 @@ def _kept_uneven(in_shape, out_shape, p: Shard, parts: int):
 def _unit_dim_map(in_shape, out_shape) -> dict[int, int] | None:
     """{in dim: out dim} of the dims of size > 1 of a view that only inserts or removes
     size-1 dims (a split of a size-1 dim, on an axis of size 1, is dropped); else None."""
-    kept_in = [d for d, size in enumerate(in_shape) if size != 1]
-    kept_out = [d for d, size in enumerate(out_shape) if size != 1]
+    kept_in = [d for d, size in enumerate(in_shape) if not is_one(size)]
+    kept_out = [d for d, size in enumerate(out_shape) if not is_one(size)]
     if [in_shape[d] for d in kept_in] != [out_shape[d] for d in kept_out]:
         return None
     return dict(zip(kept_in, kept_out))

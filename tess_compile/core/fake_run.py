@@ -17,6 +17,7 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 
+from tess_compile.core.dynamic import concrete
 from tess_compile.core.mesh import Mesh
 
 # What stops a fake run early: data-dependent shapes, ops with no fake kernel, and devices fixed
@@ -41,7 +42,8 @@ def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
 
 
 def global_placeholder(node: Node, device=None):
-    """An empty tensor like a captured or placed graph's placeholder (on `device`, default
+    """An empty tensor like a captured or placed graph's placeholder (a symbolic size at its
+    example's value; on `device`, default
     the default device), requiring grad if it is a parameter, as in `fake_run` (some
     kernels, such as CPU attention, take another path when grad is required, and
     FlopCounterMode counts only one of them), or the value itself."""
@@ -49,7 +51,7 @@ def global_placeholder(node: Node, device=None):
     if not isinstance(val, torch.Tensor):
         return val
     weight = node.meta.get("role", ("",))[0] == "param" and (val.is_floating_point() or val.is_complex())
-    return torch.empty(val.shape, dtype=val.dtype, device=device, requires_grad=weight)
+    return torch.empty(concrete(val.shape), dtype=val.dtype, device=device, requires_grad=weight)
 
 
 def local_bytes(node, mesh: Mesh) -> int:

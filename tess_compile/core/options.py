@@ -68,6 +68,9 @@ class CompileOptions:
         "choices": RECOMPUTE, "what": "a recompute option",
         "help": "recompute in backward instead of saving: none (the default), blocks (each repeated block) or "
                 "selective (runs of cheap local ops)"})
+    dynamic: bool = field(default=False, metadata={
+        "help": "one program for every batch and sequence length: capture the inputs' batch (a multiple of the "
+                "ranks that split it) and their other dims that no weight fixes as symbols (docs/dynamic.md)"})
     strict: bool = field(default=False, metadata={"help": "fail on ops that would run replicated"})
     verify: bool | None = field(default=None, metadata={
         "also": (None,),

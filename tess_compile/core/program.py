@@ -17,10 +17,11 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from tess_compile.core.dynamic import DynamicShapes
 from tess_compile.core.layout import Layout, local_block
 from tess_compile.core.mesh import Mesh
 
-__all__ = ["INPUT_ROLES", "Program", "Slot", "input_name", "split_example_inputs"]
+__all__ = ["INPUT_ROLES", "Program", "Slot", "input_name", "input_names", "split_example_inputs"]
 
 # Slot roles whose values arrive as the module's inputs on every call. A "local input"
 # (`compile_model(..., local_inputs=True)`, a pipeline stage's) is this rank's block of
@@ -57,6 +58,8 @@ class Program:
     # The per-rank graph as the runtimes run it, its recompute regions outlined
     # (`tess_compile.ops.recompute_region`); None: the graph itself (it has none).
     runnable: GraphModule | None = None
+    # A `dynamic=True` compile's symbolic input and output shapes (None: every shape is fixed).
+    dynamic: DynamicShapes | None = None
 
     def __post_init__(self) -> None:
         if self.runnable is None:
@@ -96,7 +99,19 @@ class Program:
             index = int(slot.name)
             path, value = leaves[index]
             self._check_input(slot, input_name(path), value, constants.get(index), device)
-        return [value for _, value in leaves]
+        flat = [value for _, value in leaves]
+        if self.dynamic is not None:
+            self.call_output_shapes(flat)  # the symbolic dims: each agrees with the others and the compile
+        return flat
+
+    def call_output_shapes(self, flat_inputs: list) -> list[tuple[int, ...] | None]:
+        """The global shape of each output of a call with these (flat) inputs: the compiled shapes, or
+        a dynamic program's at the call's sizes (a ValueError for sizes it cannot take)."""
+        if self.dynamic is None:
+            return self.output_shapes
+        values = {index: flat_inputs[index] for index in self.dynamic.inputs}
+        binding = self.dynamic.bind(values, input_names(self.in_spec), self.mesh)
+        return [None if dims is None else self.dynamic.shape(dims, binding) for dims in self.dynamic.outputs]
 
     def _match_structure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """`(args, kwargs)` with the keywords in the compiled order; a one-line
@@ -170,6 +185,8 @@ class Program:
                     f"shape {list(slot.shape)}, layout {slot.layout}) is {list(local)} on mesh {self.mesh}: pass "
                     "this rank's block, as the previous stage's rank of the same coordinates gives it"
                 )
+        elif self.dynamic is not None and int(slot.name) in self.dynamic.inputs:
+            pass  # its dims are checked together (`DynamicShapes.bind`)
         elif tuple(value.shape) != slot.shape:
             raise ValueError(
                 f"{name} has shape {list(value.shape)}, but the module was compiled for "
@@ -185,6 +202,12 @@ class Program:
                 f"{name} is on device {value.device}, but the module runs on {torch.device(device)}: "
                 f"move it there (.to({str(torch.device(device))!r}))"
             )
+
+
+def input_names(in_spec: pytree.TreeSpec) -> list[str]:
+    """`input_name` of each flat input of a call with this structure."""
+    dummy = pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec)
+    return [input_name(path) for path, _ in pytree.tree_flatten_with_path(dummy)[0]]
 
 
 def input_name(path) -> str:

@@ -71,19 +71,22 @@ _COMPILE_CONFIG = dict(force_non_lazy_backward_lowering=True, cse=False)
 
 
 class CompiledRank:
-    """One rank's program compiled by inductor, once per grad mode and pattern of inputs
-    that require grad (as Dynamo's guards would recompile). `backward_comm()` gives the
+    """One rank's program compiled by inductor, once per grad mode, pattern of inputs that
+    require grad and (a `dynamic=True` program's) input shapes, as Dynamo's guards would
+    recompile: inductor compiles for the shapes it is given. `backward_comm()` gives the
     communicator the compiled backward runs under."""
 
     def __init__(self, program: Program, backward_comm: Callable[[], Comm]):
         self.graph = inductor_graph(program.graph)
+        self.dynamic = program.dynamic is not None
         self.backward_comm = backward_comm
         self._compiled: dict[tuple, Callable] = {}
         self._lock = threading.Lock()
 
     def compiled_for(self, inputs: list) -> Callable:
         """The compiled function for `inputs` (compiled on first use, backward included)."""
-        key = (torch.is_grad_enabled(), tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs))
+        key = (torch.is_grad_enabled(), tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs),
+               tuple(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)) if self.dynamic else ())
         with self._lock:
             if key not in self._compiled:
                 with use_comm(TracingComm()), torch._functorch.config.patch(_COMPILE_CONFIG):

@@ -93,6 +93,7 @@ class ShardedModule(ModeModule):
 
     def forward(self, *args, **kwargs):
         flat = self.program.flatten_inputs(args, kwargs)
+        shapes = self.program.call_output_shapes(flat)
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat]
         if self.check_inputs:
             check_same_inputs(self.program, flat, self.world)
@@ -113,7 +114,7 @@ class ShardedModule(ModeModule):
                 outs = self.program.runnable(*inputs)
         program = self.program
         wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
-                   zip(outs, program.output_layouts, program.output_shapes)]
+                   zip(outs, program.output_layouts, shapes)]
         return pytree.tree_unflatten(wrapped, program.out_spec)
 
     def _wrap(self, out, layout, shape):

@@ -143,7 +143,8 @@ class SimulatedModule(ModeModule):
         else:
             with use_comm(self.comm):
                 outs = run_lockstep(self.program.runnable, self.comm, rank_inputs)
-        return pytree.tree_unflatten(state.global_outputs(self.program, outs), self.program.out_spec)
+        shapes = self.program.call_output_shapes(flat)
+        return pytree.tree_unflatten(state.global_outputs(self.program, outs, shapes), self.program.out_spec)
 
     def _gather(self, slot, grad: bool = False) -> torch.Tensor | None:
         tensors = [state.get_tensor(module, slot) for module in self.ranks]

@@ -139,11 +139,13 @@ def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> 
             else pad_block(get_tensor(module, s), s.layout, s.shape, program.mesh) for s in program.slots]
 
 
-def global_outputs(program: Program, rank_outputs: Sequence[Sequence]) -> list:
+def global_outputs(program: Program, rank_outputs: Sequence[Sequence], shapes: Sequence | None = None) -> list:
     """The global value of each output from every rank's outputs of the per-rank graph (the
-    padding of uneven splits cut off, `unpad_block`); an output without a layout as rank 0 has it."""
+    padding of uneven splits cut off, `unpad_block`); an output without a layout as rank 0 has it.
+    `shapes`: the outputs' global shapes in this call (`Program.call_output_shapes`), default the compiled."""
     mesh, out = program.mesh, []
-    for index, (layout, shape) in enumerate(zip(program.output_layouts, program.output_shapes)):
+    shapes = program.output_shapes if shapes is None else shapes
+    for index, (layout, shape) in enumerate(zip(program.output_layouts, shapes)):
         values = [outputs[index] for outputs in rank_outputs]
         if layout is None:
             out.append(values[0])

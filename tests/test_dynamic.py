@@ -1,0 +1,176 @@
+"""Dynamic shapes: `dynamic=True` compiles once for every batch and sequence length.
+
+The batch is captured as a symbolic multiple of the ranks that split it, the sequence
+as a symbol; the per-rank program computes its local sizes from the inputs' at run
+time. Every length gives the unsharded model's outputs and gradients in float64; a
+shape the program cannot take is a ValueError that names the input, its dims, the
+mesh and the fix. The gloo run is in the slow tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import sympy
+import torch
+from conftest import assert_close_rel
+from models import GPTStack, TinyGPT
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import tess_compile
+from passes.observers import add_pass_observer, remove_pass_observer
+from tess_compile.core.dynamic import DynamicShapes
+from tess_compile.core.mesh import Mesh
+from tess_compile.runtime.launch import run_local
+
+MESHES = [(2, 2, "2.5d"), (2, 1, "1d")]
+IDS = ["q2d2", "1d-p4"]
+VOCAB, HIDDEN, HEADS, LAYERS, POSITIONS = 32, 16, 4, 2, 24
+LENGTHS = [12, 1, 2, 3, 5, 8, 13, 17, 23, 24]  # ten sequence lengths, one and the table's end among them
+
+
+@contextlib.contextmanager
+def counting_captures():
+    """A list that gets one entry per capture (one per compile) while the context is open."""
+    captures = []
+
+    def observer(result):
+        if result.name == "capture":
+            captures.append(result)
+
+    add_pass_observer(observer)
+    try:
+        yield captures
+    finally:
+        remove_pass_observer(observer)
+
+
+def tiny_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, HIDDEN, HEADS, LAYERS, POSITIONS).double()
+
+
+def check_call(model, sharded, ids, what: str) -> None:
+    """Outputs and every gradient of a call equal the unsharded model's (float64)."""
+    expected, actual = model(ids), sharded(ids)
+    assert_close_rel(actual, expected, 1e-12, f"{what} output")
+    weights = torch.linspace(-1, 1, expected.numel(), dtype=torch.float64).view_as(expected)
+    (expected * weights).sum().backward()
+    (actual * weights).sum().backward()
+    grads = sharded.full_grads()
+    for name, param in model.named_parameters():
+        assert_close_rel(grads[name], param.grad, 1e-12, f"{what} grad {name}")
+    model.zero_grad()
+    sharded.zero_grad()
+
+
+@pytest.mark.parametrize("q,d,mode", MESHES, ids=IDS)
+def test_one_compile_for_every_length(q, d, mode):
+    model = tiny_gpt()
+    batch = 2 * Mesh(q, d, mode).size("depth") * Mesh(q, d, mode).size("row")
+    with counting_captures() as captures:
+        sharded = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=(torch.randint(0, VOCAB, (batch, 12)),),
+                                        mode=mode, dynamic=True)
+        for length in LENGTHS:
+            check_call(model, sharded, torch.randint(0, VOCAB, (batch, length)), f"sequence {length}")
+        for batches in (1, 3):  # other batches, one block per rank among them
+            ids = torch.randint(0, VOCAB, (batches * batch // 2, 7))
+            check_call(model, sharded, ids, f"batch {ids.shape[0]}")
+    assert len(captures) == 1, f"{len(captures)} compiles for {len(LENGTHS) + 2} shapes"
+    assert sharded.program.dynamic is not None
+
+
+def test_shapes_it_cannot_take_are_value_errors():
+    sharded = tess_compile.simulate(tiny_gpt(), 2, 2, example_inputs=(torch.randint(0, VOCAB, (8, 12)),), dynamic=True)
+    with pytest.raises(ValueError, match=r"dim 0 of positional input 0 \(shape \[6, 12\]\): 6 is not divisible by 4 "
+                                         r".*mesh \[q=2, q=2, d=2\]\): use a batch that is a multiple of 4"):
+        sharded(torch.randint(0, VOCAB, (6, 12)))
+    with pytest.raises(ValueError, match=r"positional input 0 .* has 3 dims, but the module was compiled for 2"):
+        sharded(torch.randint(0, VOCAB, (8, 12, 1)))
+    with pytest.raises(ValueError, match=r"batch 6 .* not divisible by the 4 ranks that split it: use example inputs"):
+        tess_compile.simulate(tiny_gpt(), 2, 2, example_inputs=(torch.randint(0, VOCAB, (6, 12)),), dynamic=True)
+
+
+def test_dims_the_weights_fix_stay_fixed():
+    """Hidden states [b, s, h]: the hidden size meets the weights and stays a constant; batch and
+    sequence are symbols, and a call with another hidden size is refused."""
+    torch.manual_seed(0)
+    model = GPTStack(HIDDEN, HEADS, 1).double()
+    sharded = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(torch.randn(4, 6, HIDDEN).double(),),
+                                    dynamic=True)
+    (batch, sequence, hidden), = sharded.program.dynamic.inputs.values()
+    assert batch.free_symbols and sequence.free_symbols and hidden == HIDDEN
+    x = torch.randn(8, 11, HIDDEN, dtype=torch.float64)
+    assert_close_rel(sharded(x), model(x), 1e-12, "hidden states")
+    with pytest.raises(ValueError, match=r"dim 2 of positional input 0 \(shape \[4, 6, 8\]\): dim is 8, but the module "
+                                         r"was compiled for 16 there .* pass 16"):
+        sharded(torch.randn(4, 6, HIDDEN // 2, dtype=torch.float64))
+
+
+def test_hugging_face_gpt2_with_labels():
+    """GPT-2 as transformers builds it, ids and labels as keywords: one compile, every length exact."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB * 2, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=1, n_head=HEADS,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).double()
+
+    def inputs(length):
+        ids = torch.randint(0, VOCAB * 2, (4, length))
+        return {"input_ids": ids, "labels": ids}
+
+    with counting_captures() as captures:
+        sharded = tess_compile.simulate(copy.deepcopy(model), 2, 1, example_inputs=inputs(10), dynamic=True)
+        for length in (10, 3, 17):
+            given = inputs(length)
+            expected, actual = model(**given), sharded(**given)
+            assert_close_rel(actual.logits, expected.logits, 1e-12, f"logits at {length}")
+            # transformers takes the loss in float32 (its logits upcast): float32's rounding
+            assert_close_rel(actual.loss, expected.loss, 1e-6, f"loss at {length}")
+    assert len(captures) == 1
+
+
+def test_conditions_the_compile_assumed_are_checked():
+    """A condition a rule assumed of a symbol (here by hand: the sequence is even) refuses a call
+    that breaks it, naming the condition and the fix."""
+    s = sympy.Symbol("s0", positive=True, integer=True)
+    dynamic = DynamicShapes({0: (sympy.Integer(4), s)}, [(sympy.Integer(4), s)], {s: (1, None)},
+                            [sympy.Eq(sympy.Mod(s, 2), 0)], {s: "dim 1 of positional input 0"})
+    mesh = Mesh(2, 1)
+    names = ["positional input 0"]
+    assert dynamic.bind({0: torch.zeros(4, 6)}, names, mesh) == {s: 6}
+    with pytest.raises(ValueError, match=r"compiled assuming Eq\(Mod\(s0, 2\), 0\) .*\(dim 1 of positional input 0 = 7\)"):
+        dynamic.bind({0: torch.zeros(4, 7)}, names, mesh)
+
+
+def _gloo_worker(rank, world_size):
+    """Every length on [2, 2, 1] and 1-D p=4 over gloo, one compile each; the largest error."""
+    torch.set_num_threads(1)
+    worst, compiles = 0.0, []
+    for q, d, mode in ((2, 1, "2.5d"), (2, 1, "1d")):
+        model = tiny_gpt()
+        with counting_captures() as captures:
+            sharded = tess_compile.shard(copy.deepcopy(model), q, d, example_inputs=(torch.randint(0, VOCAB, (4, 12)),),
+                                         mode=mode, dynamic=True, timeout=60)
+            for length in LENGTHS:
+                torch.manual_seed(length)
+                ids = torch.randint(0, VOCAB, (4, length))
+                expected, actual = model(ids), sharded(ids)
+                expected.square().sum().backward()
+                actual.square().sum().backward()  # a DTensor: its sum is the global sum
+                pairs = [(actual.full_tensor(), expected)]
+                grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
+                pairs += [(grads[name], p.grad) for name, p in model.named_parameters()]
+                worst = max(worst, *(((a - e).abs().max() / e.abs().max()).item() for a, e in pairs))
+                model.zero_grad()
+                sharded.zero_grad()
+        compiles.append(len(captures))
+    return worst, compiles
+
+
+@pytest.mark.slow
+def test_one_compile_for_every_length_over_gloo():
+    for worst, compiles in run_local(_gloo_worker, 4, timeout_s=300):
+        assert compiles == [1, 1]
+        assert worst < 1e-12
