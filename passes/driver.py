@@ -165,7 +165,7 @@ def _dynamic_shapes(placed: GraphModule) -> DynamicShapes | None:
     placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
     inputs = {n.meta["role"][1]: n.meta["val"] for n in placeholders
               if n.meta["role"][0] == "input" and isinstance(n.meta["val"], torch.Tensor)}
-    names = dict(enumerate(input_names(placed.meta["in_spec"])))
+    names = input_names(placed.meta["in_spec"])
     output = next(n for n in placed.graph.nodes if n.op == "output")
     outputs = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
     shape_env = shape_env_of(placed)
@@ -174,7 +174,7 @@ def _dynamic_shapes(placed: GraphModule) -> DynamicShapes | None:
     for guard in added:
         log.debug("dynamic shapes: the compile assumed %s at %s", guard.expr, guard.sloc)
     dynamic = DynamicShapes.of(inputs, outputs, conditions, names)
-    log.info("dynamic shapes: %s", dynamic.describe() if dynamic is not None else "none (every input dim is fixed)")
+    log.info("dynamic shapes: %s", dynamic.describe(names) if dynamic is not None else "none (every input dim is fixed)")
     return dynamic
 
 

@@ -51,7 +51,7 @@ from tess_compile.analysis.memory import predict_memory
 from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.options import CompileOptions, takes_compile_options
-from tess_compile.core.program import Program, split_example_inputs
+from tess_compile.core.program import Program, input_names, split_example_inputs
 
 __all__ = ["FORMATS", "STAGES", "dump", "dump_graph", "dump_program"]
 
@@ -115,6 +115,9 @@ def dump_program(
     ]
     if unsharded_flops is not None:
         notes.append(redundant_work_text(redundant_work(program, unsharded_flops)))
+    if program.dynamic is not None:
+        notes.append(f"dynamic shapes: {program.dynamic.describe(input_names(program.in_spec))} (every figure "
+                     "and local shape here at the example's sizes)")
     return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format, sizes=sizes, notes=notes)
 
 

@@ -18,10 +18,12 @@ the input, its dims, the mesh and the fix, a call outside them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import sympy
 import torch
+from torch.export import Dim
 from torch.utils._sympy.numbers import int_oo
 
 __all__ = ["DynamicShapes", "concrete", "export_dims", "export_example", "has_symbols"]
@@ -33,8 +35,6 @@ def export_dims(args: tuple, kwargs: dict, batch_factor: int) -> tuple:
     tensor input's dim 0) is `batch_factor * batch`, so that every batch splits over the ranks that
     split it; every other dim of 2 or more is `Dim.AUTO` (export keeps it symbolic unless the model
     ties it to a weight or a constant); dims of 1 and other values stay as they are."""
-    from torch.export import Dim  # noqa: PLC0415  (export's names are needed only here)
-
     leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     batch = leaves[0].shape[0] if leaves and leaves[0].dim() else None
     if batch is not None and batch % batch_factor:
@@ -97,7 +97,7 @@ class DynamicShapes:
 
     @classmethod
     def of(cls, input_vals: dict[int, torch.Tensor], output_vals: list, conditions: list[sympy.Basic],
-           input_names: dict[int, str]) -> DynamicShapes | None:
+           input_names: Sequence[str]) -> DynamicShapes | None:
         """From the captured fake values of the inputs (flat index -> value) and the outputs; None if no
         input dim is symbolic (the program is static)."""
         inputs = {i: tuple(_expr(s) for s in v.shape) for i, v in input_vals.items()}
@@ -126,14 +126,11 @@ class DynamicShapes:
         outputs = [tuple(_expr(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in output_vals]
         return cls(inputs, outputs, ranges, list(conditions), names)
 
-    def describe(self) -> str:
-        """One line: each input's symbolic dims, e.g. `positional input 0 [4*s0, s1]`."""
-        parts = [f"{self.names.get(next(iter(e.free_symbols)), '?').split(' of ', 1)[1]} "
-                 f"[{', '.join(map(str, dims))}]" for dims in self.inputs.values()
-                 for e in dims[:1] if any(d.free_symbols for d in dims)]
-        return "; ".join(dict.fromkeys(parts)) if parts else "no symbolic dims"
+    def describe(self, input_names: Sequence[str]) -> str:
+        """One line: each input's dims as formulas, e.g. `positional input 0 [4*s0, s1]`."""
+        return "; ".join(f"{input_names[index]} {_show(dims)}" for index, dims in self.inputs.items())
 
-    def bind(self, values: dict[int, torch.Tensor], input_names: dict[int, str], mesh) -> dict[sympy.Symbol, int]:
+    def bind(self, values: dict[int, torch.Tensor], input_names: Sequence[str], mesh) -> dict[sympy.Symbol, int]:
         """The symbols' values in a call with these inputs (flat index -> tensor); a ValueError for a call the
         program cannot take: a dim that is fixed, a batch that does not split evenly, a size out of range,
         or a size that breaks a condition the compile assumed."""
