@@ -169,11 +169,14 @@ def _dynamic_shapes(placed: GraphModule) -> DynamicShapes | None:
     output = next(n for n in placed.graph.nodes if n.op == "output")
     outputs = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
     shape_env = shape_env_of(placed)
-    added = shape_env.guards[placed.meta["guards"]:] if shape_env is not None else []
+    if shape_env is None:
+        log.info("dynamic shapes: none (every input dim is fixed)")
+        return None
+    added = shape_env.guards[placed.meta["guards"]:]
     conditions = [guard.expr for guard in added if guard.expr.free_symbols]
     for guard in added:
         log.debug("dynamic shapes: the compile assumed %s at %s", guard.expr, guard.sloc)
-    dynamic = DynamicShapes.of(inputs, outputs, conditions, names)
+    dynamic = DynamicShapes.of(inputs, outputs, shape_env, conditions, names)
     log.info("dynamic shapes: %s", dynamic.describe(names) if dynamic is not None else "none (every input dim is fixed)")
     return dynamic
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import sympy
@@ -20,6 +21,7 @@ from models import GPTStack, TinyGPT
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tess_compile
+from passes.driver import compile_model
 from passes.observers import add_pass_observer, remove_pass_observer
 from tess_compile.core.dynamic import DynamicShapes
 from tess_compile.core.mesh import Mesh
@@ -174,3 +176,27 @@ def test_one_compile_for_every_length_over_gloo():
     for worst, compiles in run_local(_gloo_worker, 4, timeout_s=300):
         assert compiles == [1, 1]
         assert worst < 1e-12
+
+
+@pytest.mark.slow
+def test_inductor_compiles_each_shape_of_a_dynamic_program():
+    """compile=True: inductor compiles for the shapes it is given, so a second length gets a compile
+    of its own, never the first length's code."""
+    model = tiny_gpt()
+    sharded = tess_compile.simulate(copy.deepcopy(model), 2, 1, example_inputs=(torch.randint(0, VOCAB, (2, 6)),),
+                                    dynamic=True, compile=True)
+    for length in (6, 9):
+        check_call(model, sharded, torch.randint(0, VOCAB, (2, length)), f"inductor, sequence {length}")
+
+
+def test_the_dump_names_the_symbolic_dims():
+    text = tess_compile.dump(tiny_gpt(), 2, 2, example_inputs=(torch.randint(0, VOCAB, (8, 12)),), dynamic=True)
+    assert re.search(r"# dynamic shapes: positional input 0 \[4\*s\d+, s\d+\] \(every figure and local shape here "
+                     r"at the example's sizes\)", text)
+
+
+def test_where_dynamic_is_refused():
+    with pytest.raises(ValueError, match="backend 'tesseract' got dynamic=True: .* use tess_compile.shard or simulate"):
+        tess_compile.backend(2, 1, dynamic=True)
+    with pytest.raises(ValueError, match="dynamic=True is not supported for pipeline stages yet .* dynamic=False"):
+        compile_model(tiny_gpt(), Mesh(2, 1), (torch.randint(0, VOCAB, (2, 6)),), dynamic=True, local_inputs=True)

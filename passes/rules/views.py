@@ -118,7 +118,6 @@ _TAKING_APART = (
 
 _PERMUTATIONS = (aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default)
 
-
 _MAX_CONSUMERS = 8
 
 

@@ -29,17 +29,24 @@ from torch.utils._sympy.numbers import int_oo
 __all__ = ["DynamicShapes", "concrete", "export_dims", "export_example", "has_symbols"]
 
 
+def _example_batch(args: tuple, kwargs: dict) -> tuple[int | None, list[int]]:
+    """The batch of example inputs, dim 0 of the first tensor among them (None: none has a dim), and
+    that tensor's shape."""
+    first = next((x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+    shape = list(first.shape) if first is not None else []
+    return (shape[0] if shape else None), shape
+
+
 def export_dims(args: tuple, kwargs: dict, batch_factor: int) -> tuple:
     """`torch.export`'s `dynamic_shapes` for a dynamic compile, one entry per input in call order
     (`args`, then `kwargs`' values): the batch dim of each tensor whose dim 0 is the batch (the first
     tensor input's dim 0) is `batch_factor * batch`, so that every batch splits over the ranks that
     split it; every other dim of 2 or more is `Dim.AUTO` (export keeps it symbolic unless the model
     ties it to a weight or a constant); dims of 1 and other values stay as they are."""
-    leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    batch = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+    batch, shape = _example_batch(args, kwargs)
     if batch is not None and batch % batch_factor:
         raise ValueError(f"dynamic=True: the example inputs' batch {batch} (dim 0 of the first tensor input, shape "
-                         f"{list(leaves[0].shape)}) is not divisible by the {batch_factor} ranks that split it: use "
+                         f"{shape}) is not divisible by the {batch_factor} ranks that split it: use "
                          f"example inputs whose batch is a multiple of {batch_factor}")
     batch_dim = Dim("batch", min=1) * batch_factor if batch_factor > 1 else Dim("batch", min=1)
 
@@ -59,8 +66,7 @@ def export_example(args: tuple, kwargs: dict, batch_factor: int) -> tuple[tuple,
     """The example inputs a dynamic compile exports on: as given, or, where the batch is one block
     per rank (`batch == batch_factor`, which export would fix as a constant), each batch input
     repeated twice along the batch. Export reads only their shapes; the program is the same."""
-    leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    batch = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+    batch, _ = _example_batch(args, kwargs)
     if batch is None or batch != batch_factor:
         return args, kwargs
 
@@ -96,16 +102,14 @@ class DynamicShapes:
     names: dict[sympy.Symbol, str] = field(default_factory=dict)  # symbol -> where it is read, for messages
 
     @classmethod
-    def of(cls, input_vals: dict[int, torch.Tensor], output_vals: list, conditions: list[sympy.Basic],
+    def of(cls, input_vals: dict[int, torch.Tensor], output_vals: list, shape_env, conditions: list[sympy.Basic],
            input_names: Sequence[str]) -> DynamicShapes | None:
-        """From the captured fake values of the inputs (flat index -> value) and the outputs; None if no
-        input dim is symbolic (the program is static)."""
+        """From the captured fake values of the inputs (flat index -> value) and the outputs, and the
+        ShapeEnv of their symbols; None if no input dim is symbolic (the program is static)."""
         inputs = {i: tuple(_expr(s) for s in v.shape) for i, v in input_vals.items()}
         symbols = sorted({s for dims in inputs.values() for e in dims for s in e.free_symbols}, key=str)
         if not symbols:
             return None
-        some = next(s for v in input_vals.values() for s in v.shape if isinstance(s, torch.SymInt))
-        shape_env = some.node.shape_env
         ranges = {}
         for symbol in symbols:
             bounds = shape_env.var_to_range[symbol]

@@ -86,7 +86,7 @@ class Program:
 
         ValueError, before anything runs, for a call the program was not
         compiled for: other arguments or structure, a tensor of another shape
-        or dtype, a value (not a tensor) other than the compiled one, or (if
+        (a dynamic program's symbolic dims: `call_output_shapes`) or dtype, a value (not a tensor) other than the compiled one, or (if
         `device` is given, for a runtime that does not move inputs) a tensor
         on another device. Keywords may come in any order.
         """
@@ -99,19 +99,22 @@ class Program:
             index = int(slot.name)
             path, value = leaves[index]
             self._check_input(slot, input_name(path), value, constants.get(index), device)
-        flat = [value for _, value in leaves]
-        if self.dynamic is not None:
-            self.call_output_shapes(flat)  # the symbolic dims: each agrees with the others and the compile
-        return flat
+        return [value for _, value in leaves]
 
     def call_output_shapes(self, flat_inputs: list) -> list[tuple[int, ...] | None]:
         """The global shape of each output of a call with these (flat) inputs: the compiled shapes, or
-        a dynamic program's at the call's sizes (a ValueError for sizes it cannot take)."""
+        a dynamic program's at the call's sizes. For a dynamic program this is the check of its
+        symbolic dims (`DynamicShapes.bind`), a ValueError for sizes it cannot take: the runtimes
+        call it after `flatten_inputs`, before anything runs."""
         if self.dynamic is None:
             return self.output_shapes
         values = {index: flat_inputs[index] for index in self.dynamic.inputs}
-        binding = self.dynamic.bind(values, input_names(self.in_spec), self.mesh)
+        binding = self.dynamic.bind(values, self._input_names, self.mesh)
         return [None if dims is None else self.dynamic.shape(dims, binding) for dims in self.dynamic.outputs]
+
+    @functools.cached_property
+    def _input_names(self) -> list[str]:
+        return input_names(self.in_spec)
 
     def _match_structure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """`(args, kwargs)` with the keywords in the compiled order; a one-line

@@ -137,13 +137,13 @@ class SimulatedModule(ModeModule):
 
     def forward(self, *args, **kwargs):
         flat = self.program.flatten_inputs(args, kwargs)
+        shapes = self.program.call_output_shapes(flat)
         rank_inputs = [state.graph_inputs(self.program, module, flat) for module in self.ranks]
         if self.compile:
             outs = run_compiled(self.compiled_program(current_comm), self.comm, rank_inputs)
         else:
             with use_comm(self.comm):
                 outs = run_lockstep(self.program.runnable, self.comm, rank_inputs)
-        shapes = self.program.call_output_shapes(flat)
         return pytree.tree_unflatten(state.global_outputs(self.program, outs, shapes), self.program.out_spec)
 
     def _gather(self, slot, grad: bool = False) -> torch.Tensor | None:
