@@ -160,12 +160,30 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tup
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
             return torch.export.export(model, args, kwargs, dynamic_shapes=dims, strict=False)
     except torch._dynamo.exc.UserError as err:
+        if "size()[0] != 1" in str(err) and _batch_of_one(dims):
+            # the model's code differs at a batch of 1 (a broadcast): the program takes batches of 2 or more
+            log.info("dynamic=True: %s's code differs at a batch of 1; the program takes batches of 2 or more",
+                     type(model).__name__)
+            return _export_dynamic(model, args, kwargs, pytree.tree_map(_least_batch_two, dims))
         said = " ".join(line.strip() for line in str(err).strip().splitlines()[:8] if line.strip())
         raise ValueError(
             f"dynamic=True: {type(model).__name__}'s code fixes a dim that is captured as symbolic (the batch, dim 0 "
             f"of the inputs); torch.export says: {said}\nwrite the model's sizes from its inputs (x.shape[0], "
             "view(-1, ...)) instead of constants, or pass dynamic=False"
         ) from err
+
+
+def _batch_of_one(dims: tuple) -> bool:
+    """Whether the batch dim among export's `dims` may be 1 (a plain `Dim("batch")` of least 1)."""
+    return any(_is_batch_of_one(d) for d in pytree.tree_leaves(dims))
+
+
+def _is_batch_of_one(dim) -> bool:
+    return getattr(dim, "__name__", None) == "batch" and getattr(dim, "min", None) == 1
+
+
+def _least_batch_two(dim):
+    return torch.export.Dim("batch", min=2) if _is_batch_of_one(dim) else dim
 
 
 def shape_env_of(gm: torch.fx.GraphModule):

@@ -29,7 +29,7 @@ from passes.recompute_selective import mark_selective
 from passes.repeated_work import report_repeated_work
 from passes.rewrite import rewrite
 from passes.verify import verify_placed, verify_rewritten
-from tess_compile.core.dynamic import DynamicShapes, concrete
+from tess_compile.core.dynamic import DynamicShapes, concrete, local_value
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions
@@ -51,6 +51,7 @@ def compile_model(
     replicate_outputs: bool = False,
     local_inputs: bool = False,
     local_outputs: bool = False,
+    carried: dict[int, int] | None = None,
     **keywords,
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
@@ -67,6 +68,10 @@ def compile_model(
     features over col) instead of whole, and their gradients are this rank's
     blocks; outputs leave as this rank's blocks in the home layout of their
     shape, so one stage's output block is the next stage's input block.
+    `carried` (flat output index -> flat input index) serves state a caller feeds
+    back (a KV cache, `tess_compile.generation`): each such input arrives as this
+    rank's block in the layout its first consumer gives it, and its output
+    leaves as this rank's block in that same layout.
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.auto:
@@ -84,6 +89,7 @@ def compile_model(
     gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
              guarded=False)
     _mark_local_boundary(gm, local_inputs, local_outputs)
+    _mark_carried(gm, carried or {})
     placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)
@@ -109,7 +115,7 @@ def compile_model(
         state_keys=gm.meta["state_keys"],
         training=model.training,
         runnable=outline_regions(gm),
-        dynamic=_dynamic_shapes(placed) if options.dynamic else None,
+        dynamic=_dynamic_shapes(placed, mesh) if options.dynamic else None,
     )
 
 
@@ -159,11 +165,23 @@ def _mark_local_boundary(gm: GraphModule, local_inputs: bool, local_outputs: boo
             node.meta["local_outputs"] = True
 
 
-def _dynamic_shapes(placed: GraphModule) -> DynamicShapes | None:
+def _mark_carried(gm: GraphModule, carried: dict[int, int]) -> None:
+    """`meta["carried"]` on the placeholders of carried inputs (local, their layout free until
+    their first consumer fixes it) and, on the output node, `{output index: that placeholder}`."""
+    if not carried:
+        return
+    inputs = {n.meta["role"][1]: n for n in gm.graph.nodes if n.op == "placeholder" and n.meta["role"][0] == "input"}
+    for index in carried.values():
+        inputs[index].meta.update(local_input=True, carried=True)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output.meta["carried"] = {out: inputs[index] for out, index in carried.items()}
+
+
+def _dynamic_shapes(placed: GraphModule, mesh: Mesh) -> DynamicShapes | None:
     """The symbolic shapes of a dynamic compile's inputs and outputs, and the conditions on the
     symbols that the passes after capture assumed (the guards they added), if any dim is symbolic."""
     placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
-    inputs = {n.meta["role"][1]: n.meta["val"] for n in placeholders
+    inputs = {n.meta["role"][1]: _as_received(n, mesh) for n in placeholders
               if n.meta["role"][0] == "input" and isinstance(n.meta["val"], torch.Tensor)}
     names = input_names(placed.meta["in_spec"])
     output = next(n for n in placed.graph.nodes if n.op == "output")
@@ -179,6 +197,12 @@ def _dynamic_shapes(placed: GraphModule) -> DynamicShapes | None:
     dynamic = DynamicShapes.of(inputs, outputs, shape_env, conditions, names)
     log.info("dynamic shapes: %s", dynamic.describe(names) if dynamic is not None else "none (every input dim is fixed)")
     return dynamic
+
+
+def _as_received(node: torch.fx.Node, mesh: Mesh) -> torch.Tensor:
+    """An input's captured value as a call passes it: whole, or a local input's block."""
+    val = node.meta["val"]
+    return local_value(val, node.meta["layout"], mesh) if "local_input" in node.meta else val
 
 
 def _slots(placed: GraphModule) -> list[Slot]:

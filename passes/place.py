@@ -32,6 +32,7 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
 
 from passes.rules import family_of, placement_rules
 from passes.rules.common import place_replicated
@@ -56,9 +57,10 @@ def _last_dim(node: Node) -> int:
 class PlacementContext:
     """What a placement rule may ask: layouts, shapes, the mesh, hints."""
 
-    def __init__(self, mesh: Mesh, hints: dict[Node, int]):
+    def __init__(self, mesh: Mesh, hints: dict[Node, int], carried: dict[Node, Layout] | None = None):
         self.mesh = mesh
         self.hints = hints
+        self.carried = carried if carried is not None else {}  # a carried input -> its layout
         self.layouts: dict[Node, object] = {}
         self.free_permutations: dict[Node, tuple[Node, list[int]]] = {}
         self.rerun = False
@@ -128,10 +130,11 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
     that go on with plain tensors, as Dynamo's do).
     """
     hints: dict[Node, int] = {}
+    carried: dict[Node, Layout] = {}
     for _ in range(_MAX_ROUNDS):
-        ctx = PlacementContext(mesh, hints)
+        ctx = PlacementContext(mesh, hints, carried)
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
-        if not ctx.rerun:
+        if not ctx.rerun and not _carry_layouts(gm, ctx, carried):
             break
     by_name = {n.meta["role"][1]: n for n in decisions if n.op == "placeholder"}
     for node, decision in decisions.items():
@@ -149,6 +152,21 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
     return gm
 
 
+def _carry_layouts(gm: GraphModule, ctx: PlacementContext, carried: dict[Node, Layout]) -> bool:
+    """Give each carried input (`meta["carried"]` on the output node) the layout its output was
+    computed in, without partial sums or groups, so that a step's output block is the next step's
+    input block as it is; True if any changed (the pass then runs again)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = pytree.tree_leaves(output.args[0])
+    changed = False
+    for index, source in output.meta.get("carried", {}).items():
+        computed = ctx.layouts.get(leaves[index]) or Layout.replicated()
+        layout = Layout(*(_plain(p) for p in computed.placements))
+        if carried.get(source) != layout:
+            carried[source], changed = layout, True
+    return changed
+
+
 def _permuted_back(layout: Layout, order: list[int]) -> Layout:
     """The layout of x, given that of x.permute(order)."""
     return Layout(*(Shard(order[p.dim], p.groups) if isinstance(p, Shard) else p for p in layout.placements))
@@ -157,7 +175,9 @@ def _permuted_back(layout: Layout, order: list[int]) -> Layout:
 def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: bool) -> Decision:
     if node.op == "placeholder":
         role = node.meta["role"][0]
-        if role == "input" and "weight_input" not in node.meta:
+        if "carried" in node.meta:  # free in the first round, then its output's layout (`_carry_layouts`)
+            ctx.layouts[node] = ctx.carried.get(node)
+        elif role == "input" and "weight_input" not in node.meta:
             ctx.layouts[node] = home_layout(node, ctx.mesh)
         return Decision({}, ctx.layouts.get(node))
     if node.op == "output":
@@ -188,13 +208,18 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
 
 def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decision:
     """Outputs leave as DTensor-expressible layouts (no partials, no groups), or whole;
-    with `meta["local_outputs"]` (a pipeline stage's), in the home layout of their shape."""
+    with `meta["local_outputs"]` (a pipeline stage's), in the home layout of their shape;
+    a carried output (`meta["carried"]`) in the layout of the input it is fed back to
+    (its own, once `_carry_layouts` has run)."""
     args = {}
     for out in node.all_input_nodes:
         layout = ctx.layouts.get(out) or Layout.replicated()
         if "local_outputs" in node.meta:
             layout = home_layout(out, ctx.mesh) or Layout.replicated()
         args[out] = Layout.replicated() if replicate else Layout(*(_plain(p) for p in layout.placements))
+    leaves = pytree.tree_leaves(node.args[0])
+    for index, source in node.meta.get("carried", {}).items():
+        args[leaves[index]] = ctx.layouts.get(source) or Layout.replicated()
     return Decision(args, None)
 
 

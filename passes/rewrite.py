@@ -31,12 +31,13 @@ import time
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
 
 from passes.builder import Builder
 from passes.redistribute import redistribute
 from passes.rules import lowering_rules
 from passes.rules.common import lower_default
-from tess_compile.core.dynamic import concrete, has_symbols
+from tess_compile.core.dynamic import concrete, has_symbols, local_value
 from tess_compile.core.layout import Layout, Replicate
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import SCHEDULES
@@ -85,7 +86,10 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             if "local_outputs" in node.meta:  # blocks for the next pipeline stage: shares flow back
                 b.graph.output(map_arg(node.args[0], lambda n: local(n, needed[n])))
             else:
-                b.graph.output(map_arg(node.args[0], lambda n: _seed(b, local(n, needed[n]), needed[n])))
+                carried = [leaf for index, leaf in enumerate(pytree.tree_leaves(node.args[0]))
+                           if index in node.meta.get("carried", {})]  # blocks fed back as they are
+                b.graph.output(map_arg(node.args[0], lambda n: local(n, needed[n]) if n in carried
+                                       else _seed(b, local(n, needed[n]), needed[n])))
         else:
             raise ValueError(f"node {node.name} ({node.op}) is not supported by the rewrite pass")
     out = GraphModule(torch.nn.Module(), b.graph)
@@ -128,8 +132,8 @@ def _placeholder(b: Builder, node: Node) -> Node:
         global_shape=concrete(node.meta["val"].shape),
         dtype=node.meta["val"].dtype,
     )
-    if whole and has_symbols(node.meta["val"].shape):
-        x.meta["val"] = node.meta["val"]  # its sizes are the symbols' source (`Builder.call`)
+    if has_symbols(node.meta["val"].shape):  # its sizes are the symbols' source (`Builder.call`)
+        x.meta["val"] = node.meta["val"] if whole else local_value(node.meta["val"], layout, b.mesh)
     if whole:
         x = redistribute(b, x, Layout.replicated(), layout, node.meta["val"].shape)
     if role == "param":

@@ -15,7 +15,7 @@ all-gather per operand, one product) or "auto" (the fastest on a cluster,
 The package's layers, each importing only those before it: `core` (mesh,
 layouts, options, programs), `ops` (what a per-rank graph calls), `runtime`
 (distributed, simulated and compiled execution), `analysis` (accounting, cost
-model, planner, dumps), `training` and `scale_out`; this file, `backend` and
+model, planner, dumps), `training`, `scale_out` and `generation`; this file, `backend` and
 `cli` are the face. The compiler itself is the package `passes`.
 """
 
@@ -37,6 +37,8 @@ from tess_compile.backend import backend
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import Program, split_example_inputs
+from tess_compile.generation.cache_step import is_causal_lm
+from tess_compile.generation.generate import Generation
 from tess_compile.moved import install as _install_moved_modules
 from tess_compile.runtime.dtensors import full_tensor
 from tess_compile.runtime.groups import check_device_mesh, check_zero, dp_size
@@ -82,6 +84,14 @@ def _compiler(model: torch.nn.Module, mesh: Mesh, example_inputs, options: Compi
     resolved = resolve_auto(model, mesh, example_inputs, options, cluster)
     compile_in = mode_compiler(model, mesh, example_inputs, resolved.options)
     return compile_in, resolved.program if resolved.program is not None else compile_in(model.training)
+
+
+def _with_generation(module, model: torch.nn.Module, mesh: Mesh, options: CompileOptions):
+    """`module`, with a working `generate` if `model` is a transformers causal LM compiled with
+    `dynamic=True` (`tess_compile.generation`)."""
+    if options.dynamic and is_causal_lm(model):
+        module.generation = Generation(model, mesh, options)
+    return module
 
 
 def _check_compile(compile, where: str) -> None:
@@ -131,7 +141,7 @@ def simulate(
     mesh = options.mesh(q, d)
     if dp == 1:
         compile_in, program = _compiler(model, mesh, example_inputs, options, cluster)
-        return SimulatedModule(program, recompile=compile_in, compile=compile)
+        return _with_generation(SimulatedModule(program, recompile=compile_in, compile=compile), model, mesh, options)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r} is not a number of data-parallel groups: pass an int >= 1, e.g. dp=2")
     check_batch(example_inputs, mesh, "tess_compile.simulate(dp=...)", num_groups=dp)
@@ -192,5 +202,6 @@ def shard(
         if mesh is not None:
             check_batch(example_inputs, tess_mesh, "mesh=", dp_size(mesh, dp_dims), device_mesh=mesh)
     compile_in, program = _compiler(model, tess_mesh, example_inputs, options, cluster)
-    return shard_program(program, device=device, timeout=timeout, recompile=compile_in,
-                         mesh=mesh, zero=zero, compile=compile)
+    module = shard_program(program, device=device, timeout=timeout, recompile=compile_in,
+                           mesh=mesh, zero=zero, compile=compile)
+    return module if mesh is not None or zero else _with_generation(module, model, tess_mesh, options)

@@ -69,3 +69,11 @@ def test_plan_accuracy_benchmark_runs(capsys, tmp_path):
     assert "predicted ms" in out and "Kendall tau-b" in out and "1-D p=8" in out and "dp 2 x [2,2,1]" in out
     assert bench.kendall_tau_b([1, 2, 3], [1, 2, 3]) == 1.0 and bench.kendall_tau_b([1, 2, 3], [3, 2, 1]) == -1.0
     assert path.exists()
+
+
+def test_generate_benchmark_runs(capsys):
+    bench = importlib.import_module("benchmarks.generate")  # by package name: spawned ranks import it
+    assert bench.main(["--quick", "-q", "2", "-d", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "tess 2.5d [2,2,1]" in table and "DTensor TP p=4" in table
+    assert table.count(" True") == 4  # every row's tokens are the unsharded model's

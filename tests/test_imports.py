@@ -20,7 +20,7 @@ LAYERS = (
     ("tess_compile.ops",),
     ("passes", "tess_compile.runtime"),
     ("tess_compile.analysis",),
-    ("tess_compile.training", "tess_compile.scale_out"),
+    ("tess_compile.training", "tess_compile.scale_out", "tess_compile.generation"),
     ("tess_compile", "tess_compile.backend", "tess_compile.cli", "tess_compile.moved"),
 )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from passes.builder import Builder
 from passes.rules.family import Decision
@@ -51,6 +51,11 @@ def is_one(size) -> bool:
     """`size == 1`; of a symbolic size (a dynamic compile's) asked size-obliviously: False unless it is 1 in
     every call, so a rule takes the general case, which holds at 1 too, and adds no condition."""
     return guard_or_false(size == 1) if isinstance(size, torch.SymInt) else size == 1
+
+
+def all_same(sizes) -> bool:
+    """Every size in `sizes` the same in every call (symbolic sizes: the same formula)."""
+    return all(statically_known_true(size == sizes[0]) for size in sizes)
 
 
 def shape_of(node: Node) -> tuple[int, ...]:

@@ -20,8 +20,8 @@ from torch.fx import Node
 
 from passes.builder import Builder
 from passes.rules.common import (
-    P,
-    R,
+    P, R,
+    all_same,
     aten,
     dim_arg,
     dims_local,
@@ -338,11 +338,11 @@ def place_cat(node: Node, ctx) -> Decision:
     ndim = len(shape_of(tensors[0]))
     dim = normalize_dim(get_arg(node, 1, "dim", 0), ndim)
     required, out = align(ctx, node, tensors, shape_of(node), frozen=(dim,))
-    sizes = {shape_of(t)[dim] for t in tensors}
+    even = all_same([shape_of(t)[dim] for t in tensors])
     for index, axis in enumerate(AXES):
         own = [ctx.layout(t).on(axis) if ctx.layout(t) else None for t in tensors]
         first = own[0]
-        if isinstance(first, Shard) and first.dim == dim and len(sizes) == 1 and all(p == first for p in own):
+        if isinstance(first, Shard) and first.dim == dim and even and all(p == first for p in own):
             for t in tensors:
                 required[t] = required[t].with_axis(axis, first)
             out[index] = Shard(dim, first.groups * len(tensors))

@@ -26,7 +26,7 @@ import torch
 from torch.export import Dim
 from torch.utils._sympy.numbers import int_oo
 
-__all__ = ["DynamicShapes", "concrete", "export_dims", "export_example", "has_symbols"]
+__all__ = ["DynamicShapes", "concrete", "export_dims", "export_example", "has_symbols", "local_value"]
 
 
 def _example_batch(args: tuple, kwargs: dict) -> tuple[int | None, list[int]]:
@@ -83,6 +83,12 @@ def concrete(shape) -> tuple[int, ...]:
     return tuple(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in shape)
 
 
+def local_value(val: torch.Tensor, layout, mesh) -> torch.Tensor:
+    """A captured (fake) global value's block as a rank holds it under `layout` (a `Layout`): its sizes,
+    symbolic ones too, divided by the splits (`Layout.local_shape`)."""
+    return val.new_empty(layout.local_shape(val.shape, mesh))
+
+
 def has_symbols(shape) -> bool:
     return any(isinstance(s, torch.SymInt) for s in shape)
 
@@ -114,7 +120,7 @@ class DynamicShapes:
         for symbol in symbols:
             bounds = shape_env.var_to_range[symbol]
             upper = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
-            ranges[symbol] = (max(1, int(bounds.lower)), upper)
+            ranges[symbol] = (max(0, int(bounds.lower)), upper)
         for dims in inputs.values():
             for e in dims:
                 if len(e.free_symbols) == 1 and e.is_Mul:

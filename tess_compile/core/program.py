@@ -180,7 +180,9 @@ class Program:
                 f"{name} is {_describe_value(value)}, but compiled for a tensor of shape {list(slot.shape)} "
                 f"and dtype {slot.dtype}: {fix}"
             )
-        if slot.role == "local input":
+        if self.dynamic is not None and int(slot.name) in self.dynamic.inputs:
+            pass  # its dims are checked together (`DynamicShapes.bind`)
+        elif slot.role == "local input":
             local = tuple(slot.layout.local_shape(slot.shape, self.mesh))
             if tuple(value.shape) != local:
                 raise ValueError(
@@ -188,8 +190,6 @@ class Program:
                     f"shape {list(slot.shape)}, layout {slot.layout}) is {list(local)} on mesh {self.mesh}: pass "
                     "this rank's block, as the previous stage's rank of the same coordinates gives it"
                 )
-        elif self.dynamic is not None and int(slot.name) in self.dynamic.inputs:
-            pass  # its dims are checked together (`DynamicShapes.bind`)
         elif tuple(value.shape) != slot.shape:
             raise ValueError(
                 f"{name} has shape {list(value.shape)}, but the module was compiled for "

@@ -20,6 +20,7 @@ from torch import nn
 
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import INPUT_ROLES, Program
+from tess_compile.runtime import state
 
 __all__ = ["ModeModule", "ProgramsByMode"]
 
@@ -34,6 +35,13 @@ class ProgramsByMode:
         self.first = program
         self._programs = {program.training: program}
         self._recompile, self._prepare = recompile, prepare
+
+    def adopt(self, program: Program) -> Program:
+        """`program` (another of the model's programs, e.g. a generation step) readied to run on
+        these shards; ValueError unless its parameters and buffers are laid out as the first's."""
+        program = self._prepare(program)
+        _check_same_state(self.first, program)
+        return program
 
     def get(self, training: bool) -> Program:
         if self._recompile is None:
@@ -54,6 +62,9 @@ class ModeModule(nn.Module):
         self.programs, self.compile = programs, compile
         self.training = programs.first.training  # the first program is this mode's until train() / eval()
         self._compiled: dict[int, object] = {}  # id(program) -> its CompiledRank
+        first = programs.first
+        self._constants = {s.name: first.tensors[s.name] for s in first.slots if s.role == "constant"}
+        self.generation = None  # a causal LM's `tess_compile.generation.generate.Generation`, set by the face
 
     @property
     def program(self) -> Program:
@@ -63,6 +74,27 @@ class ModeModule(nn.Module):
     @property
     def mesh(self) -> Mesh:
         return self.program.mesh
+
+    def generate(self, *args, **kwargs):
+        """The model's `generate` (greedy) on these shards, for a transformers causal LM compiled with
+        `dynamic=True` (docs/generation.md)."""
+        if self.generation is None:
+            raise ValueError("generate runs on a transformers causal LM (a PreTrainedModel with generate) "
+                             "compiled with dynamic=True: shard or simulate it with dynamic=True")
+        if self.compile:
+            raise ValueError("generate does not run through inductor yet (compile=True would compile per "
+                             "cached length): shard or simulate the model with compile=False to generate")
+        return self.generation.generate(self, *args, **kwargs)
+
+    def adopt(self, program: Program) -> Program:
+        """Another program of the model readied to run on these shards (`ProgramsByMode.adopt`), its
+        constants added to each rank's (`state.add_constants`)."""
+        program = self.programs.adopt(program)
+        return state.add_constants(program, self._constants, self.rank_modules(), device=self.device)
+
+    def rank_modules(self) -> dict[int, nn.Module]:
+        """Rank -> the module of that rank's shards, for the ranks this module runs."""
+        raise NotImplementedError
 
     def compiled_program(self, backward_comm):
         """The `CompiledRank` of this mode's program; `backward_comm()` gives the communicator

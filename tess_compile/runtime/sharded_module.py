@@ -117,6 +117,25 @@ class ShardedModule(ModeModule):
                    zip(outs, program.output_layouts, shapes)]
         return pytree.tree_unflatten(wrapped, program.out_spec)
 
+    def rank_modules(self) -> dict[int, nn.Module]:
+        """This rank's module of shards: itself."""
+        return {self.world.rank: self}
+
+    def run_program(self, program: Program, rank_flats: dict[int, list]) -> dict[int, list]:
+        """Run `program` (one `adopt` readied for these shards) on this rank's flat inputs (a local
+        input: this rank's block); its outputs as the per-rank graph gives them."""
+        flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in rank_flats[self.world.rank]]
+        with use_comm(self.comm):
+            return {self.world.rank: list(program.runnable(*state.graph_inputs(program, self, flat)))}
+
+    def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:
+        """Output `index` of `program` as a global tensor of `shape`, gathered from every rank."""
+        local = rank_values[self.world.rank]
+        layout = program.output_layouts[index]
+        if layout is None or local.dim() == 0:
+            return local
+        return self._wrap(local, layout, shape).full_tensor()
+
     def _wrap(self, out, layout, shape):
         """An output as the DTensor of its global `shape`: this rank's true block of it."""
         if not self.wrap_outputs or layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:

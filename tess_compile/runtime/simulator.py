@@ -131,6 +131,7 @@ class SimulatedModule(ModeModule):
         device = torch.get_default_device()
         program = state.off_meta(program, device)
         super().__init__(ProgramsByMode(program, recompile, lambda other: state.off_meta(other, device)), compile)
+        self.device = device
         self.comm = SimComm(program.mesh)
         self.ranks = nn.ModuleList([state.add_local_tensors(nn.Module(), program, r) for r in range(program.mesh.num_ranks)])
         self.train(program.training)
@@ -145,6 +146,21 @@ class SimulatedModule(ModeModule):
             with use_comm(self.comm):
                 outs = run_lockstep(self.program.runnable, self.comm, rank_inputs)
         return pytree.tree_unflatten(state.global_outputs(self.program, outs, shapes), self.program.out_spec)
+
+    def rank_modules(self) -> dict[int, nn.Module]:
+        """Every rank's module of shards."""
+        return dict(enumerate(self.ranks))
+
+    def run_program(self, program: Program, rank_flats: dict[int, list]) -> dict[int, list]:
+        """Run `program` (one `adopt` readied for these shards) on each rank's flat inputs (a local
+        input: that rank's block); each rank's outputs as the per-rank graph gives them."""
+        rank_inputs = [state.graph_inputs(program, module, rank_flats[r]) for r, module in enumerate(self.ranks)]
+        with use_comm(self.comm):
+            return dict(enumerate(run_lockstep(program.runnable, self.comm, rank_inputs)))
+
+    def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:
+        """Output `index` of `program` as a global tensor of `shape`, from every rank's value."""
+        return state.global_output(program, index, [rank_values[r] for r in range(self.mesh.num_ranks)], shape)
 
     def _gather(self, slot, grad: bool = False) -> torch.Tensor | None:
         tensors = [state.get_tensor(module, slot) for module in self.ranks]

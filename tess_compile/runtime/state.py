@@ -26,6 +26,7 @@ from tess_compile.ops.recompute_region import outline_regions
 
 __all__ = [
     "Piece",
+    "add_constants",
     "add_local_tensors",
     "boxes",
     "boxes_wrapper",
@@ -34,6 +35,8 @@ __all__ = [
     "full_tensors",
     "get_attribute",
     "get_tensor",
+    "global_output",
+    "global_outputs",
     "graph_inputs",
     "load_shards",
     "off_meta",
@@ -94,6 +97,33 @@ def add_local_tensors(
     return root
 
 
+def add_constants(program: Program, known: dict[str, torch.Tensor], modules: dict[int, nn.Module],
+                  device=None) -> Program:
+    """Give `modules` (rank -> module of a program's shards) the constants of `program`, another program
+    of the same model (a generation step's). `known` (name -> full tensor, updated here) is what the
+    modules hold; a constant of a name they hold with another tensor is renamed (export numbers
+    lifted constants per capture). Returns `program` with those names."""
+    slots = []
+    for slot in program.slots:
+        if slot.role == "constant":
+            value, name, k = program.tensors[slot.name], slot.name, 0
+            while name in known and not _same_tensor(known[name], value):
+                name, k = f"{slot.name}_{k}", k + 1
+            if name not in known:
+                known[name] = value
+                for rank, module in modules.items():
+                    _set_tensor(module, name, program.local_tensor(slot, rank, device=device), "constant")
+            if name != slot.name:
+                program.tensors[name] = value
+                slot = dataclasses.replace(slot, name=name)
+        slots.append(slot)
+    return dataclasses.replace(program, slots=slots)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and not a.is_meta and torch.equal(a, b.to(a.device))
+
+
 def off_meta(program: Program, device: torch.device) -> Program:
     """`program`, its graph's meta-device arguments (`arange(..., device=meta)` from a model
     built on the meta device) made `device`; the same program if it has none."""
@@ -143,15 +173,17 @@ def global_outputs(program: Program, rank_outputs: Sequence[Sequence], shapes: S
     """The global value of each output from every rank's outputs of the per-rank graph (the
     padding of uneven splits cut off, `unpad_block`); an output without a layout as rank 0 has it.
     `shapes`: the outputs' global shapes in this call (`Program.call_output_shapes`), default the compiled."""
-    mesh, out = program.mesh, []
     shapes = program.output_shapes if shapes is None else shapes
-    for index, (layout, shape) in enumerate(zip(program.output_layouts, shapes)):
-        values = [outputs[index] for outputs in rank_outputs]
-        if layout is None:
-            out.append(values[0])
-        else:
-            out.append(assemble([unpad_block(v, layout, shape, mesh, r) for r, v in enumerate(values)], layout, mesh))
-    return out
+    return [global_output(program, index, [outputs[index] for outputs in rank_outputs], shape)
+            for index, shape in enumerate(shapes)]
+
+
+def global_output(program: Program, index: int, values: Sequence, shape: Sequence[int] | None):
+    """The global value of output `index` of global `shape` from every rank's value of it."""
+    layout = program.output_layouts[index]
+    if layout is None:
+        return values[0]
+    return assemble([unpad_block(v, layout, shape, program.mesh, r) for r, v in enumerate(values)], layout, program.mesh)
 
 
 def state_slots(program: Program) -> list[Slot]:

@@ -1,0 +1,6 @@
+"""Sharded generation: `generate` on a compiled transformers causal LM, its KV cache kept sharded.
+
+`cache_step` is the model's forward with the cache as tensors (what the
+generation programs compile); `generate` compiles the prefill and decode
+programs on the model's shards and runs greedy decoding (docs/generation.md).
+"""

@@ -1,0 +1,130 @@
+"""Sharded generation: `generate` on a transformers causal LM compiled with `dynamic=True`.
+
+The oracle is the unsharded model in float64: the same greedy tokens, and each step's
+logits equal to the unsharded model's logits at that position of the generated
+sequence (1e-12). Two programs (prefill and decode) are compiled on the first
+`generate` and none after: the tests count captures. The KV cache stays sharded (batch
+over depth and row, heads over col) and only the logits are gathered. The gloo run
+(8 processes) is in the slow tier.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_dynamic import counting_captures
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import tess_compile
+from tess_compile.core.layout import Layout, Shard
+from tess_compile.runtime.launch import run_local
+
+VOCAB, NEW = 64, 8
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
+                        eos_token_id=None)
+    return GPT2LMHeadModel(config).double().eval()
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=None)
+    return LlamaForCausalLM(config).double().eval()
+
+
+def worst_error(model, out, prompt_length: int) -> float:
+    """The largest relative error of each step's logits against the unsharded model's at that
+    position of the generated sequence; the tokens must be its greedy ones."""
+    with torch.no_grad():
+        full = model(out.sequences).logits
+    worst = 0.0
+    for step, logits in enumerate(out.logits):
+        expected = full[:, prompt_length - 1 + step]
+        assert torch.equal(out.sequences[:, prompt_length + step], expected.argmax(-1))
+        worst = max(worst, ((logits - expected).abs().max() / expected.abs().max()).item())
+    return worst
+
+
+@pytest.mark.parametrize(("q", "d", "mode"), [(2, 2, "2.5d"), pytest.param(2, 1, "1d", marks=pytest.mark.slow)],
+                         ids=["q2d2", "1d-p4"])
+def test_greedy_generation_equals_the_unsharded_model(q, d, mode):
+    model = gpt2()
+    prompt = torch.randint(0, VOCAB, (4, 5))
+    sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs={"input_ids": prompt}, dynamic=True,
+                                mode=mode)
+    with counting_captures() as captures:
+        out = sim.generate(prompt, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                           output_logits=True)
+        assert worst_error(model, out, 5) < 1e-12
+        assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=NEW, do_sample=False))
+        for batch, length in ((8, 1), (4, 3)):  # a prompt of one token: decode from an empty cache
+            prompt = torch.randint(0, VOCAB, (batch, length))
+            out = sim.generate(input_ids=prompt, max_new_tokens=4, return_dict_in_generate=True, output_logits=True)
+            assert worst_error(model, out, length) < 1e-12
+    assert len(captures) == 2  # prefill and decode, once: no compile per token, length or batch
+    with pytest.raises(ValueError, match=f"not divisible by {d * q}"):
+        sim.generate(torch.zeros(3, 3, dtype=torch.long), max_new_tokens=1)
+    split = Layout(Shard(0), Shard(0), Shard(1)) if mode == "2.5d" else Layout(*[Shard(1)] * 3)
+    for program in sim.generation._programs[id(sim)]:
+        # the cache: batch over depth and row, heads over col, taken and given as each rank's block
+        caches = [s for s in program.slots if s.role == "local input"]
+        assert len(caches) == 4
+        assert all(s.layout.placements[-1] == split.placements[-1] for s in caches)
+        assert mode == "1d" or all(s.layout == split for s in caches)
+        assert program.output_layouts[1:] == [s.layout for s in caches]
+
+
+@pytest.mark.slow
+def test_llama_with_grouped_query_attention():
+    """Tokens exact; logits to 1e-7: transformers' Llama computes its rotary tables in float32, and the
+    static program differs from the unsharded model by as much (5.9e-8 here)."""
+    model = llama()
+    prompt = torch.randint(0, VOCAB, (4, 4))
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs={"input_ids": prompt}, dynamic=True)
+    out = sim.generate(prompt, max_new_tokens=4, return_dict_in_generate=True, output_logits=True)
+    assert worst_error(model, out, 4) < 1e-7
+
+
+def test_what_generate_refuses():
+    prompt = torch.zeros(4, 3, dtype=torch.long)
+    sim = tess_compile.simulate(gpt2(), 2, 1, example_inputs={"input_ids": prompt}, dynamic=True)
+    with pytest.raises(ValueError, match=r"generation settings \{'do_sample': True\} are not supported"):
+        sim.generate(prompt, do_sample=True)
+    with pytest.raises(ValueError, match=r"generation settings \{'repetition_penalty': 1.2\}"):
+        sim.generate(prompt, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="attention_mask masks some prompt tokens"):
+        sim.generate(prompt, attention_mask=torch.tensor([[0, 1, 1]] * 4))
+    with pytest.raises(ValueError, match=r"arguments \['streamer'\] are not supported"):
+        sim.generate(prompt, streamer=object())
+    sim.generation = None  # as a module compiled without dynamic=True has it
+    with pytest.raises(ValueError, match="compiled with dynamic=True"):
+        sim.generate(prompt)
+
+
+def _gloo_worker(rank, world_size):
+    """Greedy generation over 8 gloo processes at [2, 2, 2]: the worst logit error, the tokens, the compiles."""
+    torch.set_num_threads(1)
+    model = gpt2()
+    prompt = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(1))
+    sharded = tess_compile.shard(copy.deepcopy(model), 2, 2, example_inputs={"input_ids": prompt}, dynamic=True,
+                                 timeout=120)
+    with counting_captures() as captures:
+        out = sharded.generate(prompt, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
+        out = sharded.generate(prompt[:, :3], max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
+    return worst_error(model, out, 3), out.sequences, len(captures)
+
+
+@pytest.mark.slow
+def test_generation_over_gloo():
+    results = run_local(_gloo_worker, 8, timeout_s=600)
+    for worst, sequences, compiles in results:
+        assert worst < 1e-12
+        assert torch.equal(sequences, results[0][1])
+        assert compiles == 2
