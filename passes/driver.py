@@ -69,9 +69,9 @@ def compile_model(
     blocks; outputs leave as this rank's blocks in the home layout of their
     shape, so one stage's output block is the next stage's input block.
     `carried` (flat output index -> flat input index) serves state a caller feeds
-    back (a KV cache, `tess_compile.generation`): each such input arrives as this
-    rank's block in the layout its first consumer gives it, and its output
-    leaves as this rank's block in that same layout.
+    back (a KV cache, `tess_compile.generation`): each such output leaves as this
+    rank's block in the layout it is computed in, and its input arrives as this
+    rank's block in that same layout (`passes.place`).
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.auto:
@@ -166,8 +166,8 @@ def _mark_local_boundary(gm: GraphModule, local_inputs: bool, local_outputs: boo
 
 
 def _mark_carried(gm: GraphModule, carried: dict[int, int]) -> None:
-    """`meta["carried"]` on the placeholders of carried inputs (local, their layout free until
-    their first consumer fixes it) and, on the output node, `{output index: that placeholder}`."""
+    """`meta["carried"]` on the placeholders of carried inputs (local: this rank's block) and, on
+    the output node, `{output index: that placeholder}`."""
     if not carried:
         return
     inputs = {n.meta["role"][1]: n for n in gm.graph.nodes if n.op == "placeholder" and n.meta["role"][0] == "input"}

@@ -1,7 +1,9 @@
 """Stage 2, place: decide a layout for every value (an analysis; edits nothing else).
 
 Reads `node.meta["val"]` (global fake tensors from capture),
-`node.meta["role"]` and, on the output node, `node.meta["local_outputs"]`.
+`node.meta["role"]` and, on the output node, `node.meta["local_outputs"]` and
+`node.meta["carried"]` (outputs fed back as inputs: each such input takes
+the layout its output is computed in, found in one more round).
 Writes `node.meta["layout"]` (the value's layout, a tuple for ops that
 return several tensors) and `node.meta["arg_layouts"]`
 (`{input node: layout the op needs it in}`); the rewrite inserts the

@@ -120,7 +120,7 @@ class DynamicShapes:
         for symbol in symbols:
             bounds = shape_env.var_to_range[symbol]
             upper = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
-            ranges[symbol] = (max(0, int(bounds.lower)), upper)
+            ranges[symbol] = (int(bounds.lower), upper)
         for dims in inputs.values():
             for e in dims:
                 if len(e.free_symbols) == 1 and e.is_Mul:

@@ -38,10 +38,11 @@ log = logging.getLogger("tess_compile")
 _DEFAULT_MAX_LENGTH = 20  # transformers' default when neither max_length nor max_new_tokens is given
 # GenerationConfig fields this greedy loop honours (sampling fields are ignored without do_sample, as transformers does).
 _HONOURED = {
-    "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "bos_token_id", "do_sample", "num_beams",
-    "use_cache", "output_logits", "output_scores", "return_dict_in_generate", "temperature", "top_k", "top_p",
-    "output_attentions", "output_hidden_states",
+    "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "output_logits",
+    "output_scores", "return_dict_in_generate", "temperature", "top_k", "top_p", "output_attentions",
+    "output_hidden_states",
 }
+_GREEDY = {"do_sample": (None, False), "num_beams": (None, 1)}  # the values of these that decode greedily
 _CACHED_DIM = 2  # [batch, kv heads, cached, head dim]
 
 
@@ -50,7 +51,7 @@ class Generation:
 
     def __init__(self, model: nn.Module, mesh: Mesh, options: CompileOptions):
         self.model, self.mesh, self.options = model, mesh, options
-        self._programs: dict[int, tuple[Program, Program]] = {}  # id(module) -> (prefill, decode)
+        self.programs: tuple[Program, Program] | None = None  # prefill and decode, on the module's shards
 
     def generate(self, module, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """`model.generate(...)` on `module`'s shards: greedy decoding; returns the sequences, or a
@@ -104,11 +105,9 @@ class Generation:
         if mask is not None and not bool((mask == 1).all()):
             raise ValueError(f"{where}: attention_mask masks some prompt tokens (padding), which sharded "
                              "generation does not take yet: generate prompts of one length together, unpadded")
-        other = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_") and k != "transformers_version"
-                 and k not in _HONOURED}
-        if other or config.do_sample or (config.num_beams or 1) != 1:
-            asked = {**other, **({"do_sample": True} if config.do_sample else {}),
-                     **({"num_beams": config.num_beams} if (config.num_beams or 1) != 1 else {})}
+        asked = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")
+                 and k != "transformers_version" and k not in _HONOURED and v not in _GREEDY.get(k, ())}
+        if asked:
             raise ValueError(f"{where}: generation settings {asked} are not supported by sharded generation, "
                              "which decodes greedily (do_sample=False, num_beams=1) without logits processors: "
                              "generate with the unsharded model for them")
@@ -116,7 +115,7 @@ class Generation:
 
     def _compiled(self, module, ids: torch.Tensor) -> tuple[Program, Program]:
         """The prefill and decode programs on `module`'s shards, compiled on first use."""
-        if id(module) not in self._programs:
+        if self.programs is None:
             step = CacheStep(self.model)
             example = _example_cache(self.model, ids)
             batch = 2 * self.mesh.size("depth") * self.mesh.size("row")  # a symbolic batch in every mode
@@ -130,16 +129,17 @@ class Generation:
             _check_same_cache(*programs)
             log.info("generation: prefill and decode programs compiled for mesh %s; the cache is laid out as %s",
                      self.mesh, next(s.layout for s in programs[0].slots if s.role == "local input"))
-            self._programs[id(module)] = tuple(programs)
-        return self._programs[id(module)]
+            self.programs = tuple(programs)
+        return self.programs
 
 
 def _check_same_cache(prefill: Program, decode: Program) -> None:
     """ValueError unless both programs take and give the cache in the same layouts."""
-    for first, other in zip(prefill.slots, decode.slots):
-        if first.role == "local input" and first.layout != other.layout:
-            raise ValueError(f"cache tensor {first.name} is laid out as {first.layout} by the prefill program but "
-                             f"{other.layout} by the decode program on mesh {prefill.mesh}, so one cannot feed "
+    theirs = {s.name: s.layout for s in decode.slots if s.role == "local input"}
+    for slot in prefill.slots:
+        if slot.role == "local input" and slot.layout != theirs[slot.name]:
+            raise ValueError(f"cache tensor {slot.name} is laid out as {slot.layout} by the prefill program but "
+                             f"{theirs[slot.name]} by the decode program on mesh {prefill.mesh}, so one cannot feed "
                              "the other: generate with the unsharded model, and report the model")
 
 
@@ -181,9 +181,8 @@ def _empty_cache(program: Program, batch: int, rank: int) -> list[torch.Tensor]:
 def _step(module, program: Program, step_ids: torch.Tensor, blocks: dict[int, list]) -> tuple[torch.Tensor, dict]:
     """One program call on every rank `module` runs: the last position's logits (global) and each
     rank's new cache blocks."""
-    cache_spec = len(next(iter(blocks.values())))
     rank_flats = {r: [step_ids, *blocks[r]] for r in blocks}
     shapes = program.call_output_shapes(next(iter(rank_flats.values())))  # the check of the sizes, first
     outputs = module.run_program(program, rank_flats)
     logits = module.global_output(program, 0, {r: out[0] for r, out in outputs.items()}, shapes[0])
-    return logits, {r: list(out[1:1 + cache_spec]) for r, out in outputs.items()}
+    return logits, {r: list(out[1:]) for r, out in outputs.items()}  # outputs: the logits, then the cache

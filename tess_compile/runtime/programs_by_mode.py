@@ -80,7 +80,7 @@ class ModeModule(nn.Module):
         `dynamic=True` (docs/generation.md)."""
         if self.generation is None:
             raise ValueError("generate runs on a transformers causal LM (a PreTrainedModel with generate) "
-                             "compiled with dynamic=True: shard or simulate it with dynamic=True")
+                             "compiled with dynamic=True, without mesh=, zero= or dp=: shard or simulate it so")
         if self.compile:
             raise ValueError("generate does not run through inductor yet (compile=True would compile per "
                              "cached length): shard or simulate the model with compile=False to generate")

@@ -134,7 +134,7 @@ class ShardedModule(ModeModule):
         layout = program.output_layouts[index]
         if layout is None or local.dim() == 0:
             return local
-        return self._wrap(local, layout, shape).full_tensor()
+        return gather_blocks(self.world, local, layout, shape, f"gather of output {index}")
 
     def _wrap(self, out, layout, shape):
         """An output as the DTensor of its global `shape`: this rank's true block of it."""

@@ -103,7 +103,7 @@ def add_constants(program: Program, known: dict[str, torch.Tensor], modules: dic
     of the same model (a generation step's). `known` (name -> full tensor, updated here) is what the
     modules hold; a constant of a name they hold with another tensor is renamed (export numbers
     lifted constants per capture). Returns `program` with those names."""
-    slots = []
+    slots, tensors = [], dict(program.tensors)
     for slot in program.slots:
         if slot.role == "constant":
             value, name, k = program.tensors[slot.name], slot.name, 0
@@ -114,10 +114,10 @@ def add_constants(program: Program, known: dict[str, torch.Tensor], modules: dic
                 for rank, module in modules.items():
                     _set_tensor(module, name, program.local_tensor(slot, rank, device=device), "constant")
             if name != slot.name:
-                program.tensors[name] = value
+                tensors[name] = value
                 slot = dataclasses.replace(slot, name=name)
         slots.append(slot)
-    return dataclasses.replace(program, slots=slots)
+    return dataclasses.replace(program, slots=slots, tensors=tensors)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
