@@ -64,7 +64,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     Dynamo's graphs, where parameters arrive as inputs) to their names; those
     placeholders get `meta["weight_input"] = name`. `batch_factor` (a dynamic
     compile's) captures the batch as a symbolic multiple of it and the other
-    dims of the inputs symbolic where the model allows (`tess_compile.core.dynamic`);
+    dims of the inputs symbolic where the model allows (`tess_compile.core.dynamic`),
+    except the weight inputs' dims and those marked `torch._dynamo.mark_static`;
     `gm.meta["guards"]` is then the number of guards the capture left, so
     that the driver can tell those the later passes add.
     """
@@ -72,8 +73,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     kwargs = kwargs or {}
     dims = None
     if batch_factor is not None:
-        dims = export_dims(args, kwargs, batch_factor)
-        args, kwargs = export_example(args, kwargs, batch_factor)
+        args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
     ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module
@@ -111,6 +111,44 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     gm.meta["state_keys"] = list(model.state_dict(keep_vars=True))
     log.info("capture: %d nodes in %.2fs", len(gm.graph.nodes), time.perf_counter() - start)
     return gm
+
+
+def _dynamic_example(args: tuple, kwargs: dict, batch_factor: int, weight_inputs: dict[int, str]) -> tuple:
+    """The example inputs of a dynamic capture and export's dims for them (`export_dims`, `export_example`).
+    The weight inputs are held out of both: their dims stay fixed, and none of them is taken for the batch.
+    A dim marked `torch._dynamo.mark_static(x, dim)` on an input stays fixed (the torch.compile backend marks
+    the dims that Dynamo's graph holds as constants), and a fixed batch need not split evenly."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    held = [_HELD if i in weight_inputs else x for i, x in enumerate(leaves)]
+    held_args, held_kwargs = pytree.tree_unflatten(held, spec)
+    inputs = (*held_args, *held_kwargs.values())
+    if _batch_marked_static(inputs):  # a fixed batch: none to split evenly, none to repeat
+        dims = export_dims(held_args, held_kwargs, 1)
+    else:
+        dims = export_dims(held_args, held_kwargs, batch_factor)
+        held_args, held_kwargs = export_example(held_args, held_kwargs, batch_factor)
+    dims = tuple(_unmarked(d, x) for d, x in zip(dims, inputs))
+    example = pytree.tree_leaves((held_args, held_kwargs))
+    args, kwargs = pytree.tree_unflatten([leaves[i] if i in weight_inputs else x for i, x in enumerate(example)], spec)
+    return args, kwargs, dims
+
+
+# A weight input's place while a dynamic capture decides the dims of the others: not a tensor, so fixed.
+_HELD = object()
+
+
+def _unmarked(dims, x):
+    """An input's export dims less those marked static on it (top-level tensor inputs)."""
+    static = getattr(x, "_dynamo_static_indices", ())
+    if not isinstance(dims, dict) or not static:
+        return dims
+    return {dim: d for dim, d in dims.items() if dim not in static} or None
+
+
+def _batch_marked_static(inputs: tuple) -> bool:
+    """Whether the batch, dim 0 of the first tensor input (as `export_dims` takes it), is marked static."""
+    first = next((x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)), None)
+    return first is not None and 0 in getattr(first, "_dynamo_static_indices", ())
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tuple | None):

@@ -28,6 +28,7 @@ from passes.recompute_blocks import mark_blocks
 from passes.recompute_selective import mark_selective
 from passes.repeated_work import report_repeated_work
 from passes.rewrite import rewrite
+from passes.size_limits import lookup_limits
 from passes.verify import verify_placed, verify_rewritten
 from tess_compile.core.dynamic import DynamicShapes, concrete, local_value
 from tess_compile.core.layout import Layout
@@ -194,7 +195,7 @@ def _dynamic_shapes(placed: GraphModule, mesh: Mesh) -> DynamicShapes | None:
     conditions = [guard.expr for guard in added if guard.expr.free_symbols]
     for guard in added:
         log.debug("dynamic shapes: the compile assumed %s at %s", guard.expr, guard.sloc)
-    dynamic = DynamicShapes.of(inputs, outputs, shape_env, conditions, names)
+    dynamic = DynamicShapes.of(inputs, outputs, shape_env, conditions, names, lookup_limits(placed))
     log.info("dynamic shapes: %s", dynamic.describe(names) if dynamic is not None else "none (every input dim is fixed)")
     return dynamic
 

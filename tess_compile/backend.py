@@ -15,10 +15,17 @@ Parameters arrive as graph inputs, whole. Each call slices this rank's
 blocks out of them (a copy of the blocks, never of the whole model), and
 outputs leave whole, as plain tensors, for the rest of the program. The
 cost against `shard` is in docs/backend.md.
+
+A graph with symbolic shapes (`torch.compile(..., dynamic=True)`,
+`torch._dynamo.mark_dynamic`, or Dynamo's recompile after a shape changed)
+is compiled once as a dynamic program, symbolic where Dynamo's graph is: its
+size inputs are read from its tensors' shapes and its Python numbers become
+constants (docs/backend.md, "Dynamic shapes").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -26,9 +33,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.fx.node import map_aggregate
+from torch.utils import _pytree as pytree
 
 from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
+from tess_compile.core.dynamic import has_symbols
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import RENAMED, CompileOptions, takes_compile_options
 from tess_compile.runtime.sharded_module import shard_program
@@ -57,16 +67,14 @@ def backend(
     options of `CompileOptions` (`mode`, the `summa` schedule of the matrix products,
     `keep_blocks` and `recompute` as in `tess_compile.simulate`, "auto" ones chosen per graph
     on `cluster`; docs/modes.md, docs/memory.md); `simulate=True` runs every rank in this
-    process. `inner="inductor"` compiles each per-rank program with inductor (docs/compiled.md)."""
+    process. `inner="inductor"` compiles each per-rank program with inductor (docs/compiled.md).
+    A graph with symbolic shapes is compiled as one dynamic program whatever `dynamic` says;
+    `dynamic=True` warns of a static one (docs/backend.md)."""
     if inner not in _INNER:
         raise ValueError(
             f"backend 'tesseract' got inner={inner!r}: it runs each per-rank program as one of "
             f"{', '.join(map(repr, _INNER))}; pass inner='inductor' to compile it, or leave inner out"
         )
-    if options.dynamic:
-        raise ValueError("backend 'tesseract' got dynamic=True: it compiles each graph Dynamo hands it for that "
-                         "graph's shapes (Dynamo recompiles for new ones); for one program for every batch and "
-                         "sequence length use tess_compile.shard or simulate with dynamic=True")
     mesh = options.mesh(q, d)
     load_cluster(cluster)  # a bad cluster= fails here, not inside Dynamo
 
@@ -93,25 +101,197 @@ def tesseract(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict 
 
 def _compile(gm, example_inputs: list, mesh: Mesh, options: CompileOptions, *, simulate: bool, timeout,
              compile: bool, cluster) -> Callable:
+    """One program for Dynamo's graph: symbolic in the dims that are symbolic there (see docs/backend.md)."""
+    gm = _copy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(
-                f"graph input {node.target!r} is {type(value).__name__} {value!r}, not a tensor: "
-                "tess-compile specialises shapes; use torch.compile(..., dynamic=False)"
-            )
+    symbolic = _symbolic(placeholders)
+    if options.dynamic and not symbolic:
+        _warn_static(placeholders)
+    _check_no_size_outputs(gm, placeholders, mesh)
+    kept, numbers = _tensors_only(gm, placeholders, example_inputs, mesh)
     weights = {
-        index: _weight_name(node.target)
-        for index, (node, value) in enumerate(zip(placeholders, example_inputs))
-        if isinstance(value, nn.Parameter) or "_buffers_" in node.target
+        position: _weight_name(placeholders[i].target)
+        for position, i in enumerate(kept)
+        if isinstance(example_inputs[i], nn.Parameter) or "_buffers_" in placeholders[i].target
     }
     _untag_checkpoints(gm)
-    program, _ = compile_auto(gm, mesh, tuple(example_inputs), options, cluster, weight_inputs=weights,
-                              replicate_outputs=True)
-    log.info("torch.compile backend: graph of %d nodes on mesh %s", len(gm.graph.nodes), mesh)
+    options = dataclasses.replace(options, dynamic=symbolic)
+    # outside Dynamo's tracing context: export would otherwise trace in Dynamo's fake mode and leave the
+    # guards of its own symbolic shapes among Dynamo's
+    with torch._guards.tracing(None):
+        examples = tuple(_example(example_inputs[i], placeholders[i]) for i in kept)
+        program, _ = compile_auto(gm, mesh, examples, options, cluster, weight_inputs=weights, replicate_outputs=True)
+    log.info("torch.compile backend: graph of %d nodes on mesh %s (%s shapes)", len(gm.graph.nodes), mesh,
+             "symbolic" if symbolic else "static")
     if simulate:
-        return SimulatedModule(program, compile=compile)
-    return shard_program(program, timeout=timeout, wrap_outputs=False, compile=compile)
+        run = SimulatedModule(program, compile=compile)
+    else:
+        run = shard_program(program, timeout=timeout, wrap_outputs=False, compile=compile)
+    return run if len(kept) == len(placeholders) else _DynamoCall(run, kept, numbers, mesh)
+
+
+class _DynamoCall:
+    """A call of Dynamo's graph on the program: the size inputs dropped (the program reads them from its
+    tensors' shapes) and each Python number checked against the value it was compiled for."""
+
+    def __init__(self, run: Callable, kept: list[int], numbers: dict[int, tuple[str, float]], mesh: Mesh):
+        self.run, self.kept, self.numbers, self.mesh = run, kept, numbers, mesh
+
+    def __call__(self, *args):
+        for index, (name, compiled) in self.numbers.items():
+            value = float(args[index])
+            if value != compiled:
+                raise ValueError(
+                    f"graph input {name!r} is the Python number {value}, but the program on mesh {self.mesh} was "
+                    f"compiled for {compiled} (Dynamo passes the number as a tensor and does not recompile for a "
+                    "new value; tess-compile makes it a constant): set torch._dynamo.config.specialize_float = True "
+                    "so that Dynamo compiles each value, or keep the number fixed"
+                )
+        return self.run(*[args[i] for i in self.kept])
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Dynamo's graph, copied to be rewritten: Dynamo passes the inputs that its own graph's placeholders
+    name, read after the backend returns."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _symbolic(placeholders: list[torch.fx.Node]) -> bool:
+    """Whether Dynamo's graph has symbolic shapes: a size (SymInt) input, or a tensor input of symbolic dims."""
+    values = [n.meta.get("example_value") for n in placeholders]
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and has_symbols(v.shape)) for v in values)
+
+
+def _warn_static(placeholders: list[torch.fx.Node]) -> None:
+    log.warning("backend 'tesseract' got dynamic=True, but Dynamo handed it a graph of static shapes (inputs %s), "
+                "whose code holds those sizes as constants: it is compiled for them, and Dynamo compiles again for a "
+                "new shape; for one program for every batch and sequence length pass dynamic=True to torch.compile "
+                "as well, or mark the dims with torch._dynamo.mark_dynamic", _describe(placeholders))
+
+
+def _check_no_size_outputs(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], mesh: Mesh) -> None:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for index, node in enumerate(pytree.tree_leaves(output.args[0])):
+        value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise ValueError(
+                f"graph output {index} ({node.name}) is {value}, a torch.{type(value).__name__} of Dynamo's "
+                f"symbolic shapes (inputs {_describe(placeholders)}), which the program on mesh {mesh} cannot "
+                "return (Dynamo returns the sizes that live across a graph break): read them from the tensors "
+                "after the break (x.shape), remove the graph break, or use torch.compile(..., dynamic=False)"
+            )
+
+
+def _tensors_only(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], example_inputs: list,
+                  mesh: Mesh) -> tuple[list[int], dict[int, tuple[str, float]]]:
+    """Dynamo's graph rewritten to take tensors only, as export does: the indices of the inputs it keeps,
+    and the Python numbers made constants (`_numbers_as_constants`, `_sizes_from_tensors`)."""
+    numbers = _numbers_as_constants(gm, placeholders, example_inputs, mesh)
+    sizes = _sizes_from_tensors(gm, placeholders, example_inputs, mesh)
+    return [i for i in range(len(placeholders)) if i not in numbers and i not in sizes], numbers
+
+
+def _numbers_as_constants(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], example_inputs: list,
+                          mesh: Mesh) -> dict[int, tuple[str, float]]:
+    """Python numbers that Dynamo passes as 0-d tensors (with `dynamic=True`, every float of the model, as a
+    LayerNorm's eps) become constants: each `.item()` of one is its example's value. Returns their names and
+    values by input index."""
+    numbers = {}
+    for index, node in enumerate(placeholders):
+        if not _is_number(node):
+            continue
+        value = example_inputs[index].item()
+        for user in [u for u in node.users if u.op == "call_method" and u.target == "item"]:
+            _substitute(user, value)
+        if node.users:
+            raise ValueError(
+                f"graph input {node.target!r} is a Python number that Dynamo passes as a tensor ({value}), used as "
+                f"a tensor by {', '.join(u.name for u in node.users)}, which the program on mesh {mesh} cannot "
+                "take: set torch._dynamo.config.specialize_float = True, or pass a tensor"
+            )
+        gm.graph.erase_node(node)
+        numbers[index] = (node.target, value)
+    gm.recompile()
+    return numbers
+
+
+def _is_number(node: torch.fx.Node) -> bool:
+    """Whether a placeholder is a Python number that Dynamo passes as a 0-d tensor."""
+    grapharg = node.meta.get("grapharg")
+    return grapharg is not None and grapharg.pass_arg_as_tensor
+
+
+def _substitute(node: torch.fx.Node, value) -> None:
+    """Every use of `node` becomes the constant `value`, and `node` is erased."""
+
+    def swap(arg):
+        return value if arg is node else arg
+
+    for reader in list(node.users):
+        reader.args, reader.kwargs = map_aggregate((reader.args, reader.kwargs), swap)
+    node.graph.erase_node(node)
+
+
+def _sizes_from_tensors(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], example_inputs: list,
+                        mesh: Mesh) -> list[int]:
+    """Each size input (a SymInt of Dynamo's symbolic shapes) becomes `tensor.size(dim)` of a tensor input
+    that has its symbol at that dim, since export takes tensors only. Returns their input indices."""
+    sources = {}
+    for node in placeholders:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    sources.setdefault(size.node.expr, (node, dim))
+    sizes = []
+    body = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(example, torch.Tensor):
+            continue
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.SymInt):
+            raise ValueError(
+                f"graph input {node.target!r} is {type(example).__name__} {example!r}, neither a tensor nor a size "
+                f"of one, which the program on mesh {mesh} cannot take: pass it as a tensor, or use "
+                "torch.compile(..., dynamic=False)"
+            )
+        if value.node.expr not in sources:
+            raise ValueError(
+                f"graph input {node.target!r} is the symbolic int {value}, which is no dim of the graph's tensor "
+                f"inputs ({_describe(placeholders)}), so the program on mesh {mesh} cannot read it from their "
+                "shapes (an int argument, or a size carried across a graph break): set "
+                "torch._dynamo.config.specialize_int = True so that Dynamo compiles each value, pass it as a "
+                "tensor, or use torch.compile(..., dynamic=False)"
+            )
+        tensor, dim = sources[value.node.expr]
+        with gm.graph.inserting_before(body):
+            size = gm.graph.call_method("size", (tensor, dim))
+        node.replace_all_uses_with(size)
+        gm.graph.erase_node(node)
+        sizes.append(index)
+    gm.recompile()
+    return sizes
+
+
+def _example(value: torch.Tensor, node: torch.fx.Node) -> torch.Tensor:
+    """A graph input's example for the compile: a new tensor on its storage (export sets and clears the dynamic-shape
+    marks of the tensors it gets, which Dynamo guards on the user's own), each dim that Dynamo's graph holds fixed
+    marked static, as `torch._dynamo.mark_static` marks it (which does nothing while Dynamo compiles): the graph's
+    code may hold those sizes as constants, and capture keeps them fixed."""
+    example = value.detach().requires_grad_(value.requires_grad)
+    shape = node.meta["example_value"].shape
+    example._dynamo_static_indices = {dim for dim, size in enumerate(shape) if not isinstance(size, torch.SymInt)}
+    return example
+
+
+def _describe(placeholders: list[torch.fx.Node]) -> str:
+    """The tensor inputs that are no weights, with their (symbolic) shapes: `L_x_ [s0, s1, 8]`."""
+    shapes = [f"{n.target} {list(n.meta['example_value'].shape)}" for n in placeholders
+              if isinstance(n.meta.get("example_value"), torch.Tensor) and not _is_number(n)
+              and not isinstance(n.meta["example_value"], nn.Parameter) and "_buffers_" not in n.target]
+    return ", ".join(shapes) or "none"
 
 
 def _checkpointed_body(body, *args):

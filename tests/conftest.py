@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -12,6 +13,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MESHES  # noqa: E402,F401  (re-exported for the tests)
+
+from passes.observers import add_pass_observer, remove_pass_observer
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +79,19 @@ def assert_matches_model(sim, model, *inputs, rtol: float = 1e-5):
     for name, param in model.named_parameters():
         assert_close_rel(grads[name], param.grad, rtol, f"grad {name}")
     return out
+
+
+@contextlib.contextmanager
+def counting_captures():
+    """A list that gets one entry per capture (one per compile) while the context is open."""
+    captures = []
+
+    def observer(result):
+        if result.name == "capture":
+            captures.append(result)
+
+    add_pass_observer(observer)
+    try:
+        yield captures
+    finally:
+        remove_pass_observer(observer)

@@ -66,13 +66,25 @@ def test_max_kendall_tau_is_the_best_of_every_ordering():
 # --------------------------------------------------------------------------- the paper's tables
 
 
+class _PerTable(dict):
+    """Paper table ("1", "2") -> a value, computed on first use (a table's rows compile in seconds)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, table):
+        self[table] = value = self.make(table)
+        return value
+
+
 @pytest.fixture(scope="module")
 def paper():
-    """The paper-times benchmark, its rows' observations (compiled once per process) and both fits."""
+    """The paper-times benchmark, its tables' observations (each row compiled once per process) and fits."""
     import benchmarks.paper_times as bench
 
-    observations = {t: bench.observations(rows) for t, (_, rows) in bench.TABLES.items()}
-    fits = {t: fit_cluster(observations[t], bench.FIT_BASE, grad_sync=bench.GRAD_SYNC) for t in observations}
+    observations = _PerTable(lambda table: bench.observations(bench.TABLES[table][1]))
+    fits = _PerTable(lambda table: fit_cluster(observations[table], bench.FIT_BASE, grad_sync=bench.GRAD_SYNC))
     return bench, observations, fits
 
 
@@ -108,6 +120,7 @@ def test_calibrated_cluster_is_the_fit_to_table_1(paper):
     assert "matmul_half_size  = 1024" in format_cluster(CALIBRATED_CLUSTER)
 
 
+@pytest.mark.slow  # compiles Table 2's rows as well
 def test_paper_taus(paper):
     """The taus docs/planner.md reports (fwd+bwd over each table's rows), as floors."""
     bench, observations, fits = paper

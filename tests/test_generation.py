@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_dynamic import counting_captures
+from conftest import counting_captures
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import tess_compile
@@ -58,8 +58,8 @@ def worst_error(model, out, prompt_length: int) -> float:
 def test_greedy_generation_equals_the_unsharded_model(q, d, mode):
     model = gpt2()
     prompt = torch.randint(0, VOCAB, (4, 5))
-    sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs={"input_ids": prompt}, dynamic=True,
-                                mode=mode)
+    own = copy.deepcopy(model)
+    sim = tess_compile.simulate(own, q, d, example_inputs={"input_ids": prompt}, dynamic=True, mode=mode)
     with counting_captures() as captures:
         out = sim.generate(prompt, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
                            output_logits=True)
@@ -70,6 +70,10 @@ def test_greedy_generation_equals_the_unsharded_model(q, d, mode):
             out = sim.generate(input_ids=prompt, max_new_tokens=4, return_dict_in_generate=True, output_logits=True)
             assert worst_error(model, out, length) < 1e-12
     assert len(captures) == 2  # prefill and decode, once: no compile per token, length or batch
+    assert not own.training  # compiling the programs in eval mode left the model's mode as it was
+    with pytest.raises(ValueError, match="max_new_tokens=63 .* looks up position 64 .* 'transformer.wpe.weight', "
+                                         "which has 64 rows"):
+        sim.generate(prompt, max_new_tokens=63)  # refused before the first token
     if mode == "1d":  # transformers' GPT-2 differs at a batch of 1 where the batch is not split
         with pytest.raises(ValueError, match="outside the range at least 2"):
             sim(input_ids=torch.zeros(1, 3, dtype=torch.long))
@@ -95,6 +99,26 @@ def test_greedy_generation_equals_the_unsharded_model(q, d, mode):
     sim.generation = None  # as a module compiled without dynamic=True has it
     with pytest.raises(ValueError, match="compiled with dynamic=True"):
         sim.generate(prompt)
+
+
+@pytest.mark.slow
+def test_generation_through_inductor():
+    """compile=True: the prefill and decode programs through inductor, symbolic in batch and cached
+    length: the same tokens and logits, and no compile per token or per call."""
+    model = gpt2()
+    prompt = torch.randint(0, VOCAB, (4, 5))
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 1, example_inputs={"input_ids": prompt}, dynamic=True,
+                                compile=True)
+    out = sim.generate(prompt, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
+    assert worst_error(model, out, 5) < 1e-12
+    compiles = []
+    for length in (3, 6):  # another batch, then another prompt length
+        prompt = torch.randint(0, VOCAB, (8, length))
+        expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(sim.generate(prompt, max_new_tokens=NEW), expected)
+        compiles.append(sum(c.compiles() for c in sim._compiled.values()))
+    # code for sizes of 2 or more and for the 0/1 sizes met (a batch of one block, an empty cache): none per token
+    assert compiles[0] == compiles[1] <= 4
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import torch
 from torch.export import Dim
 from torch.utils._sympy.numbers import int_oo
 
-__all__ = ["DynamicShapes", "concrete", "export_dims", "export_example", "has_symbols", "local_value"]
+__all__ = ["DynamicShapes", "Limit", "concrete", "export_dims", "export_example", "has_symbols", "local_value"]
 
 
 def _example_batch(args: tuple, kwargs: dict) -> tuple[int | None, list[int]]:
@@ -97,6 +97,16 @@ def _expr(size) -> sympy.Expr:
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
+@dataclass(frozen=True)
+class Limit:
+    """A lookup whose ids are computed from symbolic sizes (`passes.size_limits`): their largest
+    value, a formula in the symbols, must be less than the table's rows."""
+
+    largest: sympy.Expr
+    rows: int
+    table: str  # the table's name, for messages
+
+
 @dataclass
 class DynamicShapes:
     """The symbolic shapes of a dynamic program's inputs and outputs; see the module docstring."""
@@ -106,12 +116,14 @@ class DynamicShapes:
     ranges: dict[sympy.Symbol, tuple[int, int | None]]  # symbol -> (least, greatest or None)
     conditions: list[sympy.Basic] = field(default_factory=list)  # what the compile assumed of the symbols
     names: dict[sympy.Symbol, str] = field(default_factory=dict)  # symbol -> where it is read, for messages
+    limits: list[Limit] = field(default_factory=list)  # lookups that sizes must keep within their tables
 
     @classmethod
     def of(cls, input_vals: dict[int, torch.Tensor], output_vals: list, shape_env, conditions: list[sympy.Basic],
-           input_names: Sequence[str]) -> DynamicShapes | None:
-        """From the captured fake values of the inputs (flat index -> value) and the outputs, and the
-        ShapeEnv of their symbols; None if no input dim is symbolic (the program is static)."""
+           input_names: Sequence[str], limits: Sequence[Limit] = ()) -> DynamicShapes | None:
+        """From the captured fake values of the inputs (flat index -> value) and the outputs, the
+        ShapeEnv of their symbols, the conditions and lookup limits the compile found; None if no
+        input dim is symbolic (the program is static)."""
         inputs = {i: tuple(_expr(s) for s in v.shape) for i, v in input_vals.items()}
         symbols = sorted({s for dims in inputs.values() for e in dims for s in e.free_symbols}, key=str)
         if not symbols:
@@ -134,7 +146,7 @@ class DynamicShapes:
                 for symbol in e.free_symbols:
                     names.setdefault(symbol, f"dim {dim} of {input_names[index]}")
         outputs = [tuple(_expr(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in output_vals]
-        return cls(inputs, outputs, ranges, list(conditions), names)
+        return cls(inputs, outputs, ranges, list(conditions), names, list(limits))
 
     def describe(self, input_names: Sequence[str]) -> str:
         """One line: each input's dims as formulas, e.g. `positional input 0 [4*s0, s1]`."""
@@ -143,7 +155,7 @@ class DynamicShapes:
     def bind(self, values: dict[int, torch.Tensor], input_names: Sequence[str], mesh) -> dict[sympy.Symbol, int]:
         """The symbols' values in a call with these inputs (flat index -> tensor); a ValueError for a call the
         program cannot take: a dim that is fixed, a batch that does not split evenly, a size out of range,
-        or a size that breaks a condition the compile assumed."""
+        a size that breaks a condition the compile assumed, or sizes that look up past a table."""
         binding: dict[sympy.Symbol, int] = {}
         for index, dims in self.inputs.items():
             shape = tuple(values[index].shape)
@@ -166,7 +178,18 @@ class DynamicShapes:
                 raise ValueError(f"the program was compiled assuming {condition} of its symbolic sizes, which "
                                  f"this call breaks ({shown}) on mesh {mesh}: pass sizes that satisfy it, or "
                                  "compile again with dynamic=False for this shape")
+        for limit in self.limits:
+            self._check_limit(limit, binding, mesh)
         return binding
+
+    def _check_limit(self, limit: Limit, binding: dict[sympy.Symbol, int], mesh) -> None:
+        largest = int(limit.largest.xreplace({s: sympy.Integer(v) for s, v in binding.items()}))
+        if largest < limit.rows:
+            return
+        shown = ", ".join(f"{self.names[s]} = {binding[s]}" for s in sorted(limit.largest.free_symbols, key=str))
+        raise ValueError(f"{shown}: the model looks up position {largest} (its largest id, {limit.largest}) in "
+                         f"'{limit.table}', which has {limit.rows} rows, on mesh {mesh}: pass sizes whose positions "
+                         f"(sequence plus cached length) stay below {limit.rows}, or a model with a longer table")
 
     def _bind_dim(self, binding: dict, e: sympy.Expr, size: int, where: str, dims: tuple, mesh) -> None:
         if not e.free_symbols:

@@ -40,6 +40,7 @@ class CacheStep(nn.Module):
         self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.__dict__["_causal_lm"] = model  # not a submodule: its children are this module's
+        self.training = model.training  # the model's mode, which compiling in another restores
         names = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in names else "past_key_values"
         self._keep_last = "logits_to_keep" in names

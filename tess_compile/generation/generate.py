@@ -65,7 +65,8 @@ class Generation:
             new = (config.max_length or _DEFAULT_MAX_LENGTH) - length
         eos = _token_ids(config.eos_token_id)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-        blocks = {r: _empty_cache(prefill, batch, r) for r in module.rank_modules()}
+        _check_positions(prefill, batch, length, new)
+        blocks = {r: _empty_cache(prefill, batch) for r in module.rank_modules()}
         unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
         step_ids, all_logits = ids, []
         with torch.no_grad():
@@ -143,6 +144,20 @@ def _check_same_cache(prefill: Program, decode: Program) -> None:
                              "the other: generate with the unsharded model, and report the model")
 
 
+def _check_positions(prefill: Program, batch: int, length: int, new: int) -> None:
+    """ValueError, before any token is generated, if a prompt of `length` tokens and `new` generated
+    ones look up past a position table: the last call sees `length + new - 1` positions, as a prefill
+    of them all on an empty cache would."""
+    if new < 2:
+        return
+    ids = torch.empty(batch, length + new - 1, dtype=torch.long, device="meta")
+    try:
+        prefill.call_output_shapes([ids, *_empty_cache(prefill, batch, device="meta")])
+    except ValueError as err:
+        raise ValueError(f"generate: {batch} prompts of {length} tokens and max_new_tokens={new} (the last step "
+                         f"sees {length + new - 1} positions): {err}") from None
+
+
 def _token_ids(value) -> list[int]:
     if value is None:
         return []
@@ -167,14 +182,14 @@ def _example_past(example, batch: int, cached: int = 2) -> tuple:
     return tuple((grown(k), grown(v)) for k, v in example)
 
 
-def _empty_cache(program: Program, batch: int, rank: int) -> list[torch.Tensor]:
-    """`rank`'s blocks of an empty cache: each carried input's layout at `batch` sequences, 0 tokens."""
+def _empty_cache(program: Program, batch: int, device=None) -> list[torch.Tensor]:
+    """A rank's blocks of an empty cache: each carried input's layout at `batch` sequences, 0 tokens."""
     blocks = []
     for slot in program.slots:
         if slot.role == "local input":
             shape = list(slot.shape)
             shape[0], shape[_CACHED_DIM] = batch, 0
-            blocks.append(torch.zeros(slot.layout.local_shape(shape, program.mesh), dtype=slot.dtype))
+            blocks.append(torch.zeros(slot.layout.local_shape(shape, program.mesh), dtype=slot.dtype, device=device))
     return blocks
 
 

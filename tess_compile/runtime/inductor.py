@@ -27,12 +27,18 @@ op would also make the partitioner refuse checkpoint regions.)
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import sympy
 import torch
+from torch._dynamo.source import ConstantSource
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tess_compile.core.program import Program
@@ -71,27 +77,47 @@ _COMPILE_CONFIG = dict(force_non_lazy_backward_lowering=True, cse=False)
 
 
 class CompiledRank:
-    """One rank's program compiled by inductor, once per grad mode, pattern of inputs that
-    require grad and (a `dynamic=True` program's) input shapes, as Dynamo's guards would
-    recompile: inductor compiles for the shapes it is given. `backward_comm()` gives the
-    communicator the compiled backward runs under."""
+    """One rank's program compiled by inductor, once per grad mode and pattern of inputs that
+    require grad. A `dynamic=True` program is compiled symbolic in its inputs' symbolic dims
+    (`SymbolicSizes`), so one compile serves every batch and sequence length; as under Dynamo,
+    the code is kept with the guards its compile put on the sizes, and a call that breaks them
+    compiles again. `backward_comm()` gives the communicator the compiled backward runs under."""
 
     def __init__(self, program: Program, backward_comm: Callable[[], Comm]):
         self.graph = inductor_graph(program.graph)
         self.dynamic = program.dynamic is not None
+        self.sizes = SymbolicSizes.of(program.graph) if self.dynamic else None
         self.backward_comm = backward_comm
-        self._compiled: dict[tuple, Callable] = {}
+        self._compiled: dict[tuple, list[tuple[Callable[[list], bool], Callable]]] = {}
         self._lock = threading.Lock()
 
     def compiled_for(self, inputs: list) -> Callable:
         """The compiled function for `inputs` (compiled on first use, backward included)."""
-        key = (torch.is_grad_enabled(), tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs),
-               tuple(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)) if self.dynamic else ())
+        key = (torch.is_grad_enabled(), tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs))
         with self._lock:
-            if key not in self._compiled:
-                with use_comm(TracingComm()), torch._functorch.config.patch(_COMPILE_CONFIG):
-                    self._compiled[key] = compile_fx(copy.deepcopy(self.graph), list(inputs), inner_compile=self._inner)
-            return self._compiled[key]
+            compiled = self._compiled.setdefault(key, [])
+            for holds, function in compiled:
+                if holds(inputs):
+                    return function
+            new = self._compile(inputs, first=not compiled)
+            compiled.extend(new)
+            return new[-1][1]
+
+    def compiles(self) -> int:
+        """How many times inductor compiled this rank's program."""
+        return sum(len(c) for c in self._compiled.values())
+
+    def _compile(self, inputs: list, first: bool) -> list[tuple[Callable[[list], bool], Callable]]:
+        """Inductor's code for `inputs`, each with the test of the inputs it serves; the last serves `inputs`
+        (`first`: the first compile for this grad mode, which compiles a dynamic program's general code)."""
+        with use_comm(TracingComm()), torch._functorch.config.patch(_COMPILE_CONFIG):
+            if self.sizes is not None and self.sizes.takes(inputs):
+                return self.sizes.compile(self.graph, inputs, self._inner, general=first)
+            function = compile_fx(copy.deepcopy(self.graph), list(inputs), inner_compile=self._inner)
+        if not self.dynamic:
+            return [((lambda _: True), function)]
+        shapes = _shapes(inputs)  # a dynamic program's code for these shapes only
+        return [((lambda xs: _shapes(xs) == shapes), function)]
 
     def __call__(self, comm: Comm, inputs: list) -> list:
         """This rank's outputs, the forward's collectives carried by `comm`."""
@@ -102,6 +128,116 @@ class CompiledRank:
     def _inner(self, gm: GraphModule, example_inputs, **kwargs):
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         return _under_comm(compiled, self.backward_comm) if kwargs.get("is_backward") else compiled
+
+
+def _shapes(inputs: list) -> tuple:
+    return tuple((tuple(x.shape), x.stride()) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+@dataclass
+class SymbolicSizes:
+    """The symbolic dims of a dynamic program's per-rank inputs, for inductor: each symbol of the
+    program (a batch captured as `2*s0`: `s0`) is read from the first input dim that holds it, as
+    `size // factor`, and passed as an integer input of its own ahead of the tensors, as Dynamo
+    passes sizes. So every size inductor sees is a multiple of a symbol it can bind, never
+    `2 * (s // 2)`."""
+
+    dims: list[dict[int, tuple[sympy.Symbol, int]]]  # per input: dim -> (symbol, factor)
+    reads: dict[sympy.Symbol, tuple[int, int, int]]  # symbol -> (input, dim, factor) it is read from
+
+    @classmethod
+    def of(cls, graph: GraphModule) -> SymbolicSizes | None:
+        """From the placeholders' captured values; None if a symbolic dim is not `factor * symbol`."""
+        dims, reads = [], {}
+        for index, node in enumerate(graph.graph.find_nodes(op="placeholder")):
+            val = node.meta.get("val")
+            found = {}
+            for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+                if isinstance(size, torch.SymInt):
+                    factor, symbol = size.node.expr.as_coeff_Mul()
+                    if not (isinstance(symbol, sympy.Symbol) and factor.is_Integer and factor > 0):
+                        return None
+                    found[dim] = (symbol, int(factor))
+                    reads.setdefault(symbol, (index, dim, int(factor)))
+            dims.append(found)
+        return cls(dims, reads)
+
+    def takes(self, inputs: list) -> bool:
+        """Whether `inputs` fit symbolic code: contiguous where a dim is symbolic (the code's strides)."""
+        return all(x.is_contiguous() for x, d in zip(inputs, self.dims) if d)
+
+    def values(self, inputs) -> list[int]:
+        """The symbols' values in a call with `inputs`."""
+        return [inputs[i].size(dim) // factor for i, dim, factor in self.reads.values()]
+
+    def compile(self, graph: GraphModule, inputs: list, inner, general: bool) -> list[tuple[Callable, Callable]]:
+        """Inductor's symbolic code for `graph`, each with the test of the inputs its guards admit: with
+        `general`, code for sizes of 2 or more; then, where it does not take `inputs` (a size of 0 or 1, which
+        Dynamo specialises too), code for their sizes of 0 and 1."""
+        compiled = [self._compile(graph, inputs, inner, general=True)] if general else []
+        if not compiled or not compiled[0][0](inputs):
+            compiled.append(self._compile(graph, inputs, inner, general=False))
+        return compiled
+
+    def _compile(self, graph: GraphModule, inputs: list, inner, general: bool) -> tuple[Callable, Callable]:
+        """One compile on fake inputs whose sizes are symbols (hinted at 2 or more with `general`)."""
+        shape_env = ShapeEnv()
+        fake_mode = FakeTensorMode(shape_env=shape_env)
+        symints = {}
+        for symbol, value in zip(self.reads, self.values(inputs)):
+            hint = max(value, 2) if general else value
+            source = ConstantSource(f"size_{symbol}")
+            expr = shape_env.create_symbol(hint, source, DimDynamic.DYNAMIC, do_not_specialize_zero_one=True)
+            symints[symbol] = shape_env.create_symintnode(expr, hint=hint, source=source)
+        examples = [*symints.values()]
+        for x, dims in zip(inputs, self.dims):
+            if isinstance(x, torch.Tensor):
+                x = self._fake(fake_mode, x, dims, symints)
+            examples.append(x)
+        compiled = compile_fx(_with_size_inputs(graph, len(symints)), examples, inner_compile=inner)
+        code = shape_env.produce_guards_expression(examples)
+
+        def holds(xs: list) -> bool:
+            return code is None or shape_env.evaluate_guards_expression(code, [*self.values(xs), *map(_as_guarded, xs)])
+
+        return holds, lambda *xs: compiled(*self.values(xs), *xs)
+
+    @staticmethod
+    def _fake(fake_mode: FakeTensorMode, x: torch.Tensor, dims: dict, symints: dict) -> torch.Tensor:
+        if not dims:
+            return fake_mode.from_tensor(x, static_shapes=True)
+        shape = [dims[i][1] * symints[dims[i][0]] if i in dims else size for i, size in enumerate(x.shape)]
+        with fake_mode:
+            return torch.empty(shape, dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
+
+
+class _Empty:
+    """An empty tensor as the guards read it: the strides of its sizes, zeros included (torch gives an
+    empty tensor the strides of sizes of at least 1, which no element is read at)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.shape = x.shape
+
+    def size(self):
+        return self.shape
+
+    def stride(self):
+        return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+
+
+def _as_guarded(x):
+    return _Empty(x) if isinstance(x, torch.Tensor) and x.numel() == 0 else x
+
+
+def _with_size_inputs(graph: GraphModule, count: int) -> GraphModule:
+    """A copy of `graph` taking `count` integer inputs (unused, for inductor to bind) ahead of its own."""
+    gm = copy.deepcopy(graph)
+    first = next(iter(gm.graph.find_nodes(op="placeholder")))
+    with gm.graph.inserting_before(first):
+        for k in range(count):
+            gm.graph.placeholder(f"size_{k}")
+    gm.recompile()
+    return gm
 
 
 def _under_comm(compiled, backward_comm: Callable[[], Comm]):

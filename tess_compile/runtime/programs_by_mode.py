@@ -81,9 +81,6 @@ class ModeModule(nn.Module):
         if self.generation is None:
             raise ValueError("generate runs on a transformers causal LM (a PreTrainedModel with generate) "
                              "compiled with dynamic=True, without mesh=, zero= or dp=: shard or simulate it so")
-        if self.compile:
-            raise ValueError("generate does not run through inductor yet (compile=True would compile per "
-                             "cached length): shard or simulate the model with compile=False to generate")
         return self.generation.generate(self, *args, **kwargs)
 
     def adopt(self, program: Program) -> Program:
@@ -96,12 +93,12 @@ class ModeModule(nn.Module):
         """Rank -> the module of that rank's shards, for the ranks this module runs."""
         raise NotImplementedError
 
-    def compiled_program(self, backward_comm):
-        """The `CompiledRank` of this mode's program; `backward_comm()` gives the communicator
-        its compiled backward runs under."""
+    def compiled_program(self, backward_comm, program: Program | None = None):
+        """The `CompiledRank` of this mode's program (or of `program`, one `adopt` readied);
+        `backward_comm()` gives the communicator its compiled backward runs under."""
         from tess_compile.runtime.inductor import CompiledRank  # imports inductor: only when asked for
 
-        program = self.program
+        program = program or self.program
         if id(program) not in self._compiled:
             self._compiled[id(program)] = CompiledRank(program, backward_comm=backward_comm)
         return self._compiled[id(program)]

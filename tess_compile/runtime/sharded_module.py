@@ -125,8 +125,11 @@ class ShardedModule(ModeModule):
         """Run `program` (one `adopt` readied for these shards) on this rank's flat inputs (a local
         input: this rank's block); its outputs as the per-rank graph gives them."""
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in rank_flats[self.world.rank]]
+        inputs = state.graph_inputs(program, self, flat)
+        if self.compile:
+            return {self.world.rank: list(self.compiled_program(lambda: self.comm, program)(self.comm, inputs))}
         with use_comm(self.comm):
-            return {self.world.rank: list(program.runnable(*state.graph_inputs(program, self, flat)))}
+            return {self.world.rank: list(program.runnable(*inputs))}
 
     def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:
         """Output `index` of `program` as a global tensor of `shape`, gathered from every rank."""

@@ -155,6 +155,8 @@ class SimulatedModule(ModeModule):
         """Run `program` (one `adopt` readied for these shards) on each rank's flat inputs (a local
         input: that rank's block); each rank's outputs as the per-rank graph gives them."""
         rank_inputs = [state.graph_inputs(program, module, rank_flats[r]) for r, module in enumerate(self.ranks)]
+        if self.compile:
+            return dict(enumerate(run_compiled(self.compiled_program(current_comm, program), self.comm, rank_inputs)))
         with use_comm(self.comm):
             return dict(enumerate(run_lockstep(program.runnable, self.comm, rank_inputs)))
 
