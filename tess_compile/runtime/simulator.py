@@ -87,7 +87,7 @@ def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> 
             xs = env[node.args[0]]
             env[node] = list(_Collective.apply(comm, COLLECTIVE_OPS[node.target], tuple(node.args[1:]), *xs))
         elif node.op == "call_function" and node.target in _LOCKSTEP:
-            env[node] = _LOCKSTEP[node.target](comm, *map_arg(node.args, lambda n: env[n]))
+            env[node] = _LOCKSTEP[node.target](comm, *map_arg(node.args, lambda n: _lockstep_arg(env[n])))
         elif node.op == "call_module":
             region = graph.get_submodule(node.target)
             env[node] = _run_region(region.graph_module, comm, [env[n] for n in node.args])
@@ -99,6 +99,16 @@ def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> 
         elif node.op == "output":
             return [map_arg(node.args[0], lambda n: env[n][r]) for r in range(num_ranks)]
     raise AssertionError("graph has no output")
+
+
+def _lockstep_arg(values: list):
+    """An argument of a lockstep op (`_LOCKSTEP`): every rank's tensor, or the one size that every
+    rank computed alike (a dynamic program's global shape)."""
+    if not isinstance(values[0], int):
+        return values
+    if any(v != values[0] for v in values):
+        raise AssertionError(f"a size argument of a lockstep op differs between ranks: {values}")
+    return values[0]
 
 
 def _run_region(region: GraphModule, comm: SimComm, inputs: list[list]) -> list:
