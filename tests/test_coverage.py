@@ -35,10 +35,8 @@ pytestmark = pytest.mark.slow  # the whole file: the architecture zoo
 MAX_REDUNDANT = 1.05
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 
-KNOWN_LIMITS = {
-    ("falcon", "1d"): "Falcon's fused query_key_value projection with one key/value head: its [n + 2] heads do not "
-                      "divide p=4, so the fused product's output is gathered over col (redundant work 1.12)",
-}
+# (architecture, mode) -> why it fails: a strict xfail, so that a fix shows (none at present)
+KNOWN_LIMITS: dict[tuple[str, str], str] = {}
 
 CASES = [
     pytest.param(name, label, q, d, mode, id=f"{name}-{mode}",

@@ -2,7 +2,8 @@
 group_norm, a positional conv with weight_norm), group_norm whose groups spread over
 ranks, views that only insert size-1 dims of values split by repeat_interleave, a
 selective-scan block that stacks its steps, roll, gather and scatter, argmax over a
-split dim, upsampling, and a masked_scatter of image features. Each in float64
+split dim, upsampling, a masked_scatter of image features, and multi-query attention
+cut from one fused projection. Each in float64
 simulation at [2,2,2] and 1-D p=4, with every op sharded (strict=True) and the
 output and every parameter gradient equal to the unsharded model's."""
 
@@ -30,16 +31,18 @@ def _outputs(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _simulate_exact(build, inputs: tuple, q: int, d: int, mode: str):
+def _simulate_exact(build, inputs: tuple, q: int, d: int, mode: str, gathers: bool = False):
     """Simulate the float64 model that `build()` makes with every op sharded (strict=True) and no
-    warning, check every output (float ones to 1e-12, integer ones equal) and every parameter
-    gradient against a second one built alike (the old weight_norm's modules cannot be
-    deep-copied), and return the simulated module with its redundant work."""
+    warning (`gathers`: but for views that gather their input), check every output (float ones to
+    1e-12, integer ones equal) and every parameter gradient against a second one built alike (the
+    old weight_norm's modules cannot be deep-copied), and return the simulated module with its
+    redundant work."""
     model, oracle = (_seeded(build) for _ in range(2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sim = tess_compile.simulate(model, q, d, example_inputs=inputs, mode=mode, strict=True, verify=True)
-    assert not [str(w.message) for w in caught if "replicated" in str(w.message) or "whole" in str(w.message)]
+    unexpected = ("replicated",) if gathers else ("replicated", "whole")
+    assert not [str(w.message) for w in caught if any(word in str(w.message) for word in unexpected)]
     outs, expected = _outputs(sim(*inputs)), _outputs(oracle(*inputs))
     loss, oracle_loss = 0.0, 0.0
     for index, (out, exp) in enumerate(zip(outs, expected)):
@@ -382,6 +385,35 @@ def test_table_too_small_to_split_runs_whole():
     with pytest.warns(UserWarning, match=r"no row dim of this table divides .* computes it whole"):
         sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,))
     assert_close_rel(sim(x), oracle(x), 1e-12, "output")
+
+
+class FusedMultiQuery(nn.Module):
+    """Falcon's attention in small: one fused projection to `heads` query heads and one key/value
+    head, viewed as `heads + 2` heads (which 4 ranks do not divide) and cut apart."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.qkv = nn.Linear(hidden, (heads + 2) * self.head_dim, bias=False)
+        self.dense = nn.Linear(hidden, hidden, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        fused = self.qkv(x).view(b, s, self.heads + 2, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # one key/value head for all
+        x = x + self.dense(attention.transpose(1, 2).reshape(b, s, -1))
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
+def test_fused_multi_query_attention_splits_its_heads(q, d, mode):
+    """1-D: the fused output is gathered for the view; the attention then splits its query heads
+    (a free slice of the whole value) instead of running every head on every rank."""
+    x = torch.randn(8, 8, 32, dtype=torch.float64)
+    _, work = _simulate_exact(FusedMultiQuery, (x,), q, d, mode, gathers=True)
+    assert work <= 1.05
 
 
 # An HF wav2vec2 model: its feature encoder and positional conv embedding.

@@ -14,7 +14,7 @@ from torch.fx import Node
 from passes.builder import Builder
 from passes.rules.common import R, aten, get_arg, lower_default, shape_of, tensor_inputs
 from passes.rules.family import Decision, Family
-from passes.rules.pointwise import align
+from passes.rules.pointwise import align, aligned
 from passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
@@ -31,7 +31,33 @@ def place_attention(node: Node, ctx) -> Decision:
     required, out = align(ctx, node, tensors, out_shape, frozen=(n_out - 2, n_out - 1))
     if get_arg(node, 7, "enable_gqa", False):
         _keep_gqa_pairing(ctx, node, required, out)
+    else:
+        _split_whole_heads(ctx, node, required, out)
     return Decision(required, Layout(*out))
+
+
+def _split_whole_heads(ctx, node: Node, required: dict, out: list) -> None:
+    """Attention whose inputs arrive whole along an axis would run every head on every rank of it
+    (as after a fused projection gathered for a view it cannot split): split the query heads there
+    instead, a free slice of a whole value, keys and values with them, or whole where they have one
+    head (multi-query attention broadcasts it to every query head)."""
+    query, key, value = node.args[:3]
+    heads_dim = len(shape_of(query)) - 3
+    heads = shape_of(query)[heads_dim] if heads_dim >= 0 else 1
+    if heads_dim < 0 or len(shape_of(node)) - 3 != heads_dim or any(p == Shard(heads_dim) for p in out):
+        return
+    kv_heads = {t: shape_of(t)[len(shape_of(t)) - 3] if len(shape_of(t)) >= 3 else 1 for t in (key, value)}
+    if any(h not in (1, heads) for h in kv_heads.values()):
+        return
+    for index, axis in enumerate(AXES):
+        size = ctx.mesh.size(axis)
+        if size == 1 or out[index] != R or heads % size:
+            continue
+        split = Shard(heads_dim)
+        for t in required:
+            required[t] = required[t].with_axis(axis, aligned(split, shape_of(t), shape_of(node)))
+        out[index] = split
+        return
 
 
 def _keep_gqa_pairing(ctx, node: Node, required: dict, out: list) -> None:
