@@ -46,16 +46,15 @@ def _split_whole_heads(ctx, node: Node, required: dict, out: list) -> None:
     heads = shape_of(query)[heads_dim] if heads_dim >= 0 else 1
     if heads_dim < 0 or len(shape_of(node)) - 3 != heads_dim or any(p == Shard(heads_dim) for p in out):
         return
-    kv_heads = {t: shape_of(t)[len(shape_of(t)) - 3] if len(shape_of(t)) >= 3 else 1 for t in (key, value)}
-    if any(h not in (1, heads) for h in kv_heads.values()):
-        return
+    if any(len(shape_of(t)) >= 3 and shape_of(t)[-3] not in (1, heads) for t in (key, value)):
+        return  # grouped-query heads without enable_gqa: left as they are
     for index, axis in enumerate(AXES):
         size = ctx.mesh.size(axis)
         if size == 1 or out[index] != R or heads % size:
             continue
         split = Shard(heads_dim)
-        for t in required:
-            required[t] = required[t].with_axis(axis, aligned(split, shape_of(t), shape_of(node)))
+        for t, layout in required.items():
+            required[t] = layout.with_axis(axis, aligned(split, shape_of(t), shape_of(node)))
         out[index] = split
         return
 
