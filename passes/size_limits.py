@@ -83,4 +83,3 @@ def _largest(arg, depth: int = 0) -> sympy.Expr | None:
         parts = [_largest(a, depth + 1) for a in arg.args[:2]]
         return None if None in parts else parts[0] + parts[1]
     return None
-

@@ -116,7 +116,7 @@ def tiny_gpt() -> TinyGPT:
 
 
 # (batch, sequence): lengths 2 to the position table's end, and other batches (2: one block per rank)
-SHAPES = [(4, 12), (4, 3), (6, 24), (2, 5)]
+SHAPES = [(8, 12), (8, 3), (12, 24), (4, 5)]  # multiples of d*q = 4, one block per rank among them
 
 
 def test_dynamic_graphs_compile_once():
@@ -126,7 +126,7 @@ def test_dynamic_graphs_compile_once():
     torch._dynamo.reset()
     model = tiny_gpt()
     oracle = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=tess_compile.backend(2, 1, simulate=True), dynamic=True)
+    compiled = torch.compile(model, backend=tess_compile.backend(2, 2, simulate=True), dynamic=True)
     with counting_captures() as compiles:
         for batch, length in SHAPES:
             _check(compiled, model, oracle, torch.randint(0, 32, (batch, length)), f"shape [{batch}, {length}]", 1e-12)

@@ -108,7 +108,7 @@ def test_hugging_face_gpt2_with_labels():
         return {"input_ids": ids, "labels": ids}
 
     with counting_captures() as captures:
-        sharded = tess_compile.simulate(copy.deepcopy(model), 2, 1, example_inputs=inputs(10), dynamic=True)
+        sharded = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=inputs(10), dynamic=True)
         for length in (10, 3, 17):
             given = inputs(length)
             torch.manual_seed(length)
@@ -171,9 +171,9 @@ def test_inductor_compiles_a_dynamic_program_once():
     """compile=True: inductor compiles each rank's program symbolic in batch and sequence, once for every
     size of 2 or more; a sequence of one gets code of its own, as under Dynamo (its 0/1 specialisation)."""
     model = tiny_gpt()
-    sharded = tess_compile.simulate(copy.deepcopy(model), 2, 1, example_inputs=(torch.randint(0, VOCAB, (4, 6)),),
+    sharded = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(torch.randint(0, VOCAB, (8, 6)),),
                                     dynamic=True, compile=True)
-    for batch, length in ((4, 6), (4, 9), (8, 13), (4, 1)):
+    for batch, length in ((8, 6), (8, 9), (16, 13), (8, 1)):
         check_call(model, sharded, torch.randint(0, VOCAB, (batch, length)), f"inductor, {batch} x {length}")
     compiled, = sharded._compiled.values()
     assert compiled.compiles() == 2

@@ -106,14 +106,14 @@ def test_generation_through_inductor():
     """compile=True: the prefill and decode programs through inductor, symbolic in batch and cached
     length: the same tokens and logits, and no compile per token or per call."""
     model = gpt2()
-    prompt = torch.randint(0, VOCAB, (4, 5))
-    sim = tess_compile.simulate(copy.deepcopy(model), 2, 1, example_inputs={"input_ids": prompt}, dynamic=True,
+    prompt = torch.randint(0, VOCAB, (8, 5))  # two blocks of batch per rank: a batch of one block is its own code
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs={"input_ids": prompt}, dynamic=True,
                                 compile=True)
     out = sim.generate(prompt, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
     assert worst_error(model, out, 5) < 1e-12
     compiles = []
     for length in (3, 6):  # another batch, then another prompt length
-        prompt = torch.randint(0, VOCAB, (8, length))
+        prompt = torch.randint(0, VOCAB, (16, length))
         expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False)
         assert torch.equal(sim.generate(prompt, max_new_tokens=NEW), expected)
         compiles.append(sum(c.compiles() for c in sim._compiled.values()))

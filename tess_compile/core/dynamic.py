@@ -146,7 +146,9 @@ class DynamicShapes:
                 for symbol in e.free_symbols:
                     names.setdefault(symbol, f"dim {dim} of {input_names[index]}")
         outputs = [tuple(_expr(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in output_vals]
-        return cls(inputs, outputs, ranges, list(conditions), names, list(limits))
+        # a limit is checked on the symbols a call binds: one in other symbols cannot be
+        limits = [limit for limit in limits if limit.largest.free_symbols <= set(symbols)]
+        return cls(inputs, outputs, ranges, list(conditions), names, limits)
 
     def describe(self, input_names: Sequence[str]) -> str:
         """One line: each input's dims as formulas, e.g. `positional input 0 [4*s0, s1]`."""

@@ -107,11 +107,7 @@ class ShardedModule(ModeModule):
         inputs = state.graph_inputs(self.program, self, flat)
         if self.groups.dp is not None:
             inputs = self.groups.mean_grads_over_dp(self, self.program, inputs)
-        if self.compile:
-            outs = self.compiled_program(lambda: self.comm)(self.comm, inputs)
-        else:
-            with use_comm(self.comm):
-                outs = self.program.runnable(*inputs)
+        outs = self._run(self.program, inputs)
         program = self.program
         wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
                    zip(outs, program.output_layouts, shapes)]
@@ -125,11 +121,14 @@ class ShardedModule(ModeModule):
         """Run `program` (one `adopt` readied for these shards) on this rank's flat inputs (a local
         input: this rank's block); its outputs as the per-rank graph gives them."""
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in rank_flats[self.world.rank]]
-        inputs = state.graph_inputs(program, self, flat)
+        return {self.world.rank: list(self._run(program, state.graph_inputs(program, self, flat)))}
+
+    def _run(self, program: Program, inputs: list) -> list:
+        """This rank's outputs of `program` on its graph inputs: through inductor with `compile`."""
         if self.compile:
-            return {self.world.rank: list(self.compiled_program(lambda: self.comm, program)(self.comm, inputs))}
+            return self.compiled_program(lambda: self.comm, program)(self.comm, inputs)
         with use_comm(self.comm):
-            return {self.world.rank: list(program.runnable(*inputs))}
+            return program.runnable(*inputs)
 
     def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:
         """Output `index` of `program` as a global tensor of `shape`, gathered from every rank."""

@@ -150,11 +150,7 @@ class SimulatedModule(ModeModule):
         flat = self.program.flatten_inputs(args, kwargs)
         shapes = self.program.call_output_shapes(flat)
         rank_inputs = [state.graph_inputs(self.program, module, flat) for module in self.ranks]
-        if self.compile:
-            outs = run_compiled(self.compiled_program(current_comm), self.comm, rank_inputs)
-        else:
-            with use_comm(self.comm):
-                outs = run_lockstep(self.program.runnable, self.comm, rank_inputs)
+        outs = self._run(self.program, rank_inputs)
         return pytree.tree_unflatten(state.global_outputs(self.program, outs, shapes), self.program.out_spec)
 
     def rank_modules(self) -> dict[int, nn.Module]:
@@ -165,10 +161,15 @@ class SimulatedModule(ModeModule):
         """Run `program` (one `adopt` readied for these shards) on each rank's flat inputs (a local
         input: that rank's block); each rank's outputs as the per-rank graph gives them."""
         rank_inputs = [state.graph_inputs(program, module, rank_flats[r]) for r, module in enumerate(self.ranks)]
+        return dict(enumerate(self._run(program, rank_inputs)))
+
+    def _run(self, program: Program, rank_inputs: list[list]) -> list[list]:
+        """Every rank's outputs of `program` on its graph inputs: in lockstep, or through inductor with
+        `compile` (each rank in a thread)."""
         if self.compile:
-            return dict(enumerate(run_compiled(self.compiled_program(current_comm, program), self.comm, rank_inputs)))
+            return run_compiled(self.compiled_program(current_comm, program), self.comm, rank_inputs)
         with use_comm(self.comm):
-            return dict(enumerate(run_lockstep(program.runnable, self.comm, rank_inputs)))
+            return run_lockstep(program.runnable, self.comm, rank_inputs)
 
     def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:
         """Output `index` of `program` as a global tensor of `shape`, from every rank's value."""
