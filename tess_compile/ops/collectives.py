@@ -84,13 +84,23 @@ class CommRecord:
 
 @dataclass
 class Comm:
-    """Base of the communicators: the record of what was sent."""
+    """Base of the communicators: the record of what was sent.
+
+    `records` lists a `CommRecord` per collective, oldest first: clear it, run a
+    step, read the step's collectives. It is bounded, so that a long run does not
+    grow it: at `max_records` (2**17, many steps of a large model) the oldest
+    records are dropped down to three quarters of it, so at least the last
+    `3 * max_records // 4` remain.
+    """
 
     records: list[CommRecord] = field(default_factory=list)
+    max_records: int = 1 << 17
 
     def record(self, op: str, axis: str, x: torch.Tensor) -> None:
         op = ASYNC_OF.get(op, op)
         if op in COMMUNICATING:
+            if len(self.records) >= self.max_records:
+                del self.records[: len(self.records) - 3 * self.max_records // 4]
             self.records.append(CommRecord(op, axis, x.numel() * x.element_size(), current_phase()))
 
     def counts(self, phase: str | None = None) -> dict[tuple[str, str], int]:

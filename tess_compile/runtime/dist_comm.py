@@ -9,6 +9,7 @@ its peers.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import torch
@@ -18,7 +19,7 @@ from tess_compile.core.layout import put_blocks, take_block
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.ops.collectives import Comm
 
-__all__ = ["DistComm"]
+__all__ = ["DistComm", "in_rank_order"]
 
 
 class DistComm(Comm):
@@ -41,20 +42,20 @@ class DistComm(Comm):
 
     def run(self, op: str, x: torch.Tensor, axis: str, *args) -> torch.Tensor:
         self.record(op, axis, x)
-        return self._guard(op, axis, getattr(self, "_" + op), x.contiguous(), axis, *args)
-
-    def _guard(self, op: str, axis: str, call, *args):
-        """`call(*args)`, a collective's failure or timeout told with the rank, the axis and the peers."""
         try:
-            return call(*args)
+            return getattr(self, "_" + op)(x.contiguous(), axis, *args)
         except RuntimeError as err:
-            peers = [self.global_ranks[r] for r in self.mesh.group(self.rank, axis)]
-            raise RuntimeError(
-                f"tess collective {op} along {axis} failed on rank {self.global_ranks[self.rank]} "
-                f"{self.mesh.coords(self.rank)} of mesh {self.mesh} (peers {peers}): a peer rank stopped, "
-                f"or did not reach the same collective within {self.timeout.total_seconds():g}s "
-                f"(tess_compile.shard(..., timeout=...)). Cause: {err}"
-            ) from err
+            raise self._failure(op, axis, err) from err
+
+    def _failure(self, op: str, axis: str, err: RuntimeError) -> RuntimeError:
+        """A collective's failure or timeout, told with the rank, the axis and the peers."""
+        peers = [self.global_ranks[r] for r in self.mesh.group(self.rank, axis)]
+        return RuntimeError(
+            f"tess collective {op} along {axis} failed on rank {self.global_ranks[self.rank]} "
+            f"{self.mesh.coords(self.rank)} of mesh {self.mesh} (peers {peers}): a peer rank stopped, "
+            f"or did not reach the same collective within {self.timeout.total_seconds():g}s "
+            f"(tess_compile.shard(..., timeout=...)). Cause: {err}"
+        )
 
     def _coord(self, axis: str) -> int:
         return self.mesh.coord(self.rank, axis)
@@ -73,7 +74,10 @@ class DistComm(Comm):
     def wait(self, x: torch.Tensor) -> torch.Tensor:
         work, axis = self.pending.pop(x.untyped_storage().data_ptr(), (None, None))
         if work is not None:
-            self._guard("broadcast_start", axis, work.wait)
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise self._failure("broadcast_start", axis, err) from err
         return x
 
     def _reduce(self, x, axis, dst):
@@ -91,18 +95,29 @@ class DistComm(Comm):
 
     def _all_gather(self, x, axis, parts, dim, groups):
         """One `all_gather_single` of the flattened blocks (NCCL's native all-gather into
-        one tensor; gloo takes only the concatenated form)."""
+        one tensor; gloo takes only the concatenated form), put in place by one copy."""
         flat = x.reshape(-1)
         gathered = flat.new_empty(parts * flat.numel())
         dist.all_gather_single(gathered, flat, group=self.groups[axis])
-        return put_blocks([block.view(x.shape) for block in gathered.chunk(parts)], dim, groups)
+        shape = _split_dim(x.shape, dim, parts * x.shape[dim])
+        if in_rank_order(x.shape, dim, groups):
+            return gathered.view(shape)
+        # Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..], as `put_blocks` puts it.
+        blocks = gathered.view(parts, *_split_dim(x.shape, dim, groups, x.shape[dim] // groups))
+        return blocks.movedim(0, dim + 1).reshape(shape)
 
     def _reduce_scatter(self, x, axis, parts, dim, groups):
-        """One `reduce_scatter_single` of the blocks flattened in rank order (NCCL's native call)."""
-        blocks = [take_block(x, dim, groups, parts, t) for t in range(parts)]
-        out = blocks[0].new_empty(blocks[0].numel())
-        dist.reduce_scatter_single(out, torch.cat([block.reshape(-1) for block in blocks]), group=self.groups[axis])
-        return out.view(blocks[0].shape)
+        """One `reduce_scatter_single` of the blocks (`take_block`'s) flattened in rank order (NCCL's
+        native call): one copy puts them in that order, none if they are in it already."""
+        shape = _split_dim(x.shape, dim, x.shape[dim] // parts)
+        if in_rank_order(x.shape, dim, groups):
+            blocks = x.reshape(-1)
+        else:
+            split = _split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
+            blocks = x.view(split).movedim(dim + 1, 0).reshape(-1)
+        out = x.new_empty(blocks.numel() // parts)
+        dist.reduce_scatter_single(out, blocks, group=self.groups[axis])
+        return out.view(shape)
 
     def _shard_slice(self, x, axis, parts, dim, groups):
         return take_block(x, dim, groups, parts, self._coord(axis)).clone()
@@ -110,3 +125,15 @@ class DistComm(Comm):
     def _shard_pad(self, x, axis, parts, dim, groups):
         coord = self._coord(axis)
         return put_blocks([x if t == coord else torch.zeros_like(x) for t in range(parts)], dim, groups)
+
+
+def in_rank_order(shape: torch.Size, dim: int, groups: int) -> bool:
+    """Whether a contiguous tensor of `shape` is its blocks along `dim` (`take_block`) concatenated in
+    index order: no groups, and every dim before `dim` of size 1. Then the flat buffer of an
+    all-gather is its result and a reduce-scatter sends the tensor as it is."""
+    return groups == 1 and math.prod(shape[:dim]) == 1
+
+
+def _split_dim(shape: torch.Size, dim: int, *sizes: int) -> list[int]:
+    """`shape` with `sizes` in place of its size along `dim`."""
+    return [*shape[:dim], *sizes, *shape[dim + 1:]]

@@ -1,22 +1,29 @@
-"""Layouts as DTensor placements, and the global value of a sharded module's DTensor output.
+"""Layouts as DTensor placements, parameters' local tensors, and the global value of a sharded
+module's DTensor output.
 
 A layout maps one-to-one onto DTensor placements on the `(depth, row, col)`
-mesh; a grouped split `S(dim, g)` is DTensor's `_StridedShard`. `full_tensor`
-gathers an output in one all-gather over all ranks, under the module's timeout.
+mesh; a grouped split `S(dim, g)` is DTensor's `_StridedShard`. `local_tensors`
+gives the per-rank program its parameters' local tensors through one autograd
+node per call. `full_tensor` gathers an output in one all-gather over all
+ranks, under the module's timeout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.distributed import tensor as dt
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tess_compile.core.layout import Layout, Partial, Replicate, Shard, assemble, local_block, pad_block, unpad_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.runtime.groups import world_of
 
-__all__ = ["contiguous_stride", "full_tensor", "layout_of", "placements_of", "tess_mesh"]
+__all__ = ["contiguous_stride", "full_tensor", "layout_of", "local_tensors", "placements_of", "tess_mesh"]
 
 
 def placements_of(layout: Layout) -> tuple:
@@ -57,6 +64,67 @@ def tess_mesh(device_mesh) -> Mesh | None:
     """The Mesh of a sharded module's DeviceMesh; None for any other DeviceMesh."""
     world = world_of(device_mesh)
     return None if world is None else world.mesh
+
+
+def local_tensors(values: Sequence) -> list:
+    """`values`, each DTensor as its local tensor (the very storage: copying into it loads the DTensor).
+
+    Where grad mode is on, the local tensors of the DTensors that require grad come from one
+    autograd node, whose backward gives each DTensor its gradient as `DTensor.to_local()`'s
+    does: a DTensor of its global shape and placements (Partial ones as Replicate). `to_local()`
+    makes one node per DTensor and validates a new spec per gradient.
+    """
+    grad_mode = torch.is_grad_enabled()
+    tracked = [x for x in values if grad_mode and isinstance(x, DTensor) and x.requires_grad]
+    tracked_locals = iter(_LocalTensors.apply(*tracked) if tracked else ())
+    out = []
+    for x in values:
+        if isinstance(x, DTensor):
+            x = next(tracked_locals) if grad_mode and x.requires_grad else x._local_tensor.view_as(x._local_tensor)
+        out.append(x)
+    return out
+
+
+class _LocalTensors(torch.autograd.Function):
+    """DTensors' local tensors; backward: each gradient as a DTensor with its DTensor's spec."""
+
+    @staticmethod
+    def forward(ctx, *dtensors):
+        ctx.specs = [x._spec for x in dtensors]
+        ctx.set_materialize_grads(False)
+        # Fresh tensor objects: autograd writes its metadata into them, not into the DTensors' own.
+        return tuple(x._local_tensor.view_as(x._local_tensor) for x in dtensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(None if grad is None else _as_gradient(grad, spec) for grad, spec in zip(grads, ctx.specs))
+
+
+# (id(spec), local gradient's shape, stride, dtype) -> (spec, its gradients' spec).
+_GRAD_SPECS: dict[tuple, tuple[DTensorSpec, DTensorSpec]] = {}
+_MAX_GRAD_SPECS = 4096
+
+
+def _as_gradient(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """`grad`, the gradient of the local tensor of a DTensor of `spec`, as that DTensor's gradient,
+    with the spec `to_local()`'s backward gives it. The spec is built once per DTensor and gradient
+    stride and shared by its gradients (never the DTensor's own spec, as in torch): nothing is
+    validated again, and DTensor's sharding cache finds it by identity."""
+    key = (id(spec), grad.shape, grad.stride(), grad.dtype)
+    known = _GRAD_SPECS.get(key)
+    if known is None:
+        if len(_GRAD_SPECS) >= _MAX_GRAD_SPECS:
+            _GRAD_SPECS.clear()
+        known = _GRAD_SPECS[key] = (spec, _grad_spec(spec, grad))  # holding `spec` keeps its id unique
+    return DTensor(grad.view_as(grad), known[1], requires_grad=grad.requires_grad)
+
+
+def _grad_spec(spec: DTensorSpec, grad: torch.Tensor) -> DTensorSpec:
+    """The spec of a DTensor's gradient as `to_local()`'s backward gives it (through `from_local`):
+    the DTensor's shape, the stride of `grad` scaled to it, Partial placements made Replicate."""
+    _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+    placements = tuple(dt.Replicate() if p.is_partial() else p for p in spec.placements)
+    return DTensorSpec(spec.mesh, placements, tensor_meta=TensorMeta(spec.shape, tuple(stride), grad.dtype))
 
 
 def full_tensor(x):

@@ -250,10 +250,10 @@ class ShardedModule(ModeModule):
                 )
             local.copy_(value)
             return
-        if value.device_mesh is self.device_mesh and tuple(value.placements) == placements_of(slot.layout):
-            if value.shape == torch.Size(slot.shape) and not isinstance(value.to_local(), LocalShardsWrapper):
-                local.copy_(value.to_local())  # a parameter-like DTensor (grouped splits as _StridedShard)
-                return
+        if (value.device_mesh is self.device_mesh and tuple(value.placements) == placements_of(slot.layout)
+                and value.shape == torch.Size(slot.shape) and not isinstance(value.to_local(), LocalShardsWrapper)):
+            local.copy_(value.to_local())  # a parameter-like DTensor (grouped splits as _StridedShard)
+            return
         boxes = state.pieces(slot, self.mesh, self.world.rank)
         theirs = [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
         if value.shape != torch.Size(slot.shape) or theirs != [(p.offsets, p.sizes) for p in boxes]:

@@ -23,6 +23,7 @@ from tess_compile.core.layout import Layout, Shard, assemble, chunk, local_block
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import INPUT_ROLES, Program, Slot
 from tess_compile.ops.recompute_region import outline_regions
+from tess_compile.runtime.dtensors import local_tensors
 
 __all__ = [
     "Piece",
@@ -146,8 +147,9 @@ def _devices(node: torch.fx.Node) -> list[torch.device]:
 def get_attribute(module: nn.Module, slot: Slot | str) -> torch.Tensor:
     """The parameter or buffer of `module` at the slot's (or a) dotted name, as registered."""
     name = slot if isinstance(slot, str) else slot.name
-    owner, _, leaf = name.rpartition(".")
-    return getattr(module.get_submodule(owner), leaf)
+    for part in name.split("."):  # not get_submodule: its checks double the cost, paid per slot every call
+        module = getattr(module, part)
+    return module
 
 
 def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
@@ -163,10 +165,13 @@ def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
 
 def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> list:
     """The per-rank graph's placeholder values, in order: DTensor parameters as their
-    local tensors, whose gradients arrive on the parameters as DTensors of the same placements;
-    the true chunks of uneven splits padded with zeros to the program's block size (`pad_block`)."""
+    local tensors, whose gradients arrive on the parameters as DTensors of the same placements
+    (`local_tensors`: one autograd node for all); the true chunks of uneven splits padded with
+    zeros to the program's block size (`pad_block`); inputs as they are."""
+    held = [s for s in program.slots if s.role not in INPUT_ROLES]
+    blocks = iter(local_tensors([get_attribute(module, s) for s in held]))
     return [flat_inputs[int(s.name)] if s.role in INPUT_ROLES
-            else pad_block(get_tensor(module, s), s.layout, s.shape, program.mesh) for s in program.slots]
+            else pad_block(next(blocks), s.layout, s.shape, program.mesh) for s in program.slots]
 
 
 def global_outputs(program: Program, rank_outputs: Sequence[Sequence], shapes: Sequence | None = None) -> list:

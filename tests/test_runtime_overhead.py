@@ -1,0 +1,257 @@
+"""The distributed runtime's per-call shortcuts give what the general paths give.
+
+- `local_tensors`: one autograd node for all DTensor parameters of a call,
+  whose gradients equal `DTensor.to_local()`'s (values, placements, specs);
+- `DistComm`'s all-gather and reduce-scatter: blocks already in rank order
+  skip the copies, with the same results as `put_blocks` / `take_block`;
+- `Comm.records` stays bounded over a long loop.
+
+The DTensor tests run on torch's fake process group (a mesh of 8 in this
+process, no data moved); one test trains on a gloo world of one process.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_close_rel
+from models import GPTBlock, TinyGPT
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import tess_compile
+from tess_compile.core.layout import put_blocks, take_block
+from tess_compile.core.mesh import Mesh
+from tess_compile.ops.collectives import Comm
+from tess_compile.runtime import state
+from tess_compile.runtime.dist_comm import DistComm, in_rank_order
+from tess_compile.runtime.dtensors import local_tensors
+from tess_compile.runtime.launch import run_local
+
+
+@pytest.fixture
+def fake_mesh():
+    """A `(2, 2, 2)` DeviceMesh named like the runtime's, on torch's fake process group."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        yield init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("depth", "row", "col"))
+    finally:
+        dist.destroy_process_group()
+
+
+PLACEMENTS = [
+    (Replicate(), Shard(0), Shard(1)),
+    (Replicate(), Replicate(), _StridedShard(0, split_factor=2)),
+    (Partial(), Shard(1), Replicate()),  # to_local's gradient: Replicate in place of Partial
+]
+
+
+def _params(mesh) -> list[nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [nn.Parameter(DTensor.from_local(torch.randn(4, 6, dtype=torch.float64, generator=generator), mesh,
+                                            placements, run_check=False)) for placements in PLACEMENTS]
+
+
+def _loss(locals_: list[torch.Tensor]) -> torch.Tensor:
+    """Gradients of both layouts: dense, and transposed (a strided local gradient)."""
+    weight = torch.linspace(-1, 1, 24, dtype=torch.float64).view(6, 4)
+    return sum(((x @ weight) ** 2).sum() + (x.t() * weight).sum() for x in locals_)
+
+
+def test_local_tensors_one_node_with_to_local_gradients(fake_mesh):
+    params = _params(fake_mesh)
+    locals_ = local_tensors(params)
+    assert all(type(x) is torch.Tensor for x in locals_)
+    assert len({id(x.grad_fn) for x in locals_}) == 1, "one autograd node for all parameters"
+    grads = torch.autograd.grad(_loss(locals_), params)
+    expected = torch.autograd.grad(_loss([p.to_local() for p in params]), params)
+    for grad, reference, param in zip(grads, expected, params):
+        assert isinstance(grad, DTensor) and grad.shape == param.shape
+        assert grad.placements == reference.placements and grad._spec == reference._spec
+        assert grad._spec is not param._spec
+        assert grad.stride() == reference.stride()
+        assert torch.equal(grad._local_tensor, reference._local_tensor)
+    assert grads[2].placements == (Replicate(), Shard(1), Replicate())
+
+
+def test_local_tensors_accumulate_like_to_local(fake_mesh):
+    """Gradients accumulated on the parameters over two backwards equal `to_local()`'s."""
+    params, reference = _params(fake_mesh), _params(fake_mesh)
+    for _ in range(2):
+        _loss(local_tensors(params)).backward()
+        _loss([p.to_local() for p in reference]).backward()
+    for param, other in zip(params, reference):
+        assert param.grad.placements == other.grad.placements
+        assert torch.equal(param.grad.to_local(), other.grad.to_local())
+
+
+def test_local_tensors_without_grad(fake_mesh):
+    params = _params(fake_mesh)
+    params[1].requires_grad_(False)
+    plain = torch.ones(3, requires_grad=True)
+    locals_ = local_tensors([*params, plain])
+    assert locals_[3] is plain
+    assert locals_[1].grad_fn is None and not locals_[1].requires_grad
+    _loss(locals_[:3]).backward()
+    assert params[1].grad is None and params[0].grad is not None
+    with torch.no_grad():
+        locals_ = local_tensors(params)
+    for local, param in zip(locals_, params):  # the storage itself: copying into it loads the parameter
+        assert local.grad_fn is None and local.data_ptr() == param._local_tensor.data_ptr()
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_of_one_trains_exactly(world_of_one):
+    """A sharded TinyGPT on a gloo world of one: output, gradients (DTensors placed like their
+    parameters) and weights after AdamW equal the unsharded model's in float64; a frozen
+    parameter gets no gradient; under no_grad the program reads the parameters' storage."""
+    model = TinyGPT(vocab=16, hidden=8, heads=2, layers=1, seq=4).double()
+    ids = torch.randint(0, 16, (2, 4))
+    sharded = tess_compile.shard(copy.deepcopy(model), 1, 1, example_inputs=(ids,), timeout=60)
+    model.positions.weight.requires_grad_(False)
+    sharded.get_parameter("positions.weight").requires_grad_(False)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, sharded)]
+    out = sharded(ids)
+    assert_close_rel(out.full_tensor(), model(ids), 1e-12, "output")
+    out.to_local().square().sum().backward()
+    model(ids).square().sum().backward()
+    for name, param in sharded.named_parameters():
+        expected = model.get_parameter(name).grad
+        if expected is None:
+            assert param.grad is None, name
+            continue
+        assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, name
+        assert_close_rel(param.grad.full_tensor(), expected, 1e-12, f"grad {name}")
+    for opt in opts:
+        opt.step()
+    for name, value in sharded.full_state_dict().items():
+        assert_close_rel(value, model.state_dict()[name], 1e-12, name)
+    with torch.no_grad():
+        inputs = state.graph_inputs(sharded.program, sharded, sharded.program.flatten_inputs((ids,), {}))
+    storages = {p.to_local().data_ptr() for p in sharded.parameters()}
+    params = [x for x, s in zip(inputs, sharded.program.slots) if s.role == "param"]
+    assert params and all(x.data_ptr() in storages for x in params)
+
+
+class _DeviceMesh:
+    """What DistComm reads of a DeviceMesh: rank 1 of a col axis of 2."""
+
+    mesh = torch.tensor([[[0, 1]]])
+
+    def get_coordinate(self):
+        return [0, 0, 1]
+
+
+SPLITS = [  # shape of this rank's block, dim, groups, blocks in rank order
+    ((6, 4), 0, 1, True),
+    ((1, 6, 4), 1, 1, True),
+    ((1, 1, 2, 4), 2, 1, True),
+    ((3, 6, 4), 1, 1, False),
+    ((6, 4), 1, 1, False),
+    ((8, 4), 0, 2, False),
+    ((1, 8, 4), 1, 2, False),
+    ((2, 4, 6), 2, 3, False),
+]
+
+
+@pytest.fixture
+def stub_comm(monkeypatch):
+    """A DistComm of rank 1 along col (2 ranks) whose gloo calls are stubs: rank t's block in an
+    all-gather is the own block plus 100 t; a reduce-scatter returns block 1 of the sent buffer.
+    `sent` lists the buffers handed to the stubs."""
+    sent = []
+
+    def all_gather_single(out, x, group):
+        sent.append(out)
+        out.copy_(torch.cat([x + 100 * t for t in range(2)]))
+
+    def reduce_scatter_single(out, x, group):
+        sent.append(x)
+        out.copy_(x.view(2, -1)[1])
+
+    monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
+    monkeypatch.setattr(dist, "reduce_scatter_single", reduce_scatter_single)
+    comm = DistComm(Mesh(1, 2, "1d"), _DeviceMesh(), timedelta(seconds=1), groups=dict.fromkeys(("depth", "row", "col")))
+    return comm, sent
+
+
+@pytest.mark.parametrize("shape, dim, groups, in_order", SPLITS)
+def test_all_gather_in_rank_order_is_the_gathered_buffer(stub_comm, shape, dim, groups, in_order):
+    comm, sent = stub_comm
+    assert in_rank_order(torch.Size(shape), dim, groups) == in_order
+    x = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+    out = comm.run("all_gather", x, "col", 2, dim, groups)
+    assert torch.equal(out, put_blocks([x + 100 * t for t in range(2)], dim, groups))
+    assert out.is_contiguous() and (out.data_ptr() == sent[0].data_ptr()) == in_order
+
+
+@pytest.mark.parametrize("shape, dim, groups, in_order", SPLITS)
+def test_reduce_scatter_in_rank_order_sends_the_input(stub_comm, shape, dim, groups, in_order):
+    comm, sent = stub_comm
+    gathered = list(shape)
+    gathered[dim] *= 2
+    assert in_rank_order(torch.Size(gathered), dim, groups) == in_order
+    x = torch.arange(torch.Size(gathered).numel(), dtype=torch.float32).view(gathered)
+    out = comm.run("reduce_scatter", x, "col", 2, dim, groups)
+    assert torch.equal(out, take_block(x, dim, groups, 2, 1)) and out.shape == torch.Size(shape)
+    assert (sent[0].data_ptr() == x.data_ptr()) == in_order
+
+
+def _splits_worker(rank, world):
+    mesh = Mesh(1, 2, "1d")
+    comm = DistComm(mesh, init_device_mesh("cpu", mesh.shape, mesh_dim_names=("depth", "row", "col")),
+                    timedelta(seconds=60))
+    errors = []
+    for shape, dim, groups, _ in SPLITS:
+        blocks = [torch.randn(shape, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        if not torch.equal(comm.run("all_gather", blocks[rank], "col", 2, dim, groups), put_blocks(blocks, dim, groups)):
+            errors.append(("all_gather", shape, dim, groups))
+        full = [put_blocks([b, 2 * b], dim, groups) for b in blocks]
+        expected = take_block(full[0], dim, groups, 2, rank) + take_block(full[1], dim, groups, 2, rank)
+        if not torch.equal(comm.run("reduce_scatter", full[rank], "col", 2, dim, groups), expected):
+            errors.append(("reduce_scatter", shape, dim, groups))
+    return errors
+
+
+@pytest.mark.slow
+def test_splits_over_gloo_match_the_blocks():
+    assert run_local(_splits_worker, 2, timeout_s=120) == [[], []]
+
+
+def test_records_keep_the_latest_within_the_bound():
+    comm = Comm(max_records=8)
+    x = torch.zeros(1)
+    for n in range(1, 101):
+        comm.record("all_reduce", "col", x.expand(n))
+        assert len(comm.records) <= 8
+    assert [r.num_bytes for r in comm.records][-6:] == [4 * n for n in range(95, 101)]
+
+
+def test_records_stay_bounded_over_a_training_loop():
+    sim = tess_compile.simulate(GPTBlock(8, 2), 2, 1, example_inputs=(torch.randn(2, 4, 8),))
+    x = torch.randn(2, 4, 8)
+    sim(x).sum().backward()
+    per_step = sim.comm.counts()
+    steps = len(sim.comm.records)
+    sim.comm.max_records = 4 * steps
+    for _ in range(20):
+        sim(x).sum().backward()
+        assert len(sim.comm.records) <= 4 * steps
+    sim.comm.records.clear()
+    sim(x).sum().backward()
+    assert sim.comm.counts() == per_step
