@@ -72,11 +72,12 @@ class CheckpointedBlock(nn.Module):
 def compile_layer(mesh: Mesh, batch: int, hidden: int, heads: int, seq: int = SEQ, *,
                   dtype: torch.dtype = torch.float32, checkpoint: bool = False) -> Program:
     """One `Block` (a `CheckpointedBlock` if `checkpoint`) on a `[batch, seq, hidden]` input
-    of `dtype`, built on the meta device (no weight is allocated) and compiled for `mesh`."""
+    of `dtype`, built on the meta device (no weight is allocated) and compiled for `mesh` in the
+    papers' schedule (q broadcasts of each operand), as the paper's codes ran it."""
     with torch.device("meta"):
         block = (CheckpointedBlock if checkpoint else Block)(hidden, heads).to(dtype)
         x = torch.empty(batch, seq, hidden, dtype=dtype)
-    return compile_model(block, mesh, (x,))
+    return compile_model(block, mesh, (x,), summa="broadcast")
 
 
 @functools.lru_cache(maxsize=None)

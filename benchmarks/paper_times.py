@@ -46,9 +46,9 @@ from tess_compile.analysis.calibration import (
     max_kendall_tau,
     predicted_seconds,
 )
-from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER
 from tess_compile.analysis.cost_model import profile_program, time_terms
 from tess_compile.analysis.planner import format_table, plan
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER
 
 TABLES = {"1": ("Table 1 (strong scaling)", TABLE_1), "2": ("Table 2 (weak scaling)", TABLE_2)}
 GRAD_SYNC = False  # the paper's timed backward holds no gradient all-reduce of replicated parameters

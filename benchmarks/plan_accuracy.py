@@ -5,8 +5,10 @@ A launch of 8 local processes first profiles this machine
 holds the contention of 8 processes on this machine's cores); then, for two
 model sizes (a stack of GPT blocks, `benchmarks.paper_tables.Block`), a
 launch of its own trains each configuration the planner lists for 8 ranks,
-in each schedule of its matrix products (in one launch, the process groups
-and modules of earlier configurations slowed later ones by up to 2x):
+its products in the schedules summa="auto" picks on the profile (in one
+launch, the process groups and modules of earlier configurations slowed
+later ones by up to 2x); `--rounds` launches of every configuration in
+turn, the median taken, spread the machine's drift over all rows:
 
 - 1-D p=8 (Megatron-LM), [2,2,2] in 2.5-D and in 3-D;
 - data parallel 2 x [2,2,1] (2-D) and 2 x 1-D p=4 (`shard(..., mesh=)`);
@@ -14,15 +16,18 @@ and modules of earlier configurations slowed later ones by up to 2x):
 
 A step is zero_grad, forward, backward of the mean square of this rank's
 output block, and AdamW; its time is the slowest rank's (a barrier before
-and after), the median over `--steps` steps after `--warmup`. Then this
-process plans each configuration with `tess_compile.plan(...,
-cluster=profiled)` and prints predicted against measured per row, the mean
-absolute percentage error, Kendall's tau-b over the rows, and whether the
-predicted fastest row is within 10% of the measured fastest.
+and after), the median over `--steps` steps after `--warmup`, and the median
+of that over the rounds. Then this process plans each configuration with
+`tess_compile.plan(..., cluster=profiled)` and prints predicted against
+measured per row, the mean absolute percentage error, Kendall's tau-b over
+the rows, and whether the predicted fastest row is within 10% of the
+measured fastest. `--summa all` runs (and plans) every configuration in
+every fixed schedule instead.
 
-    python3 benchmarks/plan_accuracy.py [--steps 5] [--warmup 2] [--sizes small,large] [--quick] [--profile-out cluster.json]
+    python3 benchmarks/plan_accuracy.py [--steps 5] [--warmup 2] [--rounds 3] [--sizes small,large]
+                                        [--summa auto|all] [--quick] [--profile-out cluster.json]
 
-`--quick` runs one tiny size and two configurations, for the tests.
+`--quick` runs one tiny size and two configurations, one round, for the tests.
 """
 
 from __future__ import annotations
@@ -69,8 +74,11 @@ CONFIGS = [
 QUICK_CONFIGS = [CONFIGS[0], CONFIGS[3]]
 
 
-def schedules_of(mode: str, q: int, d: int) -> tuple[str, ...]:
-    """The schedules a mesh runs differently: all of them where products take SUMMA steps."""
+def schedules_of(mode: str, q: int, d: int, summa: str) -> tuple[str, ...]:
+    """The schedules to run a mesh in: "auto", or with `summa="all"` every fixed one where
+    products take SUMMA steps (the others run alike in each)."""
+    if summa == "auto":
+        return ("auto",)
     return SCHEDULES if has_summa_steps(tess_compile.Mesh(q, d, mode)) else ("broadcast",)
 
 
@@ -97,7 +105,7 @@ def _loss(out) -> torch.Tensor:
     return out.to_local().square().mean()
 
 
-def _tensor_parallel_step(model, x, mode, q, d, dp, summa):
+def _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster):
     mesh = None
     if dp > 1:
         shape = tess_compile.Mesh(q, d, mode).shape
@@ -105,7 +113,8 @@ def _tensor_parallel_step(model, x, mode, q, d, dp, summa):
         rows = x.shape[0] // dp
         group = mesh.get_local_rank("dp")
         x = x[group * rows:(group + 1) * rows]
-    sharded = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, summa=summa, mesh=mesh, timeout=300)
+    sharded = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, summa=summa, mesh=mesh, timeout=300,
+                                 cluster=cluster)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
     def step():
@@ -116,14 +125,14 @@ def _tensor_parallel_step(model, x, mode, q, d, dp, summa):
     return step
 
 
-def _pipeline_step(model, x, q, d, summa, microbatches):
+def _pipeline_step(model, x, q, d, summa, microbatches, cluster):
     stage_index = dist.get_rank() // (q * q * d)
     half = len(model) // 2
     part = model[:half] if stage_index == 0 else model[half:]
     rows = x.shape[0] // microbatches
     example = (x[:rows],) if stage_index == 0 else (torch.zeros_like(x[:rows]),)
     stage = tess_compile.pipeline_stage(part, q, d, stage_index, 2, example_inputs=example, mode="2d",
-                                        summa=summa, timeout=300)
+                                        summa=summa, timeout=300, cluster=cluster)
     schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=lambda out, _: _loss(out))
     opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-4)
     target = torch.zeros(x.shape[0])
@@ -143,41 +152,43 @@ def _profile_worker(rank: int, world: int):
     return profile_cluster()
 
 
-def _config_worker(rank: int, world: int, size: dict, config: tuple, summa: str, steps: int, warmup: int) -> float:
+def _config_worker(rank: int, world: int, size: dict, config: tuple, summa: str, steps: int, warmup: int,
+                   cluster) -> float:
     _, mode, q, d, dp, pp = config
     model, x = make_model(size)
     if pp > 1:
-        step = _pipeline_step(model, x, q, d, summa, default_microbatches(x.shape[0], pp))
+        step = _pipeline_step(model, x, q, d, summa, default_microbatches(x.shape[0], pp), cluster)
     else:
-        step = _tensor_parallel_step(model, x, mode, q, d, dp, summa)
+        step = _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster)
     return _timed_steps(step, steps, warmup)
 
 
-def measure(sizes: dict, configs: list, steps: int, warmup: int) -> dict:
+def measure(sizes: dict, configs: list, steps: int, warmup: int, rounds: int, summa: str, cluster) -> dict:
     """{(size, label, schedule): seconds}: each configuration in a launch of its own, so that
-    no process group or module of another configuration lingers beside it."""
-    measured = {}
-    for size_name, size in sizes.items():
-        for config in configs:
-            label, mode, q, d = config[:4]
-            for summa in schedules_of(mode, q, d):
-                measured[(size_name, label, summa)] = run_local(
-                    _config_worker, WORLD, args=(size, config, summa, steps, warmup), timeout_s=900,
-                    collective_timeout_s=600)[0]
-    return measured
+    no process group or module of another configuration lingers beside it; `rounds` launches
+    of every one in turn, the median of their times."""
+    runs = [(size_name, config, schedule) for size_name in sizes for config in configs
+            for schedule in schedules_of(*config[1:4], summa)]
+    times: dict[tuple, list[float]] = {}
+    for _ in range(rounds):
+        for size_name, config, schedule in runs:
+            seconds = run_local(_config_worker, WORLD, args=(sizes[size_name], config, schedule, steps, warmup, cluster),
+                                timeout_s=900, collective_timeout_s=600)[0]
+            times.setdefault((size_name, config[0], schedule), []).append(seconds)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
-def predict(sizes: dict, configs: list, cluster) -> dict:
+def predict(sizes: dict, configs: list, cluster, summa: str) -> dict:
     """{(size, label, schedule): StepTime} from `tess_compile.plan` on the profiled cluster."""
     predicted = {}
     for size_name, size in sizes.items():
         model, x = make_model(size)
         for label, mode, q, d, dp, pp in configs:
-            for summa in schedules_of(mode, q, d):
+            for schedule in schedules_of(mode, q, d, summa):
                 rows = tess_compile.plan(model, WORLD, example_inputs=(x,), cluster=cluster, modes=(mode,),
-                                         dp=dp, pp=pp, summa=summa, keep_blocks=False)
+                                         dp=dp, pp=pp, summa=schedule, keep_blocks=False)
                 row = next(r for r in rows if r.mesh.q == q and r.mesh.d == d)
-                predicted[(size_name, label, summa)] = row.time
+                predicted[(size_name, label, schedule)] = row.time
     return predicted
 
 
@@ -234,12 +245,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="launches of every configuration, in turn")
+    parser.add_argument("--summa", choices=("auto", "all"), default="auto",
+                        help="auto: each configuration in the schedules auto picks; all: in every fixed schedule")
     parser.add_argument("--quick", action="store_true", help="one tiny size, two configurations (for the tests)")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes to run, of {', '.join(SIZES)}")
     parser.add_argument("--profile-out", help="also write the profiled cluster to this JSON file")
     args = parser.parse_args(argv)
     logging.getLogger("tess_compile").setLevel(logging.WARNING)
-    sizes, configs = (QUICK_SIZES, QUICK_CONFIGS) if args.quick else (SIZES, CONFIGS)
+    sizes, configs, rounds = (QUICK_SIZES, QUICK_CONFIGS, 1) if args.quick else (SIZES, CONFIGS, args.rounds)
     if not args.quick:
         unknown = [name for name in args.sizes.split(",") if name not in SIZES]
         if unknown:
@@ -249,10 +263,10 @@ def main(argv=None) -> int:
     cluster = run_local(_profile_worker, WORLD, timeout_s=600)[0]
     if args.profile_out:
         cluster.save(args.profile_out)
-    measured = measure(sizes, configs, args.steps, args.warmup)
+    measured = measure(sizes, configs, args.steps, args.warmup, rounds, args.summa, cluster)
     print(f"{WORLD} gloo processes on {os.cpu_count()} CPU cores; step: zero_grad, forward, backward, AdamW; "
-          f"median of {args.steps} steps after {args.warmup}, the slowest rank's")
-    summary = report(sizes, measured, predict(sizes, configs, cluster))
+          f"median of {args.steps} steps after {args.warmup}, the slowest rank's; median of {rounds} launches")
+    summary = report(sizes, measured, predict(sizes, configs, cluster, args.summa))
     print(f"(wall time of the whole run {time.perf_counter() - start:.0f} s)")
     return 0 if summary else 1
 

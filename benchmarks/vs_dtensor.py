@@ -2,13 +2,16 @@
 
 The model is PyTorch's own test Transformer
 (`torch.testing._internal.distributed._tensor.common_dtensor`, which needs
-the `expecttest` package: `pip install -e '.[bench]'`): dim 128, 2 layers, 8
-heads, vocabulary 512, tied embedding and output weights, no dropout; batch
-16, sequence 32, fp32. `WithLoss` adds the loss, the cross-entropy of the
-logits against random targets, so both sides run the same module and the
-loss is part of what each one shards: DTensor gathers the logits (its plan's
-output layout is Replicate), tess-compile computes it over the vocab-split
-logits. Each step: zero_grad, forward, backward, AdamW.
+the `expecttest` package: `pip install -e '.[bench]'`): dim 128 (and 256 with
+`--dims 128,256`), 2 layers, 8 heads, vocabulary 512, tied embedding and
+output weights, no dropout; batch 16, sequence 32, fp32. `WithLoss` adds the
+loss, the cross-entropy of the logits against random targets, so both sides
+run the same module and the loss is part of what each one shards: DTensor
+gathers the logits (its plan's output layout is Replicate), tess-compile
+computes it over the vocab-split logits. Each step: zero_grad, forward,
+backward, AdamW, by default in its fused implementation (torchtitan's
+default; `--optimizer for-loop` for torch's CPU default), the same on both
+sides.
 
 Configurations (`CONFIGS`), each on all 8 ranks of one launch:
 
@@ -18,9 +21,11 @@ Configurations (`CONFIGS`), each on all 8 ranks of one launch:
   `torch.compile`;
 - tess-compile: `tess_compile.shard(model, 2, 2, mode="1d")` (Megatron-LM
   over p=8) and mode "2.5d" (the `[2,2,2]` mesh), eager and with
-  `compile=True` (the per-rank programs through inductor). 2.5d runs its
-  matrix products in the papers' schedule (q broadcasts of each operand,
-  the default) and with `summa="gather"` (one all-gather of each operand:
+  `compile=True` (the per-rank programs through inductor), each with its
+  default options (`summa="auto"`: each product's cheapest schedule on the
+  default cluster). 2.5d runs eagerly in each fixed schedule of its products
+  as well: the papers' (q broadcasts of each operand), "overlap" (the next
+  step's broadcasts in flight) and "gather" (one all-gather of each operand:
   fewer, larger messages; the same bytes saved for backward).
 
 Every configuration is built and runs `--warmup` steps (compilation
@@ -29,8 +34,8 @@ included), then two measured steps, then `--rounds` rounds: round r runs
 time of a round is the slowest rank's; the table gives the median over
 rounds. Alternating rounds spread the machine's drift over all rows.
 
-Columns: ms/step, its ratio to DTensor eager, bytes saved for backward per
-rank in one forward (`tess_compile.analysis.accounting.saved_bytes`: storages
+Columns: ms/step, its ratio to DTensor eager and to DTensor compiled, bytes
+saved for backward per rank in one forward (`tess_compile.analysis.accounting.saved_bytes`: storages
 autograd keeps, each once, parameters' left out, a DTensor by its local
 tensor), and bytes moved per rank per step: the
 payload a rank hands each collective (its input tensor's bytes, the
@@ -44,7 +49,8 @@ all-reduces and one all-gather of the logits; 15 and one at full size).
 CPU cores are shared by all 8 processes: the times rank configurations on
 this machine, they are not GPU predictions.
 
-    python3 benchmarks/vs_dtensor.py [--rounds 7] [--steps 5] [--warmup 3] [--quick]
+    python3 benchmarks/vs_dtensor.py [--dims 128,256] [--rounds 7] [--steps 5] [--warmup 3]
+                                     [--optimizer fused] [--quick]
 
 `--quick` runs tiny sizes on 4 ranks (`[2,2,1]`), eager rows only
 (compiling costs minutes), for the tests.
@@ -72,6 +78,7 @@ from torch.utils import _pytree as pytree
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from tess_compile.analysis.accounting import saved_bytes
+from tess_compile.core.options import SCHEDULES
 from tess_compile.runtime.launch import run_local
 
 SIZES = {"dim": 128, "layers": 2, "heads": 8, "vocab": 512, "batch": 16, "seq": 32}
@@ -117,11 +124,11 @@ def dtensor(model: WithLoss, batch, q: int, d: int, *, compiled: bool) -> nn.Mod
     return torch.compile(model) if compiled else model
 
 
-def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool, summa: str = "broadcast") -> nn.Module:
+def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool, **options) -> nn.Module:
     """tess-compile's module of `model` on the q*q*d ranks in `mode` (1d: all ranks on one
-    axis), its matrix products in the schedule `summa`; `compiled`: its per-rank program
-    through inductor (`compile=True`)."""
-    return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300, compile=compiled, summa=summa)
+    axis) with its default options but `options` (e.g. `summa`); `compiled`: its per-rank
+    program through inductor (`compile=True`)."""
+    return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300, compile=compiled, **options)
 
 
 # name: (build(model, batch, q, d) -> module, compiled)
@@ -130,10 +137,14 @@ CONFIGS = {
     "DTensor compiled": (functools.partial(dtensor, compiled=True), True),
     "tess 1d": (functools.partial(tess, mode="1d", compiled=False), False),
     "tess 2.5d": (functools.partial(tess, mode="2.5d", compiled=False), False),
-    "tess 2.5d gather": (functools.partial(tess, mode="2.5d", compiled=False, summa="gather"), False),
+    **{f"tess 2.5d {summa}": (functools.partial(tess, mode="2.5d", compiled=False, summa=summa), False)
+       for summa in SCHEDULES},
     "tess 1d compiled": (functools.partial(tess, mode="1d", compiled=True), True),
-    "tess 2.5d gather compiled": (functools.partial(tess, mode="2.5d", compiled=True, summa="gather"), True),
+    "tess 2.5d compiled": (functools.partial(tess, mode="2.5d", compiled=True), True),
 }
+
+# --optimizer -> AdamW's keywords
+OPTIMIZERS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 class CommBytes(CommDebugMode):
@@ -155,11 +166,11 @@ class CommBytes(CommDebugMode):
 class Trainer:
     """One configuration on this rank: its module, AdamW, and the global batch."""
 
-    def __init__(self, name: str, sizes: dict, q: int, d: int):
+    def __init__(self, name: str, sizes: dict, q: int, d: int, optimizer: str = "fused"):
         build, _ = CONFIGS[name]
         self.batch = make_batch(sizes)
         self.module = build(make_model(sizes), self.batch, q, d)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
 
     def forward(self) -> torch.Tensor:
         return self.module(*self.batch)
@@ -200,8 +211,8 @@ class Trainer:
 
 
 def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int,
-            rounds: int, steps: int, warmup: int) -> list:
-    trainers = [Trainer(name, sizes, q, d) for name in names]
+            rounds: int, steps: int, warmup: int, optimizer: str) -> list:
+    trainers = [Trainer(name, sizes, q, d, optimizer) for name in names]
     for trainer in trainers:
         for _ in range(warmup):
             trainer.step()
@@ -214,37 +225,52 @@ def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", default=str(SIZES["dim"]), help="model dims, one launch each, e.g. 128,256")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="fused",
+                        help="AdamW's implementation on both sides (fused: torchtitan's default)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes on 4 ranks ([2,2,1]), eager rows only, 2 rounds of 1 step")
     args = parser.parse_args(argv)
+    try:
+        dims = [int(dim) for dim in args.dims.split(",")]
+    except ValueError:
+        parser.error(f"--dims {args.dims!r}: give model dims separated by commas, e.g. 128,256")
     if args.quick:
-        sizes, (q, d), (rounds, steps, warmup) = QUICK_SIZES, (2, 1), (2, 1, 1)
+        runs, (q, d), (rounds, steps, warmup) = [QUICK_SIZES], (2, 1), (2, 1, 1)
     else:
-        sizes, (q, d), (rounds, steps, warmup) = SIZES, (2, 2), (args.rounds, args.steps, args.warmup)
+        runs, (q, d), (rounds, steps, warmup) = [dict(SIZES, dim=dim) for dim in dims], (2, 2), (
+            args.rounds, args.steps, args.warmup)
     names = [name for name, (_, compiled) in CONFIGS.items() if not (args.quick and compiled)]
     start = time.perf_counter()
-    results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup),
-                        timeout_s=3600, collective_timeout_s=600)
-    print(f"PyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
-          f"vocabulary {sizes['vocab']}, batch {sizes['batch']}, sequence {sizes['seq']}, fp32, cross-entropy, "
-          f"AdamW; {q * q * d} gloo processes on {os.cpu_count()} CPU cores (DTensor and tess 1d over all, "
-          f"tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after {warmup} warm-up")
-    print_table(names, results)
+    for sizes in runs:
+        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup, args.optimizer),
+                            timeout_s=3600, collective_timeout_s=600)
+        print(f"\nPyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
+              f"vocabulary {sizes['vocab']}, batch {sizes['batch']}, sequence {sizes['seq']}, fp32, cross-entropy, "
+              f"AdamW ({args.optimizer}); {q * q * d} gloo processes on {os.cpu_count()} CPU cores (DTensor and "
+              f"tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after "
+              f"{warmup} warm-up")
+        print_table(names, results)
     print(f"(ms/step: the slowest rank's; wall time of the whole run {time.perf_counter() - start:.0f} s)")
     return 0
 
 
 def print_table(names: list, results: list) -> None:
-    """One row per configuration: median ms/step over rounds (slowest rank per round), bytes of rank 0."""
-    print(f"{'configuration':<26} {'ms/step':>9} {'vs DTensor':>10} {'saved B/rank':>13} {'moved B/rank/step':>18}")
+    """One row per configuration: median ms/step over rounds (slowest rank per round), its ratio to
+    DTensor eager and (where it ran) DTensor compiled, bytes of rank 0."""
+    print(f"{'configuration':<26} {'ms/step':>9} {'vs eager':>9} {'vs compiled':>11} {'saved B/rank':>13} "
+          f"{'moved B/rank/step':>18}")
     medians = [statistics.median(max(times) for times in zip(*(rank[index]["times"] for rank in results)))
                for index in range(len(names))]
+    eager = medians[names.index("DTensor eager")]
+    compiled = medians[names.index("DTensor compiled")] if "DTensor compiled" in names else None
     for index, name in enumerate(names):
         row = results[0][index]
-        print(f"{name:<26} {medians[index] * 1e3:9.1f} {medians[index] / medians[0]:10.2f} "
+        versus = f"{medians[index] / compiled:11.2f}" if compiled else f"{'-':>11}"
+        print(f"{name:<26} {medians[index] * 1e3:9.1f} {medians[index] / eager:9.2f} {versus} "
               f"{row['saved']:>13,} {row['moved']:>18,}")
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.fx import Graph, Node
 
+from passes.product_schedule import ProductCase, cheapest_schedule
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.options import AUTO
 
 __all__ = ["Builder"]
 
@@ -13,19 +18,33 @@ __all__ = ["Builder"]
 class Builder:
     """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish.
 
-    `summa` is the schedule of the matrix products' steps (`tess_compile.core.options.SCHEDULES`);
-    `keep_blocks` keeps their fetched blocks for backward instead of fetching again.
+    `summa` is the schedule of the matrix products' steps (`tess_compile.core.options.SCHEDULES`),
+    or "auto": each product's cheapest on `cluster` (`passes.product_schedule`); `schedules`
+    counts the products of each schedule. `keep_blocks` keeps their fetched blocks for
+    backward instead of fetching again.
     `shared` holds values that later products may read again instead of fetching them
     once more (`passes.summa`); any in-place op empties it, as it may change a source.
     """
 
-    def __init__(self, mesh: Mesh, summa: str = "broadcast", keep_blocks: bool = False):
+    def __init__(self, mesh: Mesh, summa: str = "broadcast", keep_blocks: bool = False,
+                 cluster: Cluster = CALIBRATED_CLUSTER):
         self.mesh = mesh
         self.summa = summa
         self.keep_blocks = keep_blocks
+        self.cluster = cluster
+        self.schedules: Counter[str] = Counter()
         self.graph = Graph()
         self.shared: dict[tuple, Node] = {}
         self._sizes: dict[object, Node | int] = {}  # a symbolic size's formula -> the node computing it
+
+    def schedule_for(self, case: ProductCase) -> str:
+        """The schedule of one product: the builder's, or with "auto" the cheapest for `case`;
+        with q == 1 there are no steps to schedule (none is counted)."""
+        if self.mesh.q == 1:
+            return "broadcast" if self.summa == AUTO else self.summa
+        schedule = cheapest_schedule(case, self.mesh, self.cluster) if self.summa == AUTO else self.summa
+        self.schedules[schedule] += 1
+        return schedule
 
     def call(self, target, *args, **kwargs) -> Node:
         if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:

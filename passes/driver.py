@@ -1,6 +1,6 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
-    capture -> place -> (verify placed) -> (recompute blocks) -> rewrite
+    capture -> place -> (verify placed) -> (recompute blocks) -> rewrite -> merge products
             -> (recompute selective) -> bucket gradients -> verify rewritten -> report repeated work
 
 `compile_model` runs them as plain calls, one line a pass; a pass that fails
@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from passes.bucket_gradients import bucket_gradients
 from passes.capture import capture, shape_env_of
+from passes.merge_products import merge_products
 from passes.observers import PassResult, notify
 from passes.place import place
 from passes.recompute_blocks import mark_blocks
@@ -30,11 +31,12 @@ from passes.repeated_work import report_repeated_work
 from passes.rewrite import rewrite
 from passes.size_limits import lookup_limits
 from passes.verify import verify_placed, verify_rewritten
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.dynamic import DynamicShapes, concrete, local_value
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
-from tess_compile.core.options import CompileOptions
-from tess_compile.core.program import Program, Slot, input_names, split_example_inputs
+from tess_compile.core.options import AUTO, CompileOptions
+from tess_compile.core.program import Program, Slot, describe_schedules, input_names, split_example_inputs
 from tess_compile.ops.recompute_region import outline_regions
 
 __all__ = ["compile_model", "mode_compiler"]
@@ -53,13 +55,17 @@ def compile_model(
     local_inputs: bool = False,
     local_outputs: bool = False,
     carried: dict[int, int] | None = None,
+    cluster: Cluster | None = None,
     **keywords,
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
 
-    `options` (a `CompileOptions` of the mesh's mode, none "auto"), or its fields as
-    `keywords`, choose the schedule of the products, what backward keeps or
-    recomputes, and the checks (docs/modes.md, docs/memory.md).
+    `options` (a `CompileOptions` of the mesh's mode), or its fields as `keywords`,
+    choose the schedule of the products, what backward keeps or recomputes, and the
+    checks (docs/modes.md, docs/memory.md). With summa="auto" (the default) each
+    product takes the schedule priced cheapest on `cluster` (default
+    `CALIBRATED_CLUSTER`; `passes.product_schedule`); keep_blocks="auto" must be
+    resolved first (`tess_compile.analysis.schedule_choice`).
 
     `weight_inputs` and `replicate_outputs` serve graphs whose weights are
     inputs and whose outputs go on as plain tensors (the torch.compile path).
@@ -75,11 +81,10 @@ def compile_model(
     rank's block in that same layout (`passes.place`).
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
-    if options.auto:
-        name = options.auto[0]
-        raise ValueError(f"{name}='auto' must be resolved before compiling: tess_compile.shard, simulate, dump and "
-                         f"backend price the candidates on a cluster (tess_compile.analysis.schedule_choice); "
-                         f"here pass a concrete {name}")
+    if options.keep_blocks == AUTO:
+        raise ValueError("keep_blocks='auto' must be resolved before compiling: tess_compile.shard, simulate, dump "
+                         "and backend price both on a cluster (tess_compile.analysis.schedule_choice); here pass "
+                         "keep_blocks=True or False")
     if options.dynamic and local_inputs:
         raise ValueError("dynamic=True is not supported for pipeline stages yet (their inputs arrive as this rank's "
                          "blocks, whose sizes are not the global ones): compile the stages with dynamic=False")
@@ -96,7 +101,12 @@ def compile_model(
         placed = run("verify placed", verify_placed, placed, mesh)
     if options.recompute == "blocks":
         placed = run("recompute blocks", mark_blocks, placed, mesh)
-    gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks)
+    cluster = CALIBRATED_CLUSTER if cluster is None else cluster
+    gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks, cluster=cluster)
+    gm = run("merge products", merge_products, gm, mesh)
+    if options.summa == AUTO and gm.meta["schedules"]:
+        log.info("summa=auto on mesh %s: %s (priced on %s)", mesh, describe_schedules(gm.meta["schedules"]),
+                 "CALIBRATED_CLUSTER" if cluster == CALIBRATED_CLUSTER else "the given cluster")
     if options.recompute == "selective":
         gm = run("recompute selective", mark_selective, gm, mesh)
     gm = run("bucket gradients", bucket_gradients, gm, mesh)

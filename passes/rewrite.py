@@ -8,8 +8,9 @@ with the collectives of `redistribute` wherever a value's layout differs
 from the layout its consumer needs. Writes `meta["layout"]`,
 `meta["global_shape"]` and `meta["replicated"]` on the node that holds each
 original value, `meta["global_node"]` (the original node's name) on it and
-on every node emitted for an original op, and `meta["recompute"]` on every
-node emitted for a node of a recompute region.
+on every node emitted for an original op, `meta["recompute"]` on every
+node emitted for a node of a recompute region, and the graph's `meta["schedules"]`
+(products per schedule; with summa="auto" each product's is priced on a cluster).
 
 Replicated parameters pass through `grad_sync` over their replica axes;
 outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
@@ -37,10 +38,11 @@ from passes.builder import Builder
 from passes.redistribute import redistribute
 from passes.rules import lowering_rules
 from passes.rules.common import lower_default
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.dynamic import concrete, has_symbols, local_value
 from tess_compile.core.layout import Layout, Replicate
 from tess_compile.core.mesh import Mesh
-from tess_compile.core.options import SCHEDULES
+from tess_compile.core.options import AUTO, SCHEDULES
 from tess_compile.ops import collectives as c
 
 __all__ = ["rewrite"]
@@ -48,16 +50,19 @@ __all__ = ["rewrite"]
 log = logging.getLogger("tess_compile.passes")
 
 
-def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_blocks: bool = False) -> GraphModule:
+def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_blocks: bool = False,
+            cluster: Cluster = CALIBRATED_CLUSTER) -> GraphModule:
     """The per-rank graph of the placed graph `gm`; see the module docstring.
 
-    `summa` schedules the steps of the matrix products (`tess_compile.core.options.SCHEDULES`);
-    `keep_blocks` keeps their fetched blocks for backward (see `passes.summa`).
+    `summa` schedules the steps of the matrix products (`tess_compile.core.options.SCHEDULES`,
+    or "auto": each product's cheapest on `cluster`); `keep_blocks` keeps their fetched blocks
+    for backward (see `passes.summa`). Writes `meta["schedules"]` on the result: how many
+    products took each schedule.
     """
-    if summa not in SCHEDULES:
-        raise ValueError(f"summa={summa!r} is not a schedule: use one of {', '.join(map(repr, SCHEDULES))}")
+    if summa not in (*SCHEDULES, AUTO):
+        raise ValueError(f"summa={summa!r} is not a schedule: use one of {', '.join(map(repr, (*SCHEDULES, AUTO)))}")
     start = time.perf_counter()
-    b = Builder(mesh, summa, keep_blocks)
+    b = Builder(mesh, summa, keep_blocks, cluster)
     env: dict[Node, object] = {}
     converted: dict[tuple[Node, Layout], Node] = {}
     rules = lowering_rules(mesh.mode)
@@ -94,6 +99,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             raise ValueError(f"node {node.name} ({node.op}) is not supported by the rewrite pass")
     out = GraphModule(torch.nn.Module(), b.graph)
     out.meta.update(gm.meta)
+    out.meta["schedules"] = dict(sorted(b.schedules.items()))
     log.info("rewrite: %d -> %d nodes in %.2fs", len(gm.graph.nodes), len(out.graph.nodes), time.perf_counter() - start)
     return out
 

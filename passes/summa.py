@@ -18,6 +18,9 @@ A weight laid out the other way round (out features over row, in features
 over col, as when an earlier consumer fixed it) is used as it is by
 `C = A @ B^T` (Optimus Alg. 2) instead of being moved.
 
+With summa="auto" each product takes the schedule that `passes.product_schedule`
+prices cheapest on the builder's cluster; `Builder.schedules` counts the choices.
+
 Writes `meta["summa_step"] = t` on the collectives of step t of a loop, so
 that an analysis can count one step q times (`tess_compile.analysis.symbolic`).
 """
@@ -28,6 +31,7 @@ import torch
 from torch.fx import Node
 
 from passes.builder import Builder
+from passes.product_schedule import ProductCase
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.ops import collectives as c
 from tess_compile.ops.fetched_product import fetched_product
@@ -58,9 +62,9 @@ def _product(b: Builder, product, a_used: Node, w_used: Node, a: Node, w: Node, 
     return b.call(fetched_product, a_used, w_used, a, w, _PRODUCT_NAMES[product], a_fetch, w_fetch)
 
 
-def _fetch(b: Builder, x: Node, axis: str, t: int) -> Node:
+def _fetch(b: Builder, x: Node, axis: str, t: int, schedule: str) -> Node:
     """Step t's block of `x` along `axis`: a broadcast, started asynchronously when overlapping."""
-    op = c.broadcast_start if b.summa == "overlap" else c.broadcast
+    op = c.broadcast_start if schedule == "overlap" else c.broadcast
     return _mark_step(b.collective(op, x, axis, t), x, t)
 
 
@@ -77,7 +81,7 @@ def _arrived(b: Builder, x: Node) -> Node:
     return b.call(c.wait, x) if x.target is c.broadcast_start else x
 
 
-def _accumulate_steps(b: Builder, fetch, use) -> Node:
+def _accumulate_steps(b: Builder, fetch, use, schedule: str) -> Node:
     """The sum over the q steps of `use(t, blocks)`, where `fetch(t)` emits step t's
     broadcasts. Without overlap step t+1's broadcasts follow step t's product; with
     it they start as soon as step t's blocks arrive, in flight during the product."""
@@ -85,30 +89,30 @@ def _accumulate_steps(b: Builder, fetch, use) -> Node:
     for t in range(b.mesh.q):
         blocks = tuple(_arrived(b, x) for x in pending)
         more = t + 1 < b.mesh.q
-        if more and b.summa == "overlap":
+        if more and schedule == "overlap":
             pending = fetch(t + 1)
         y = use(t, blocks)
         acc = y if acc is None else _mark_step(b.call(aten.add.Tensor, acc, y), y, t)
-        if more and b.summa != "overlap":
+        if more and schedule != "overlap":
             pending = fetch(t + 1)
     return acc
 
 
-def matmul_ab(b: Builder, a: Node, w: Node, product=aten.matmul.default) -> Node:
+def matmul_ab(b: Builder, a: Node, w: Node, product=aten.matmul.default, schedule: str = "broadcast") -> Node:
     """C = A @ B (Tesseract Alg. 3): for t, broadcast A along col from j=t and
     B along row from i=t, and accumulate `product(A_t, B_t)`."""
 
     def fetch(t: int) -> tuple[Node, Node]:
-        return _fetch(b, a, "col", t), _fetch(b, w, "row", t)
+        return _fetch(b, a, "col", t, schedule), _fetch(b, w, "row", t, schedule)
 
     def use(t: int, blocks) -> Node:
         y = _product(b, product, *blocks, a, w, _broadcast_spec(b, "col", t), _broadcast_spec(b, "row", t))
         return _mark_step(y, blocks[0], t)
 
-    return _accumulate_steps(b, fetch, use)
+    return _accumulate_steps(b, fetch, use, schedule)
 
 
-def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Node:
+def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default, schedule: str = "broadcast") -> Node:
     """C = A @ B^T (Optimus Alg. 2): for t, broadcast B along row from i=t and
     reduce `product(A, B_t)` along col to j=t; rank j keeps step j's sum."""
 
@@ -116,7 +120,7 @@ def matmul_abt(b: Builder, a: Node, w: Node, product=aten.linear.default) -> Nod
         partial = _mark_step(_product(b, product, a, blocks[0], a, w, None, _broadcast_spec(b, "row", t)), a, t)
         return _mark_step(b.collective(c.reduce, partial, "col", t), partial, t)
 
-    return _accumulate_steps(b, lambda t: (_fetch(b, w, "row", t),), reduce_step)
+    return _accumulate_steps(b, lambda t: (_fetch(b, w, "row", t, schedule),), reduce_step, schedule)
 
 
 def matmul_gathered(b: Builder, a: Node, w: Node, w_layout: Layout, a_dim: int, transposed: bool, product) -> Node:
@@ -130,17 +134,30 @@ def matmul_gathered(b: Builder, a: Node, w: Node, w_layout: Layout, a_dim: int, 
     if transposed:
         y = _product(b, product, a, w_full, a, w, None, w_fetch)
         return b.split_op(c.reduce_scatter, y, "col", a_dim, row.groups)
-    key = ("all_gather", a, "col", a_dim, row.groups)
+    key = _gather_key(a, a_dim, row.groups)
     if key not in b.shared:  # products of one input (q, k and v) share its gathered rows
         b.shared[key] = b.split_op(c.all_gather, a, "col", a_dim, row.groups)
     return _product(b, product, b.shared[key], w_full, a, w, _gather_spec(b, "col", a_dim, row.groups), w_fetch)
 
 
-def matmul(b: Builder, a: Node, w: Node, w_layout: Layout, out_dim: int, product, a_dim: int) -> Node:
-    """x @ W by the algorithm that `w_layout` calls for (out dim over row: A @ B^T),
-    in the builder's schedule; `a_dim` is x's last dim."""
+def _gather_key(a: Node, a_dim: int, groups: int) -> tuple:
+    """The key of A's all-gather along col in `Builder.shared`."""
+    return ("all_gather", a, "col", a_dim, groups)
+
+
+def matmul(b: Builder, a: Node, w: Node, w_layout: Layout, out_dim: int, product, a_dim: int,
+           shapes: tuple[tuple[int, ...], tuple[int, int], int]) -> Node:
+    """x @ W by the algorithm that `w_layout` calls for (out dim over row: A @ B^T), in the
+    builder's schedule (with "auto", the cheapest for this product); `a_dim` is x's last dim,
+    `shapes` this rank's blocks of x and W and their item size, which "auto" prices."""
     row = w_layout.row
-    transposed = isinstance(row, Shard) and row.dim == out_dim
-    if b.summa == "gather":
+    if not isinstance(row, Shard):  # a product placed whole (replicated): no steps to take
+        return b.call(product, a, w)
+    transposed = row.dim == out_dim
+    a_shape, w_shape, itemsize = shapes
+    shared = not transposed and _gather_key(a, a_dim, row.groups) in b.shared
+    schedule = b.schedule_for(ProductCase(transposed, a_shape, w_shape, _PRODUCT_NAMES[product], itemsize,
+                                          a_shared=shared, keep_blocks=b.keep_blocks))
+    if schedule == "gather":
         return matmul_gathered(b, a, w, w_layout, a_dim, transposed, product)
-    return matmul_abt(b, a, w, product) if transposed else matmul_ab(b, a, w, product)
+    return (matmul_abt if transposed else matmul_ab)(b, a, w, product, schedule)

@@ -28,12 +28,12 @@ from datetime import timedelta
 import torch
 
 from passes.driver import mode_compiler
-from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.graph_dump import dump
 from tess_compile.analysis.planner import plan
 from tess_compile.analysis.profiling import profile_cluster
 from tess_compile.analysis.schedule_choice import resolve_auto
 from tess_compile.backend import backend
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import Program, split_example_inputs
@@ -82,7 +82,7 @@ def _compiler(model: torch.nn.Module, mesh: Mesh, example_inputs, options: Compi
     options resolved on `cluster` first (`schedule_choice.resolve_auto`): the chosen program,
     compiled to price it, is not compiled again."""
     resolved = resolve_auto(model, mesh, example_inputs, options, cluster)
-    compile_in = mode_compiler(model, mesh, example_inputs, resolved.options)
+    compile_in = mode_compiler(model, mesh, example_inputs, resolved.options, cluster=resolved.cluster)
     return compile_in, resolved.program if resolved.program is not None else compile_in(model.training)
 
 
@@ -122,7 +122,7 @@ def simulate(
     options (`mode`, `summa`, `keep_blocks`, `recompute`, `strict`, `verify`)
     are those of `CompileOptions`; `summa="auto"` and `keep_blocks="auto"`
     compile the fastest candidate on `cluster` that fits its memory (a
-    `tess_compile.analysis.cluster.Cluster`, the path of a JSON file
+    `tess_compile.core.cluster.Cluster`, the path of a JSON file
     `Cluster.save` wrote, or None: `CALIBRATED_CLUSTER`), logged on the
     `tess_compile` logger (docs/modes.md).
 

@@ -36,8 +36,8 @@ from torch import nn
 from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
-from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.dynamic import has_symbols
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import RENAMED, CompileOptions, takes_compile_options

@@ -20,6 +20,7 @@ __all__ = ["MOVED", "install"]
 
 # old module -> the modules that hold its names now
 MOVED = {
+    "tess_compile.analysis.cluster": ("tess_compile.core.cluster",),
     "tess_compile.accounting": ("tess_compile.analysis.accounting", "tess_compile.core.fake_run",
                                 "tess_compile.core.mesh"),
     "tess_compile.calibration": ("tess_compile.analysis.calibration",),
@@ -27,7 +28,7 @@ MOVED = {
     "tess_compile.collectives": ("tess_compile.ops.collectives",),
     "tess_compile.compiled": ("tess_compile.runtime.inductor",),
     "tess_compile.compiler": ("passes.driver", "tess_compile.core.program"),
-    "tess_compile.cost_model": ("tess_compile.analysis.cost_model", "tess_compile.analysis.cluster",
+    "tess_compile.cost_model": ("tess_compile.analysis.cost_model", "tess_compile.core.cluster",
                                 "tess_compile.analysis.memory"),
     "tess_compile.data_parallel": ("tess_compile.scale_out.data_parallel", "tess_compile.runtime.groups",
                                    "tess_compile.runtime.zero"),

@@ -22,7 +22,7 @@ from tess_compile.analysis.calibration import (
     max_kendall_tau,
     predicted_seconds,
 )
-from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER
 
 # --------------------------------------------------------------------------- Kendall's tau
 

@@ -287,7 +287,7 @@ def test_run_simulated_in_mode_1d(workdir, monkeypatch, capsys):
 
 def test_plan_defaults_are_the_calibrated_cluster():
     """Without cluster flags, `plan` prices with the same constants as `tess_compile.plan`."""
-    from tess_compile.analysis.cluster import CALIBRATED_CLUSTER
+    from tess_compile.core.cluster import CALIBRATED_CLUSTER
 
     args = cli.make_parser().parse_args(["plan", "model.py:make", "--gpus", "8"])
     assert cluster_of(args) == CALIBRATED_CLUSTER

@@ -165,23 +165,24 @@ def test_block_counts(kind, q, d):
     affine; attention, GELU, split and the head views are local.
     Llama: 7 linears without bias (q, k, v, o, gate, up, down) and 2 RMSNorm
     weights (one written by hand: its mean over the split hidden dim is one
-    all-reduce along col, like nn.RMSNorm's).
+    all-reduce along col, like nn.RMSNorm's); the linears of one input are one
+    product (`passes.merge_products`): q/k/v, o, gate/up, down.
     """
     hidden = 4 * q
     sim = run(make_block(kind, hidden, q), q, d, hidden)
-    num_linear = 4 if kind == "gpt" else 7
+    num_products = 4  # each a SUMMA loop
     norm_statistics = ("all_gather", "col") if kind == "gpt" else ("all_reduce", "col")  # LayerNorm, RMSNorm
     assert sim.comm.counts("forward") == {
-        ("broadcast", "col"): num_linear * q,
-        ("broadcast", "row"): num_linear * q,
+        ("broadcast", "col"): num_products * q,
+        ("broadcast", "row"): num_products * q,
         norm_statistics: 2,
     }
     assert sim.comm.counts("backward") == with_depth(
         {
-            ("reduce", "col"): num_linear * q,
-            ("reduce", "row"): num_linear * q,
-            ("broadcast", "col"): num_linear * q,
-            ("broadcast", "row"): num_linear * q,
+            ("reduce", "col"): num_products * q,
+            ("reduce", "row"): num_products * q,
+            ("broadcast", "col"): num_products * q,
+            ("broadcast", "row"): num_products * q,
             ("all_reduce", "col"): 2,  # one a norm
             ("all_reduce", "row"): 1,  # the biases and norm weights, one bucket
         },

@@ -13,7 +13,6 @@ from torch import nn
 
 from passes.driver import compile_model
 from tess_compile.analysis.accounting import collective_costs, forward_flops, predict_bytes
-from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER, Link, collective_time
 from tess_compile.analysis.cost_model import (
     PhaseProfile,
     comm_seconds,
@@ -23,6 +22,7 @@ from tess_compile.analysis.cost_model import (
     step_time,
 )
 from tess_compile.analysis.memory import predict_memory
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER, Link, collective_time
 from tess_compile.core.mesh import Mesh
 
 ALPHA, BANDWIDTH, N = 1e-6, 1e9, 1_000_000  # seconds, bytes/s, bytes
@@ -327,7 +327,7 @@ def test_ring_wire_bytes_of_megatron_and_tesseract_layers():
     wire = ring_wire_bytes(collective_costs(program.graph, mesh), mesh)
     assert wire["forward"] == 2 * 3 / 4 * x.numel() * 4  # one all-reduce of the [4, 16] output
     mesh = Mesh(2, 1)
-    program = compile_model(model, mesh, (x,))
+    program = compile_model(model, mesh, (x,), summa="broadcast")
     costs = collective_costs(program.graph, mesh)
     payload = sum(c.forward_bytes for c in costs if c.forward_bytes is not None)
     assert all(c.op == "broadcast" for c in costs if c.forward_bytes is not None)

@@ -20,9 +20,10 @@ def test_debug_switch_dumps_every_stage(tmp_path, monkeypatch):
         "01 place",
         "02 verify placed",
         "03 rewrite",
-        "04 bucket gradients",
-        "05 verify rewritten",
-        "06 report repeated work",
+        "04 merge products",
+        "05 bucket gradients",
+        "06 verify rewritten",
+        "07 report repeated work",
     ]
     assert summary[0] == "00 capture: 8 nodes"
     assert summary[1] == "01 place: 8 nodes (8 -> 8, +0)", "placement is an analysis: no node added"

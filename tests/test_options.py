@@ -121,7 +121,7 @@ def test_old_module_paths_still_import_with_a_warning():
     with pytest.warns(FutureWarning, match="tess_compile.cost_model is deprecated: its code moved to"):
         old = importlib.import_module("tess_compile.cost_model")
     assert old.predict_memory is tess_compile.analysis.memory.predict_memory
-    assert old.Cluster is tess_compile.analysis.cluster.Cluster
+    assert old.Cluster is tess_compile.core.cluster.Cluster
     with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
         old.nothing_here  # noqa: B018
     for name, homes in MOVED.items():  # every new home exists

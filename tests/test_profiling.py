@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 import tess_compile
-from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.analysis.cost_model import optimizer_seconds, predict_time
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.analysis.parallel_plan import Outer, price
 from tess_compile.analysis.profiling import _group_layouts, _payload_elements, profile_cluster
 from tess_compile.cli import main
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.ops.collectives import COMMUNICATING
 from tess_compile.runtime.launch import run_local
 from tests.models import GPTStack

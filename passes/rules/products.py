@@ -47,6 +47,7 @@ from passes.rules.common import (
 from passes.rules.family import Decision, Family
 from passes.rules.pointwise import align, aligned
 from passes.summa import matmul
+from tess_compile.core.dynamic import concrete
 from tess_compile.core.layout import Layout, Partial, Placement, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c
@@ -306,23 +307,36 @@ def _weight_layout(node: Node, index: int) -> Layout:
     return node.meta["arg_layouts"][node.args[index]]
 
 
+def _local_shapes(b: Builder, node: Node, x_index: int, w_index: int) -> tuple:
+    """This rank's blocks of a product's input and weight (their example sizes where symbolic)
+    and the input's item size, which summa="auto" prices (`passes.summa.matmul`)."""
+    x, w = node.args[x_index], node.args[w_index]
+    needed = node.meta["arg_layouts"]
+    x_val, w_val = x.meta["val"], w.meta["val"]
+    return (concrete(needed[x].local_shape(x_val.shape, b.mesh)), concrete(needed[w].local_shape(w_val.shape, b.mesh)),
+            x_val.dtype.itemsize)
+
+
 def lower_linear(b: Builder, node: Node, args, kwargs):
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    y = matmul(b, x, w, _weight_layout(node, 1), out_dim=0, product=aten.linear.default, a_dim=_last_dim(node.args[0]))
+    y = matmul(b, x, w, _weight_layout(node, 1), out_dim=0, product=aten.linear.default, a_dim=_last_dim(node.args[0]),
+               shapes=_local_shapes(b, node, 0, 1))
     return y if bias is None else b.call(aten.add.Tensor, y, bias)
 
 
 def lower_matmul(b: Builder, node: Node, args, kwargs):
     if not uses_summa(node):
         return lower_default(b, node, args, kwargs)
-    return matmul(b, args[0], args[1], _weight_layout(node, 1), out_dim=1, product=aten.matmul.default, a_dim=_last_dim(node.args[0]))
+    return matmul(b, args[0], args[1], _weight_layout(node, 1), out_dim=1, product=aten.matmul.default,
+                  a_dim=_last_dim(node.args[0]), shapes=_local_shapes(b, node, 0, 1))
 
 
 def lower_addmm(b: Builder, node: Node, args, kwargs):
     if not uses_summa(node):
         return lower_default(b, node, args, kwargs)
-    y = matmul(b, args[1], args[2], _weight_layout(node, 2), out_dim=1, product=aten.matmul.default, a_dim=_last_dim(node.args[1]))
+    y = matmul(b, args[1], args[2], _weight_layout(node, 2), out_dim=1, product=aten.matmul.default,
+               a_dim=_last_dim(node.args[1]), shapes=_local_shapes(b, node, 1, 2))
     return b.call(aten.add.Tensor, y, args[0])
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from tess_compile.analysis.accounting import PHASES
-from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.cost_model import TERMS, ProgramProfile, step_time, time_terms
+from tess_compile.core.cluster import Cluster
 
 __all__ = [
     "BOUNDS",

@@ -4,7 +4,7 @@ An analysis of the rewritten graph, like `tess_compile.analysis.accounting`,
 whose byte counts it prices; it runs nothing between ranks. `profile_program`
 runs one rank's program forward and backward on fake tensors and records
 every kernel it launches (`ProgramProfile`); `step_time` prices a profile
-on a `Cluster` (`tess_compile.analysis.cluster`), and `predict_time` does
+on a `Cluster` (`tess_compile.core.cluster`), and `predict_time` does
 both. Per phase (forward, backward):
 
 - matrix products (mm, addmm, bmm, baddbmm, fused attention): FLOPs at the
@@ -22,8 +22,10 @@ both. Per phase (forward, backward):
 
 Backward is priced from the kernels autograd runs (recomputed regions and
 the refetches of the memory-lean products included); compute and
-communication add up unless `overlap` says they overlap (the distributed
-backward runs its collectives synchronously).
+communication add up, but for the broadcasts the overlap schedule starts
+ahead (`broadcast_start`), which forward's compute hides, and unless
+`overlap` says both overlap (the distributed backward runs its collectives
+synchronously).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, collective_costs, transfers
-from tess_compile.analysis.cluster import COLLECTIVE_RULES, Cluster, collective_rule
 from tess_compile.analysis.memory import param_shards
+from tess_compile.core.cluster import COLLECTIVE_RULES, Cluster, collective_rule
 from tess_compile.core.fake_run import local_placeholder, requires_grad, tensor_bytes
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import Comm, output_like, use_comm
+from tess_compile.ops.collectives import Comm, broadcast_start, output_like, use_comm
 from tess_compile.ops.grad_bucket import packing
 
 __all__ = [
@@ -87,12 +89,17 @@ def comm_seconds(costs: Iterable[CollectiveCost], mesh: Mesh, cluster: Cluster) 
     return seconds
 
 
+def _started_ahead(costs: Iterable[CollectiveCost]) -> list[CollectiveCost]:
+    """The forward broadcasts that the overlap schedule starts ahead of their product."""
+    return [cost for cost in costs if cost.node.target is broadcast_start]
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one training step on one rank, and the bytes it passes to collectives."""
 
     forward_compute_s: float
-    forward_comm_s: float
+    forward_comm_s: float  # all of forward's collectives, `forward_ahead_s` included
     backward_compute_s: float
     backward_comm_s: float
     forward_bytes: int
@@ -100,13 +107,16 @@ class StepTime:
     overlap: tuple[str, ...] = ()  # the phases whose compute and communication overlap
     optimizer_s: float = 0.0  # the optimizer step on this rank's parameters
     grad_tensors: int = 0  # parameter shards whose gradients this rank holds (a data-parallel all-reduce each)
+    forward_ahead_s: float = 0.0  # forward's broadcasts started ahead, behind its compute (the overlap schedule)
 
     def _phase(self, phase: str, compute: float, comm: float) -> float:
         return max(compute, comm) if phase in self.overlap else compute + comm
 
     @property
     def forward_s(self) -> float:
-        return self._phase("forward", self.forward_compute_s, self.forward_comm_s)
+        if "forward" in self.overlap:
+            return max(self.forward_compute_s, self.forward_comm_s)
+        return max(self.forward_compute_s, self.forward_ahead_s) + self.forward_comm_s - self.forward_ahead_s
 
     @property
     def backward_s(self) -> float:
@@ -317,6 +327,7 @@ def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str 
 
     costs = _priced_costs(profile, grad_sync)
     comm = comm_seconds(costs, profile.mesh, cluster)
+    ahead = comm_seconds(_started_ahead(costs), profile.mesh, cluster)["forward"]
     return StepTime(
         forward_compute_s=compute("forward"),
         forward_comm_s=comm["forward"],
@@ -327,6 +338,7 @@ def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str 
         overlap=_OVERLAPPED_PHASES[overlap],
         optimizer_s=optimizer_s,
         grad_tensors=grad_tensors,
+        forward_ahead_s=ahead,
     )
 
 

@@ -38,7 +38,6 @@ from passes.capture import capture
 from passes.observers import PassResult, add_pass_observer
 from passes.place import place
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
-from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.graph_views import (
     STAGE_VIEWS,
     redundant_work_text,
@@ -49,6 +48,7 @@ from tess_compile.analysis.graph_views import (
 )
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import Program, input_names, split_example_inputs

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.cost_model import StepTime
 from tess_compile.analysis.memory import MemoryEstimate
+from tess_compile.core.cluster import Cluster
 
 __all__ = [
     "Outer",
@@ -144,6 +144,7 @@ def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster
         overlap=time.overlap,
         optimizer_s=time.optimizer_s / (outer.pp * (outer.dp if outer.zero else 1)),
         grad_tensors=time.grad_tensors // outer.pp,
+        forward_ahead_s=time.forward_ahead_s * slots,
     )
     sharded_state = outer.dp if outer.zero else 1
     in_flight = min(outer.pp, outer.microbatches)

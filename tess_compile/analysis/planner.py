@@ -5,9 +5,10 @@ compiles the model for each (on the meta device: no weight is allocated),
 prices each program with `tess_compile.analysis.cost_model`, and returns one `PlanRow`
 per mesh: those that fit the memory budget first, fastest first, then those
 over the budget, then those that did not compile, each with the reason.
-With `summa="auto"` each 2-D/2.5-D/3-D mesh is priced in every schedule of
-its matrix products (`tess_compile.core.options.SCHEDULES`; "overlap" with forward
-compute and communication overlapped) and keeps the fastest. Each row also
+With `summa="auto"` each product of a 2-D/2.5-D/3-D mesh takes the schedule
+priced cheapest for it (`passes.product_schedule`); with `keep_blocks="auto"`
+each mesh is priced with and without keeping the fetched blocks and keeps the
+fastest that fits (`schedule_choice.choose_schedule`). Each row also
 gives the redundant work of its program (forward FLOPs over all ranks / the
 unsharded model's, `accounting.redundant_work`). `format_table` prints the rows.
 """
@@ -24,7 +25,6 @@ import torch
 from torch import nn
 
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
-from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.analysis.cost_model import StepTime
 from tess_compile.analysis.memory import MemoryEstimate
 from tess_compile.analysis.parallel_plan import (
@@ -38,8 +38,10 @@ from tess_compile.analysis.parallel_plan import (
     price,
 )
 from tess_compile.analysis.schedule_choice import choose_schedule
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import AXES, MODES, Mesh
-from tess_compile.core.options import CompileOptions, renamed
+from tess_compile.core.options import AUTO, CompileOptions, renamed
+from tess_compile.core.program import describe_schedules
 
 __all__ = ["DEFAULT_MODES", "GB", "HEADER", "PlanRow", "candidate_meshes", "format_table", "mesh_label", "plan"]
 
@@ -62,8 +64,9 @@ class PlanRow:
     memory: MemoryEstimate | None = None
     note: str = ""
     fits: bool = False  # compiled, and within the memory budget
-    summa: str = "broadcast"  # the schedule of the matrix products it was priced in
+    summa: str = "broadcast"  # the schedule option of the matrix products it was priced in ("auto": per product)
     keep_blocks: bool = False  # whether its products keep their fetched blocks for backward
+    schedules: tuple[tuple[str, int], ...] = ()  # how many products run each schedule
     redundant_work: float | None = None  # forward FLOPs over all ranks / unsharded; None: none to measure
     outer: Outer = Outer()  # data and pipeline parallelism around the mesh
 
@@ -150,8 +153,8 @@ def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
 def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
               overlap: bool, summa: str, strict: bool, keep_blocks: bool | str = False,
               recompute: str = "none", unsharded_flops: Callable[[], int]) -> PlanRow:
-    """The row of `mesh`: `model` priced in each schedule (and, with keep_blocks="auto", with and
-    without keeping the fetched blocks; `schedule_choice.choose_schedule`), the fastest option
+    """The row of `mesh`: `model` compiled and priced in `summa` (and, with keep_blocks="auto", with
+    and without keeping the fetched blocks; `schedule_choice.choose_schedule`), the fastest option
     that fits the budget, or the fastest with the reason if none fits or it fails to compile.
     `unsharded_flops()` gives the unsharded model's forward FLOPs."""
     try:
@@ -162,17 +165,27 @@ def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget:
         log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
         return PlanRow(mesh, note=f"does not compile: {exc}")
     best = choice.best
-    redundant = redundant_work(choice.priced_program, unsharded_flops())
+    chosen = {"summa": best.summa, "keep_blocks": best.keep_blocks, "schedules": best.schedules,
+              "redundant_work": redundant_work(choice.program, unsharded_flops())}
     if not choice.fits:
         note = f"needs {best.memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
-        return PlanRow(mesh, best.time, best.memory, note, summa=best.summa, keep_blocks=best.keep_blocks,
-                       redundant_work=redundant)
+        return PlanRow(mesh, best.time, best.memory, note, **chosen)
     inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
     note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
-    if len(choice.priced) > 1:
-        note = f"summa={best.summa}{', keep_blocks' if best.keep_blocks else ''}; {note}"
-    return PlanRow(mesh, best.time, best.memory, note, fits=True, summa=best.summa, keep_blocks=best.keep_blocks,
-                   redundant_work=redundant)
+    return PlanRow(mesh, best.time, best.memory, _schedule_note(choice) + note, fits=True, **chosen)
+
+
+def _schedule_note(choice) -> str:
+    """`gather for 12 products, keep_blocks; ` where auto chose (per product, or among candidates)."""
+    best = choice.best
+    words = []
+    if best.summa == AUTO and best.schedules:
+        words.append(describe_schedules(dict(best.schedules)))
+    elif len(choice.priced) > 1:
+        words.append(f"summa={best.summa}")
+    if best.keep_blocks and words:
+        words.append("keep_blocks")
+    return f"{', '.join(words)}; " if words else ""
 
 
 def _sort_key(row: PlanRow) -> tuple:
@@ -210,8 +223,8 @@ def plan(
     the meshes that need more. Rows that fit come first, by predicted step
     time, then those over budget, then those that did not compile; `note`
     says why a row was dropped. `overlap`: see `tess_compile.analysis.cost_model.predict_time`.
-    `summa`: a schedule of the matrix products, or "auto" to price each and
-    keep the fastest per mesh (`PlanRow.summa`). `keep_blocks`: True, False, or
+    `summa`: a schedule of the matrix products, or "auto" for each product's
+    cheapest (`PlanRow.schedules`). `keep_blocks`: True, False, or
     "auto" to price both and keep the fastest that fits the memory budget
     (`PlanRow.keep_blocks`). `recompute` ("none", "blocks", "selective"; the
     old name `checkpoint=` is deprecated) and `strict` go to `compile_model`.

@@ -11,11 +11,15 @@ do in training):
 - each collective the programs use (broadcast, reduce, all-reduce,
   all-gather, reduce-scatter) on every group size that divides the world,
   all groups of that size at once, at three message sizes, each call after a
-  small product as in a program (the time of the product taken off): a line
+  small product as in a program (the time of the product taken off), and
+  each as a program calls it: its custom op (`tess::all_gather`, ...) on the
+  runtime's communicator (`runtime.dist_comm.DistComm`), so the dispatch,
+  the copies and the Python around torch.distributed count: a line
   `seconds + seconds per byte * bytes` per (op, group size, link),
   intra-node for groups within a node and inter-node for groups across
   nodes;
-- the optimizer step: AdamW over DTensor parameters, per tensor and per byte.
+- the optimizer step: AdamW over DTensor parameters on a (depth, row, col)
+  mesh, as a sharded module's parameters are, per tensor and per byte.
 
 Each time is the median of repeated runs on a rank (a run repeats a short call
 until it lasts 50 ms, so that the ranks overlap), averaged over the ranks
@@ -32,14 +36,17 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tess_compile.analysis.cluster import Cluster
-from tess_compile.ops.collectives import COMMUNICATING
+from tess_compile.core.cluster import Cluster
+from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.ops.collectives import COMMUNICATING, use_comm
+from tess_compile.runtime.dist_comm import DistComm
 
 __all__ = ["MESSAGE_BYTES", "profile_cluster"]
 
@@ -54,6 +61,7 @@ _STREAM_ELEMENTS = 1 << 21  # float32 elements of each operand of the bandwidth 
 _CHAIN = 64  # tiny products per chain of the kernel overhead
 _BETWEEN = 128  # the side of the product run before each timed collective
 _RUN_S = 0.05  # seconds of one timed run (the calls of a fast function repeated to fill it)
+_TIMEOUT = timedelta(minutes=10)  # of a profiled collective (a rank that stops fails the others)
 
 
 def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = None, device=None,
@@ -78,8 +86,10 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
     overhead = timer.mean(_kernel_chain(device)) / (2 * _CHAIN)
     bandwidth = 3 * 4 * _STREAM_ELEMENTS / max(timer.mean(_stream_add(device)) - overhead, 1e-9)
     flops, half = _fit_matmul(timer, device, overhead)
-    collectives = _collective_lines(timer, device, per_node)
-    optimizer_overhead, optimizer_bandwidth = _optimizer_line(timer, device)
+    # every rank on col, as a 1-D program's; a communicator per partition gives col its group
+    device_mesh = init_device_mesh(device.type, (1, 1, dist.get_world_size()), mesh_dim_names=AXES)
+    collectives = _collective_lines(timer, device, per_node, device_mesh)
+    optimizer_overhead, optimizer_bandwidth = _optimizer_line(timer, device, device_mesh)
     intra = _link_figures(collectives, "intra") or (0.0, math.inf)  # a world of one: no link
     inter = _link_figures(collectives, "inter") or intra
     cluster = Cluster(
@@ -237,7 +247,7 @@ def _group_layouts(world: int, per_node: int) -> list[tuple[int, str, list[list[
     return [(size, link, partitions) for (size, link), partitions in layouts.items()]
 
 
-def _collective_lines(timer: _Timer, device: torch.device, per_node: int) -> list[tuple]:
+def _collective_lines(timer: _Timer, device: torch.device, per_node: int, device_mesh) -> list[tuple]:
     """`(op, size, link, seconds, seconds per byte)` of each collective on each group size and link.
 
     A timed call runs the collective on every partition of that size in turn (as a program
@@ -247,13 +257,16 @@ def _collective_lines(timer: _Timer, device: torch.device, per_node: int) -> lis
     work = _between_kernels(device)
     work_s = timer.mean(work)
     lines = []
-    for size, link, partitions in _group_layouts(dist.get_world_size(), per_node):
+    world = dist.get_world_size()
+    mesh = Mesh(1, world, "1d")
+    for size, link, partitions in _group_layouts(world, per_node):
         groups = [dist.new_subgroups_by_enumeration(partition)[0] for partition in partitions]
+        comms = [DistComm(mesh, device_mesh, _TIMEOUT, groups=dict.fromkeys(AXES, group)) for group in groups]
         for op in COMMUNICATING:
             times = []
             payloads = [_payload_elements(num_bytes, size) * 4 for num_bytes in MESSAGE_BYTES]
             for num_bytes in payloads:
-                calls = [_collective(op, num_bytes // 4, size, group, device) for group in groups]
+                calls = [_collective(op, num_bytes // 4, size, comm, device) for comm in comms]
 
                 def each_axis(calls=calls):
                     for call in calls:
@@ -278,30 +291,29 @@ def _payload_elements(num_bytes: int, size: int) -> int:
     return num_bytes // 4 // size * size
 
 
-def _collective(op: str, elements: int, size: int, group, device) -> Callable[[], object]:
-    """One call of `op` as the runtime makes it (`runtime.dist_comm`): a copy of the input
-    of `elements` float32 elements, then the collective over `group`."""
+def _collective(op: str, elements: int, size: int, comm: DistComm, device) -> Callable[[], object]:
+    """One call of `op` on `elements` float32 elements as a program makes it: its custom op
+    (`tess::<op>`) on `comm`, whose axes all run on one group of `size` ranks."""
     x = torch.ones(elements, device=device)
-    if op == "broadcast":
-        return lambda: dist.broadcast(x.clone(), group=group, group_src=0)
-    if op == "reduce":
-        return lambda: dist.reduce(x.clone(), group=group, group_dst=0)
-    if op == "all_reduce":
-        return lambda: dist.all_reduce(x.clone(), group=group)
-    if op == "all_gather":
-        out = x.new_empty(size * x.numel())
-        return lambda: dist.all_gather_single(out, x.clone(), group=group)
-    out = x.new_empty(x.numel() // size)
-    return lambda: dist.reduce_scatter_single(out, x.clone(), group=group)
+    target = getattr(torch.ops.tess, op).default
+    args = {"broadcast": (0,), "reduce": (0,), "all_reduce": (), "all_gather": (size, 0, 1),
+            "reduce_scatter": (size, 0, 1)}[op]
+
+    def call():
+        with use_comm(comm):
+            return target(x, "col", *args)
+
+    return call
 
 
-def _optimizer_line(timer: _Timer, device: torch.device) -> tuple[float, float]:
+def _optimizer_line(timer: _Timer, device: torch.device, mesh) -> tuple[float, float]:
     """(seconds per parameter tensor, parameter bytes per second) of an AdamW step over
-    DTensor parameters, from steps over 8 small and 8 large tensors."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    DTensor parameters on the (depth, row, col) DeviceMesh `mesh`, as a sharded module's
+    (torch's default implementation), from steps over 8 small and 8 large tensors."""
+    placements = [Replicate(), Replicate(), Shard(0)]
     times = []
     for numel in (16, 1 << 16):
-        params = [torch.nn.Parameter(DTensor.from_local(torch.randn(numel, device=device), mesh, [Shard(0)],
+        params = [torch.nn.Parameter(DTensor.from_local(torch.randn(numel, device=device), mesh, placements,
                                                         run_check=False)) for _ in range(8)]
         for p in params:
             p.grad = torch.ones_like(p)

@@ -1,20 +1,22 @@
-"""Choosing the schedule of the matrix products on one mesh: price each candidate, keep the fastest.
+"""Choosing how the matrix products run: "auto" options priced on a cluster.
 
-`choose_schedule` compiles a model for one mesh in each (schedule, keep_blocks)
-pair its options allow ("auto" is every one), prices each program on a
-`Cluster` (`cost_model.predict_time`, `memory.predict_memory`) and returns the
-fastest that fits the memory budget, with every candidate priced. "overlap"
-runs the "broadcast" program's collectives asynchronously: that program is
-priced with forward compute and communication overlapped (the runtime runs
-backward collectives synchronously), not compiled again. Candidates that do
-not compile are skipped; if none compiles, the first error is raised. The
-planner calls it for every mesh.
+summa="auto" is resolved inside each compile: every product takes the schedule
+priced cheapest for it on the cluster (`passes.product_schedule`; the compile
+takes `cluster=`). keep_blocks="auto" needs whole programs: `choose_schedule`
+compiles a model for one mesh with and without keeping the fetched blocks,
+prices each program on a `Cluster` (`cost_model.predict_time`,
+`memory.predict_memory`) and returns the fastest that fits the memory budget,
+with every candidate priced. A summa="auto" program over the budget is
+compiled once more in the broadcast schedule, whose products hold one fetched
+block at a time. Candidates that do not compile are skipped; if none compiles,
+the first error is raised. The planner calls it for every mesh.
 
-`resolve_auto` serves the face (`shard`, `simulate`, `dump`, the backend):
-options with "auto" become concrete, priced on the cluster given (a `Cluster`
-or the path of a JSON file `Cluster.save` wrote) or `CALIBRATED_CLUSTER`, and
-the choice is logged on the `tess_compile` logger. 1-D meshes and q == 1 run no
-SUMMA steps: auto is "broadcast" without keeping blocks there, unpriced.
+`resolve_auto` serves the face (`shard`, `simulate`, `dump`, the backend): it
+loads the cluster given (a `Cluster` or the path of a JSON file `Cluster.save`
+wrote; `CALIBRATED_CLUSTER` by default) and resolves keep_blocks="auto" on it;
+`compile_auto` compiles the result and says, in one line that it logs and the
+dump prints, what auto chose. 1-D meshes and q == 1 run no SUMMA steps: nothing
+to choose there.
 """
 
 from __future__ import annotations
@@ -28,15 +30,15 @@ from typing import NamedTuple
 from torch import nn
 
 from passes.driver import compile_model
-from tess_compile.analysis.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.analysis.cost_model import StepTime, predict_time
 from tess_compile.analysis.memory import MemoryEstimate, predict_memory
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
-from tess_compile.core.options import AUTO, SCHEDULES, CompileOptions
-from tess_compile.core.program import Program
+from tess_compile.core.options import AUTO, CompileOptions
+from tess_compile.core.program import Program, describe_schedules
 
-__all__ = ["Priced", "Resolved", "ScheduleChoice", "candidates", "choose_schedule", "compile_auto", "load_cluster",
-           "resolve_auto"]
+__all__ = ["Priced", "Resolved", "ScheduleChoice", "candidates", "choose_schedule", "compile_auto", "has_summa_steps",
+           "load_cluster", "resolve_auto"]
 
 log = logging.getLogger("tess_compile")
 
@@ -45,12 +47,14 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Priced:
-    """One candidate: a schedule, whether it keeps the fetched blocks, its predicted step and memory."""
+    """One candidate: its schedule option, whether it keeps the fetched blocks, its predicted step
+    and memory, and how many products run each schedule (`Program.schedules`)."""
 
     summa: str
     keep_blocks: bool
     time: StepTime
     memory: MemoryEstimate
+    schedules: tuple[tuple[str, int], ...] = ()
 
     @property
     def label(self) -> str:
@@ -67,12 +71,7 @@ class ScheduleChoice:
     fits: bool
     budget: float
     priced: tuple[Priced, ...]
-    priced_program: Program  # the program priced for `best` ("overlap": the broadcast one)
-
-    @property
-    def program(self) -> Program | None:
-        """The program compiled for `options`, or None ("overlap" compiles another than it priced)."""
-        return None if self.options.summa == "overlap" else self.priced_program
+    program: Program  # the program compiled for `options`, which `best` priced
 
 
 def has_summa_steps(mesh: Mesh) -> bool:
@@ -81,52 +80,58 @@ def has_summa_steps(mesh: Mesh) -> bool:
 
 
 def candidates(mesh: Mesh, options: CompileOptions) -> list[tuple[str, bool]]:
-    """The (schedule, keep_blocks) pairs to price: every one an "auto" field allows where the
-    products run SUMMA steps, else ("broadcast", False) for it; a concrete field as it is."""
-    steps = has_summa_steps(mesh)
-    schedules = (SCHEDULES if steps else ("broadcast",)) if options.summa == AUTO else (options.summa,)
-    keeps = ((False, True) if steps else (False,)) if options.keep_blocks == AUTO else (options.keep_blocks,)
-    return [(summa, keep) for summa in schedules for keep in keeps]
+    """The (summa, keep_blocks) pairs to compile and price: keep_blocks="auto" gives both where the
+    products run SUMMA steps, else False; summa as it is ("auto" resolves in each compile)."""
+    keeps = ((False, True) if has_summa_steps(mesh) else (False,)) if options.keep_blocks == AUTO else (options.keep_blocks,)
+    return [(options.summa, keep) for keep in keeps]
 
 
 def choose_schedule(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
                     cluster: Cluster = CALIBRATED_CLUSTER, *, budget: float | None = None, overlap: bool = False,
                     **boundary) -> ScheduleChoice:
     """Compile `model` for `mesh` in each of `candidates(mesh, options)` (`compile_model` with
-    `boundary`'s keywords) and price each on `cluster`: the fastest within `budget` (bytes per
-    rank; default the cluster's memory). `overlap`: both phases overlapped for every candidate
-    (`predict_time`)."""
+    `boundary`'s keywords, summa="auto" priced on `cluster`) and price each on `cluster`: the
+    fastest within `budget` (bytes per rank; default the cluster's memory). If no summa="auto"
+    candidate fits, the broadcast schedule's are priced too. `overlap`: both phases overlapped
+    for every candidate (`predict_time`)."""
     budget = cluster.memory if budget is None else budget
-    compiled: dict[tuple[str, bool], tuple[Program, MemoryEstimate] | Exception] = {}
-    priced = []
-    for summa, keep in candidates(mesh, options):
-        key = ("broadcast" if summa == "overlap" else summa, keep)  # overlap sends what broadcast sends
-        if key not in compiled:
-            concrete = dataclasses.replace(options, summa=key[0], keep_blocks=keep)
-            compiled[key] = _compile(model, mesh, example_inputs, concrete, boundary)
-        if isinstance(compiled[key], Exception):
-            continue
-        program, memory = compiled[key]
-        time = predict_time(program, cluster, overlap=overlap or ("forward" if summa == "overlap" else False))
-        priced.append(Priced(summa, keep, time, memory))
-    if not priced:
-        raise next(iter(compiled.values()))  # the first candidate's error
+
+    def price(pairs: list[tuple[str, bool]]) -> list[tuple[Priced, Program] | Exception]:
+        return [_priced(model, mesh, example_inputs, dataclasses.replace(options, summa=summa, keep_blocks=keep),
+                        cluster, overlap, boundary) for summa, keep in pairs]
+
+    pairs = candidates(mesh, options)
+    results = price(pairs)
+    if options.summa == AUTO and has_summa_steps(mesh) and not any(
+            item.memory.total <= budget for item, _ in _compiled(results)):
+        results += price([("broadcast", keep) for _, keep in pairs])
+    compiled = _compiled(results)
+    if not compiled:
+        raise results[0]  # the first candidate's error
+    priced = [item for item, _ in compiled]
     fitting = [item for item in priced if item.memory.total <= budget]
     best = min(fitting or priced, key=lambda item: item.time.step_s)
-    program = compiled[("broadcast" if best.summa == "overlap" else best.summa, best.keep_blocks)][0]
+    program = next(program for item, program in compiled if item is best)
     return ScheduleChoice(dataclasses.replace(options, summa=best.summa, keep_blocks=best.keep_blocks), best,
                           bool(fitting), budget, tuple(priced), program)
 
 
-def _compile(model, mesh, example_inputs, options, boundary) -> tuple[Program, MemoryEstimate] | Exception:
-    """The program of one candidate and its memory, or the error it failed to compile with."""
+def _compiled(results: list) -> list[tuple[Priced, Program]]:
+    return [result for result in results if not isinstance(result, Exception)]
+
+
+def _priced(model, mesh: Mesh, example_inputs, options: CompileOptions, cluster: Cluster, overlap: bool,
+            boundary: dict) -> tuple[Priced, Program] | Exception:
+    """One candidate compiled and priced, or the error it failed to compile with."""
     try:
-        program = compile_model(model, mesh, example_inputs, options=options, **boundary)
+        program = compile_model(model, mesh, example_inputs, options=options, cluster=cluster, **boundary)
     except (ValueError, RuntimeError) as exc:
         log.debug("summa=%s, keep_blocks=%s does not compile on mesh %s: %s", options.summa, options.keep_blocks,
                   mesh, exc)
         return exc
-    return program, predict_memory(program)
+    time = predict_time(program, cluster, overlap=overlap)
+    return Priced(options.summa, options.keep_blocks, time, predict_memory(program),
+                  tuple(program.schedules.items())), program
 
 
 def load_cluster(cluster: Cluster | str | os.PathLike | None) -> tuple[Cluster, str]:
@@ -138,55 +143,68 @@ def load_cluster(cluster: Cluster | str | os.PathLike | None) -> tuple[Cluster, 
         return cluster, "the given cluster"
     if isinstance(cluster, (str, os.PathLike)):
         return Cluster.load(cluster), f"cluster {os.fspath(cluster)}"
-    raise TypeError(f"cluster={cluster!r} is not a cluster: pass a tess_compile.analysis.cluster.Cluster, the path "
+    raise TypeError(f"cluster={cluster!r} is not a cluster: pass a tess_compile.core.cluster.Cluster, the path "
                      "of a JSON file Cluster.save wrote, or None for the calibrated default")
 
 
 class Resolved(NamedTuple):
-    """`resolve_auto`'s answer: the concrete options, the program compiled for them while
-    pricing (None: compile it), and the line that says what auto chose ("" if nothing was auto)."""
+    """`resolve_auto`'s answer: the options to compile (summa may stay "auto": each compile prices
+    it), the program compiled for them while pricing (None: compile it), the line that says what
+    keep_blocks="auto" chose ("" if it was not auto), and the cluster with the words that name it."""
 
     options: CompileOptions
     program: Program | None
     summary: str
+    cluster: Cluster
+    cluster_name: str
 
 
 def resolve_auto(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
                  cluster: Cluster | str | os.PathLike | None = None, **boundary) -> Resolved:
-    """`options` with "auto" replaced by the choice of `choose_schedule` on `cluster` (see
-    `load_cluster`, read even if nothing is auto), logged on the `tess_compile` logger."""
+    """`options` with keep_blocks="auto" replaced by the choice of `choose_schedule` on `cluster`
+    (see `load_cluster`, read even if nothing is auto), logged on the `tess_compile` logger."""
     cluster, name = load_cluster(cluster)
-    if not options.auto:
-        return Resolved(options, None, "")
-    fields = ", ".join(f"{field}=auto" for field in options.auto)
+    if options.keep_blocks != AUTO:
+        return Resolved(options, None, "", cluster, name)
     if not has_summa_steps(mesh):
-        ((summa, keep),) = candidates(mesh, options)
-        summary = f"{fields}: {summa}, keep_blocks={keep} on mesh {mesh} (no SUMMA steps to schedule)"
+        summary = f"keep_blocks=auto: False on mesh {mesh} (no SUMMA steps to schedule)"
         log.info("%s", summary)
-        return Resolved(dataclasses.replace(options, summa=summa, keep_blocks=keep), None, summary)
+        return Resolved(dataclasses.replace(options, keep_blocks=False), None, summary, cluster, name)
     choice = choose_schedule(model, mesh, example_inputs, options, cluster, **boundary)
-    summary = f"{fields}: chose {_summary(choice, mesh)} on {name}"
+    summary = f"keep_blocks=auto: chose {_summary(choice, mesh)} on {name}"
     log.info("%s", summary)
-    return Resolved(choice.options, choice.program, summary)
+    return Resolved(choice.options, choice.program, summary, cluster, name)
 
 
 def compile_auto(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
                  cluster: Cluster | str | os.PathLike | None = None, **boundary) -> tuple[Program, str]:
     """The program of `options` (`compile_model` with `boundary`'s keywords), "auto" resolved on
-    `cluster` first (`resolve_auto`, whose priced program is reused), and its summary line."""
+    `cluster` (`resolve_auto`, whose priced program is reused), and the line that says what auto
+    chose ("" if nothing was auto)."""
     resolved = resolve_auto(model, mesh, example_inputs, options, cluster, **boundary)
     program = resolved.program
     if program is None:
-        program = compile_model(model, mesh, example_inputs, options=resolved.options, **boundary)
-    return program, resolved.summary
+        program = compile_model(model, mesh, example_inputs, options=resolved.options, cluster=resolved.cluster,
+                                **boundary)
+    return program, auto_summary(resolved, program)
+
+
+def auto_summary(resolved: Resolved, program: Program) -> str:
+    """What auto chose for `program`: the keep_blocks line, and the products' schedules of summa="auto"."""
+    lines = [resolved.summary] if resolved.summary else []
+    if resolved.options.summa == AUTO and program.schedules:
+        lines.append(f"summa=auto on mesh {program.mesh}: {describe_schedules(program.schedules)} "
+                     f"(priced on {resolved.cluster_name})")
+    return "; ".join(lines)
 
 
 def _summary(choice: ScheduleChoice, mesh: Mesh) -> str:
-    """`gather, keep_blocks=False on mesh ... (predicted 1.2 ms/step; broadcast 1.5 ms, ...)`."""
+    """`keep_blocks=False on mesh ... (predicted 1.2 ms/step; gather+keep 1.5 ms, ...)`."""
     best = choice.best
     others = [f"{item.label} {_ms(item.time.step_s)}{'' if item.memory.total <= choice.budget else ' (over memory)'}"
               for item in choice.priced if item is not best]
-    text = f"{best.summa}, keep_blocks={best.keep_blocks} on mesh {mesh} (predicted {_ms(best.time.step_s)}/step"
+    schedule = "" if best.summa == AUTO else f"{best.summa}, "
+    text = f"{schedule}keep_blocks={best.keep_blocks} on mesh {mesh} (predicted {_ms(best.time.step_s)}/step"
     text += f"; {', '.join(others)})" if others else ")"
     if not choice.fits:
         text += f"; none fits the memory of {choice.budget / GB:.3g} GB per rank: the fastest"

@@ -13,7 +13,7 @@ import traceback
 import torch
 from torch import nn
 
-from tess_compile.analysis.cluster import Cluster
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.options import AUTO, RENAMED, CompileOptions
 
 __all__ = [

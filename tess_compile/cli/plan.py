@@ -15,8 +15,6 @@ import sys
 
 import torch
 
-from tess_compile.analysis.cluster import CALIBRATED_CLUSTER as paper
-from tess_compile.analysis.cluster import Cluster
 from tess_compile.analysis.planner import candidate_meshes, format_table, plan
 from tess_compile.cli.common import (
     KEEP_BLOCKS,
@@ -29,6 +27,8 @@ from tess_compile.cli.common import (
     parse_target,
     positive,
 )
+from tess_compile.core.cluster import CALIBRATED_CLUSTER as paper
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.options import RECOMPUTE, SCHEDULES
 
 __all__ = ["CLUSTER_FLAGS", "add_command", "cluster_of", "cmd_plan"]

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tess_compile.core.mesh import Mesh
-from tess_compile.ops.collectives import COMMUNICATING
 
 __all__ = [
     "ALGORITHMS",
@@ -136,11 +135,12 @@ class Cluster:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0")
         object.__setattr__(self, "collectives", tuple(map(tuple, self.collectives)))
+        priced = list(dict.fromkeys(op for _, op in COLLECTIVE_RULES))
         for entry in self.collectives:
-            if not (len(entry) == 5 and entry[0] in COMMUNICATING and isinstance(entry[1], int) and entry[1] > 1
+            if not (len(entry) == 5 and entry[0] in priced and isinstance(entry[1], int) and entry[1] > 1
                     and entry[2] in ("intra", "inter") and entry[3] >= 0 and entry[4] >= 0):
                 raise ValueError(f"Cluster collectives entry {entry!r}: use (op, group size > 1, 'intra' or "
-                                 f"'inter', latency s >= 0, s per byte >= 0), op one of {', '.join(COMMUNICATING)}")
+                                 f"'inter', latency s >= 0, s per byte >= 0), op one of {', '.join(priced)}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"collective algorithm {self.algorithm!r} is not one of "
                              f"{', '.join(map(repr, ALGORITHMS))}: use 'ring' (NCCL's default) or 'tree'")

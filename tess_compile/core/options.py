@@ -9,10 +9,14 @@ exactly these keywords (`takes_compile_options` builds their signatures
 from the fields; the command line builds its flags from them), so no copy
 can drift. Each field's metadata holds its choices and help text.
 
-`summa` and `keep_blocks` also take "auto": `shard`, `simulate`, `dump` and
-the backend price the candidates on a cluster and compile the fastest that
-fits its memory (`tess_compile.analysis.schedule_choice`); a compile itself
-(`passes.driver.compile_model`) takes concrete options only.
+`summa` also takes "auto", the default: each matrix product takes the schedule
+priced cheapest for it on a cluster (`passes.product_schedule`; `cluster=` of
+`shard`, `simulate`, `dump`, the backend and `compile_model`, by default
+`CALIBRATED_CLUSTER`). `keep_blocks` takes "auto" too: `shard`, `simulate`,
+`dump` and the backend compile with and without keeping the fetched blocks and
+take the faster that fits the cluster's memory
+(`tess_compile.analysis.schedule_choice`); a compile itself
+(`passes.driver.compile_model`) takes True or False.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ __all__ = ["AUTO", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renam
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
 # "gather": one all-gather of each operand and one product.
 SCHEDULES = ("broadcast", "overlap", "gather")
-# `summa` and `keep_blocks` besides their own values: price the candidates on a cluster and
-# take the fastest that fits (`tess_compile.analysis.schedule_choice`).
+# `summa` besides the schedules: each product's cheapest on a cluster (`passes.product_schedule`);
+# `keep_blocks` besides True and False: the faster program that fits the cluster's memory
+# (`tess_compile.analysis.schedule_choice`).
 AUTO = "auto"
 # What backward recomputes instead of saving: nothing, each repeated block, or runs of
 # cheap local ops (besides the model's own torch.utils.checkpoint regions).
@@ -56,9 +61,9 @@ class CompileOptions:
         "help": "2.5d (Tesseract, the default), 2d (Optimus, d=1), 3d (d=q), or 1d (Megatron-LM over q*q*d ranks)"})
     summa: str = field(default="broadcast", metadata={
         "choices": (*SCHEDULES, AUTO), "what": "a schedule",
-        "help": "schedule of the matrix products: broadcast (the papers' q steps), overlap (the next step's "
-                "broadcasts in flight), gather (one all-gather per operand), or auto (price each on the cluster "
-                "and compile the fastest that fits its memory)"})
+        "help": "schedule of the matrix products: auto (the default: each product's cheapest on the cluster), "
+                "broadcast (the papers' q steps), overlap (the next step's broadcasts in flight) or gather (one "
+                "all-gather per operand)"})
     keep_blocks: bool | str = field(default=False, metadata={
         "also": (AUTO,),
         "help": "keep the fetched blocks of the matrix products for backward (less communication, q times the "
@@ -90,11 +95,6 @@ class CompileOptions:
                 values = ["True", "False", *map(repr, also)]
                 raise ValueError(f"{f.name}={value!r} is not a bool{''.join(f' or {v!r}' for v in also)}: pass "
                                  f"{f.name}={', '.join(values[:-1])} or {values[-1]}")
-
-    @property
-    def auto(self) -> tuple[str, ...]:
-        """The fields set to "auto", which the face resolves on a cluster before compiling."""
-        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) == AUTO)
 
     @property
     def checked(self) -> bool:

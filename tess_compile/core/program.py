@@ -21,7 +21,7 @@ from tess_compile.core.dynamic import DynamicShapes
 from tess_compile.core.layout import Layout, local_block
 from tess_compile.core.mesh import Mesh
 
-__all__ = ["INPUT_ROLES", "Program", "Slot", "input_name", "input_names", "split_example_inputs"]
+__all__ = ["INPUT_ROLES", "Program", "Slot", "describe_schedules", "input_name", "input_names", "split_example_inputs"]
 
 # Slot roles whose values arrive as the module's inputs on every call. A "local input"
 # (`compile_model(..., local_inputs=True)`, a pipeline stage's) is this rank's block of
@@ -68,6 +68,11 @@ class Program:
     @property
     def params(self) -> list[Slot]:
         return [s for s in self.slots if s.role == "param"]
+
+    @property
+    def schedules(self) -> dict[str, int]:
+        """How many matrix products run each schedule (`passes.rewrite`'s `meta["schedules"]`)."""
+        return self.graph.meta.get("schedules", {})
 
     def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:
         """The block of a parameter/buffer/constant that `rank` holds (a copy, on `device`; of an
@@ -271,6 +276,12 @@ def _describe_container(spec: pytree.TreeSpec) -> str:
     if spec.type in (list, tuple):
         return f"a {spec.type.__name__} of {spec.num_children}"
     return f"a {spec.type.__name__} of {spec.num_children} parts"
+
+
+def describe_schedules(schedules: dict[str, int]) -> str:
+    """`gather for 12 products, broadcast for 1` (most first)."""
+    ranked = sorted(schedules.items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} for {count} product{'s' if count != 1 else ''}" for name, count in ranked)
 
 
 def split_example_inputs(example_inputs) -> tuple[tuple, dict]:

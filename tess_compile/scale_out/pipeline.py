@@ -26,6 +26,7 @@ microbatch) and raise a ValueError naming the stages, the shapes and the fix.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -35,6 +36,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
 from passes.driver import mode_compiler
+from tess_compile.analysis.schedule_choice import load_cluster
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import split_example_inputs
@@ -47,11 +50,12 @@ PP = "pp"  # the pipeline dim of the DeviceMesh
 
 
 def stage_compiler(module: nn.Module, mesh: Mesh, example_inputs, stage_index: int, num_stages: int,
-                   options: CompileOptions):
+                   options: CompileOptions, cluster: Cluster | None = None):
     """`compile(training)` of stage `stage_index` of `num_stages` (see `passes.driver.mode_compiler`):
-    local inputs unless it is the first stage, local outputs unless it is the last."""
+    local inputs unless it is the first stage, local outputs unless it is the last; summa="auto"
+    priced on `cluster` (default `CALIBRATED_CLUSTER`)."""
     return mode_compiler(module, mesh, example_inputs, options, local_inputs=stage_index > 0,
-                         local_outputs=stage_index < num_stages - 1)
+                         local_outputs=stage_index < num_stages - 1, cluster=cluster)
 
 
 def pipeline_mesh(q: int, d: int, num_stages: int, *, mode: str = "2.5d", device_type: str | None = None):
@@ -104,6 +108,7 @@ def pipeline_stage(
     mesh=None,
     device=None,
     timeout: float | timedelta | None = None,
+    cluster: Cluster | str | os.PathLike | None = None,
 ):
     """This rank's stage of a pipeline: `module` (stage `stage_index` of `num_stages`, the same on
     every rank of the stage) tess-sharded on the stage's `[q, q, d]` ranks, as a
@@ -129,6 +134,8 @@ def pipeline_stage(
     returns DTensors, so a loss function may gather them with
     `tess_compile.full_tensor`. `stage.submod` is the sharded module
     (parameters: DTensors; make the optimizer from its `parameters()`).
+    summa="auto" prices each product's schedule on `cluster` (a `Cluster`, the path of a
+    JSON file `Cluster.save` wrote, or None for `CALIBRATED_CLUSTER`).
     """
 
     tess_mesh = options.mesh(q, d)
@@ -149,7 +156,8 @@ def pipeline_stage(
             f"given stage_index={stage_index}: pass stage_index={coordinate} (mesh.get_local_rank('{PP}')), with "
             "that stage's module"
         )
-    compile_in = stage_compiler(module, tess_mesh, example_inputs, stage_index, num_stages, options)
+    compile_in = stage_compiler(module, tess_mesh, example_inputs, stage_index, num_stages, options,
+                                load_cluster(cluster)[0])
     program = compile_in(module.training)
     ports = stage_ports(program, stage_index, num_stages)
     pp_group = root.get_group(PP)
