@@ -9,9 +9,9 @@ loss, the cross-entropy of the logits against random targets, so both sides
 run the same module and the loss is part of what each one shards: DTensor
 gathers the logits (its plan's output layout is Replicate), tess-compile
 computes it over the vocab-split logits. Each step: zero_grad, forward,
-backward, AdamW, by default in its fused implementation (torchtitan's
-default; `--optimizer for-loop` for torch's CPU default), the same on both
-sides.
+backward, AdamW (torch's CPU default, its for-loop implementation: the
+foreach and fused ones refuse DTensor's plan, which leaves some parameters
+plain tensors beside DTensors).
 
 Configurations (`CONFIGS`), each on all 8 ranks of one launch:
 
@@ -49,8 +49,7 @@ all-reduces and one all-gather of the logits; 15 and one at full size).
 CPU cores are shared by all 8 processes: the times rank configurations on
 this machine, they are not GPU predictions.
 
-    python3 benchmarks/vs_dtensor.py [--dims 128,256] [--rounds 7] [--steps 5] [--warmup 3]
-                                     [--optimizer fused] [--quick]
+    python3 benchmarks/vs_dtensor.py [--dims 128,256] [--rounds 7] [--steps 5] [--warmup 3] [--quick]
 
 `--quick` runs tiny sizes on 4 ranks (`[2,2,1]`), eager rows only
 (compiling costs minutes), for the tests.
@@ -143,9 +142,6 @@ CONFIGS = {
     "tess 2.5d compiled": (functools.partial(tess, mode="2.5d", compiled=True), True),
 }
 
-# --optimizer -> AdamW's keywords
-OPTIMIZERS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-
 
 class CommBytes(CommDebugMode):
     """CommDebugMode that also sums the bytes of the input tensor of each collective it counts."""
@@ -166,11 +162,11 @@ class CommBytes(CommDebugMode):
 class Trainer:
     """One configuration on this rank: its module, AdamW, and the global batch."""
 
-    def __init__(self, name: str, sizes: dict, q: int, d: int, optimizer: str = "fused"):
+    def __init__(self, name: str, sizes: dict, q: int, d: int):
         build, _ = CONFIGS[name]
         self.batch = make_batch(sizes)
         self.module = build(make_model(sizes), self.batch, q, d)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
 
     def forward(self) -> torch.Tensor:
         return self.module(*self.batch)
@@ -211,8 +207,8 @@ class Trainer:
 
 
 def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int,
-            rounds: int, steps: int, warmup: int, optimizer: str) -> list:
-    trainers = [Trainer(name, sizes, q, d, optimizer) for name in names]
+            rounds: int, steps: int, warmup: int) -> list:
+    trainers = [Trainer(name, sizes, q, d) for name in names]
     for trainer in trainers:
         for _ in range(warmup):
             trainer.step()
@@ -229,8 +225,6 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="fused",
-                        help="AdamW's implementation on both sides (fused: torchtitan's default)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes on 4 ranks ([2,2,1]), eager rows only, 2 rounds of 1 step")
     args = parser.parse_args(argv)
@@ -246,11 +240,11 @@ def main(argv=None) -> int:
     names = [name for name, (_, compiled) in CONFIGS.items() if not (args.quick and compiled)]
     start = time.perf_counter()
     for sizes in runs:
-        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup, args.optimizer),
+        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup),
                             timeout_s=3600, collective_timeout_s=600)
         print(f"\nPyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
               f"vocabulary {sizes['vocab']}, batch {sizes['batch']}, sequence {sizes['seq']}, fp32, cross-entropy, "
-              f"AdamW ({args.optimizer}); {q * q * d} gloo processes on {os.cpu_count()} CPU cores (DTensor and "
+              f"AdamW; {q * q * d} gloo processes on {os.cpu_count()} CPU cores (DTensor and "
               f"tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after "
               f"{warmup} warm-up")
         print_table(names, results)

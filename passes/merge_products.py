@@ -31,11 +31,13 @@ sums its steps; a `broadcast`, `reduce` or `all_reduce` of equal arguments,
 as `A @ B^T` reduces each step) moves after that op, which then runs once on
 the whole: a loop's steps are summed, and reduced, once.
 
-Where the products kept their weights for backward (a `fetched_product`
-keeps its own blocks to fetch them again; 1-D's linear its weight), the
-merged one keeps the concatenation: one copy of the group's local weights,
-where the products kept the parameters themselves. With kept blocks nothing
-grows.
+What the merged product keeps for backward is what its products kept: a
+`fetched_product` keeps its own blocks to fetch them again, and the merged
+one keeps the weights as pieces (`w_own` a tuple), which its backward
+concatenates, not a copy of their concatenation; a plain product of local
+weights (1-D) becomes such a `fetched_product` that fetches nothing, its
+biases added after. With kept blocks (`keep_blocks`), the merged product
+keeps the fetched concatenation, as its products kept their fetched blocks.
 
 Reads `meta["role"]`, `meta["weight_input"]` and `meta["dtype"]` of the
 weights' placeholders and `meta["layout"]` and `meta["global_shape"]` of the
@@ -252,15 +254,19 @@ def _merge(graph: Graph, group: list[_Product], cats: dict) -> Node:
     for link in first.w_chain[1:]:
         with graph.inserting_before(link):
             w = _call(graph, link.target, w, *link.args[1:], meta={**link.meta, "global_node": names})
+    pieces = tuple(p.w_source for p in group)  # what backward keeps: the weights, not their concatenation
     with graph.inserting_before(first.node):
         a_used = first.a_chain[-1]
         if first.node.target is fetched_product:
-            y = _call(graph, fetched_product, a_used, w, first.node.args[2], w_cat, *first.node.args[4:], meta=merged_meta)
-        elif first.bias is not None:
-            bias = _call(graph, aten.cat.default, [p.bias for p in group], 0, meta=merged_meta)
-            y = _call(graph, first.node.target, a_used, w, bias, meta=merged_meta)
-        else:
+            y = _call(graph, fetched_product, a_used, w, first.node.args[2], pieces, *first.node.args[4:],
+                      meta=merged_meta)
+        elif w is w_cat:  # a plain product of local weights (1-D): a product that fetches nothing keeps the pieces
+            y = _call(graph, fetched_product, a_used, w, a_used, pieces, first.kind, None, None, meta=merged_meta)
+        else:  # the blocks fetched and kept (keep_blocks): the product keeps the fetched concatenation
             y = _call(graph, first.node.target, a_used, w, meta=merged_meta)
+        if first.bias is not None:
+            bias = _call(graph, aten.cat.default, [p.bias for p in group], 0, meta=merged_meta)
+            y = _call(graph, aten.add.Tensor, y, bias, meta=merged_meta)
         split = _split(graph, y, [p.w_shape[p.out_dim] for p in group], [p.node for p in group], merged_meta)
     for product in group:
         _erase_with_chains(graph, product.node, (product.a_chain, product.w_chain))

@@ -108,7 +108,7 @@ def test_the_default_is_auto_logged_and_exact(caplog):
     torch.manual_seed(0)
     model, x = GPTBlock(8, 2).double(), torch.randn(4, 3, 8, dtype=torch.float64)
     with caplog.at_level(logging.INFO, logger="tess_compile"):
-        sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), summa="auto")
+        sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("summa=auto on mesh")]
     assert lines == ["summa=auto on mesh [q=2, q=2, d=2]: gather for 4 products (priced on CALIBRATED_CLUSTER)"]
     assert_exact(sim, model, x)

@@ -97,7 +97,8 @@ def test_installed_script_dumps_the_rewritten_graph(workdir):
     proc = run_cli("dump", "model.py:make_mlp", *MESH, cwd=workdir, script=script)
     assert proc.returncode == 0, report(proc)
     assert "[q=2, q=2, d=2]" in proc.stdout, report(proc)
-    assert "broadcast" in proc.stdout, report(proc)
+    assert "# summa=auto on mesh [q=2, q=2, d=2]: gather for 2 products" in proc.stdout, report(proc)
+    assert "tess.all_gather" in proc.stdout, report(proc)
 
 
 def test_dump_writes_the_output_file(workdir):
@@ -106,7 +107,7 @@ def test_dump_writes_the_output_file(workdir):
                         cwd=workdir)
     assert proc.returncode == 0, report(proc)
     assert proc.stdout == "", report(proc)
-    assert "broadcast" in out.read_text(), out.read_text()
+    assert "all_gather" in out.read_text(), out.read_text()
 
 
 def test_run_simulated(workdir):

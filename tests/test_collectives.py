@@ -1,4 +1,5 @@
-"""Exact collective counts and sizes per phase (DESIGN.md section 3).
+"""Exact collective counts and sizes per phase (DESIGN.md section 3), in the papers'
+schedule (summa="broadcast"; tests/test_schedules.py counts the others).
 
 Expectations are derived from the algorithms, not read off the library:
 
@@ -38,7 +39,8 @@ SEQ = 3
 def run(model: nn.Module, q: int, d: int, hidden: int, *, input_grad: bool = True, keep_blocks: bool = False):
     """Simulate `model` on a [d*q, SEQ, hidden] input, forward and backward; return the sim."""
     x = torch.randn(d * q, SEQ, hidden)
-    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), strict=True, verify=True, keep_blocks=keep_blocks)
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), strict=True, verify=True, keep_blocks=keep_blocks,
+                                summa="broadcast")
     assert sim.comm.records == [], "compiling must not communicate"
     out = sim(x.clone().requires_grad_(input_grad))
     forward_records = len(sim.comm.records)
@@ -149,7 +151,7 @@ def test_counts_accumulate_per_call(q, d):
     hidden = 4 * q
     model = nn.Linear(hidden, hidden, bias=False)
     x = torch.randn(d * q, SEQ, hidden)
-    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), verify=True)
+    sim = tess_compile.simulate(model, q, d, example_inputs=(x,), verify=True, summa="broadcast")
     sim(x)
     sim(x)
     assert sim.comm.counts("forward") == {("broadcast", "col"): 2 * q, ("broadcast", "row"): 2 * q}

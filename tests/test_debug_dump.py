@@ -29,4 +29,4 @@ def test_debug_switch_dumps_every_stage(tmp_path, monkeypatch):
     assert summary[1] == "01 place: 8 nodes (8 -> 8, +0)", "placement is an analysis: no node added"
     assert "(8 -> " in summary[3] and ", +" in summary[3], "the rewrite adds collectives"
     assert "S(0)S(0)S(2)" in (tmp_path / "01-place.txt").read_text()
-    assert "tess.broadcast" in (tmp_path / "03-rewrite.txt").read_text()
+    assert "tess.all_gather" in (tmp_path / "03-rewrite.txt").read_text()

@@ -22,15 +22,16 @@ GOLDEN_LINEAR_RANK0 = """\
 # tess-compile rewritten graph, mesh [q=2, q=2, d=2], 8 ranks
 # rank 0 at (k, i, j) = (0, 0, 0); peers along depth [0, 4], row [0, 2], col [0, 1]
 # parameter bytes on this rank: 24
-# memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 32
+# summa=auto on mesh [q=2, q=2, d=2]: gather for 1 product (priced on the default cluster (CALIBRATED_CLUSTER))
+# memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
 # redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
-# bytes moved by this rank, inputs without grad: forward 64, backward 96
-#   forward broadcast along col: 32
-#   forward broadcast along row: 32
+# bytes moved by this rank, inputs without grad: forward 32, backward 80
+#   forward all_gather along col: 16
+#   forward all_gather along row: 16
+#   backward all_gather along col: 16
 #   backward all_reduce along depth: 24
 #   backward all_reduce along row: 8
-#   backward broadcast along col: 32
-#   backward reduce along row: 32
+#   backward reduce_scatter along row: 32
 p_weight = param("weight")  # RS(1)S(0) local [2, 2] float32
 p_bias = param("bias")  # RRS(0) local [2] float32
 grad_bucket = tess.grad_bucket([p_bias, p_weight], (("depth", "row"), ("depth",)))  # (local [2] float32, local [2, 2] float32) backward all_reduce along depth peers [0, 4] bytes 24 backward all_reduce along row peers [0, 2] bytes 8
@@ -40,30 +41,27 @@ input_1 = input(0)  # RRR local [4, 2, 4] float32
 shard_slice = tess.shard_slice(input_1, along="depth", parts=2, dim=0, groups=1)  # local [2, 2, 4] float32 peers [0, 4] bytes 0
 shard_slice_1 = tess.shard_slice(shard_slice, along="row", parts=2, dim=0, groups=1)  # local [1, 2, 4] float32 peers [0, 2] bytes 0
 shard_slice_2 = tess.shard_slice(shard_slice_1, along="col", parts=2, dim=2, groups=1)  # S(0)S(0)S(2) local [1, 2, 2] float32 peers [0, 1] bytes 0
-broadcast = tess.broadcast(shard_slice_2, along="col", src=0)  # local [1, 2, 2] float32 peers [0, 1] bytes 16
-broadcast_1 = tess.broadcast(p_weight_synced, along="row", src=0)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
-fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
-broadcast_2 = tess.broadcast(shard_slice_2, along="col", src=1)  # local [1, 2, 2] float32 peers [0, 1] bytes 16
-broadcast_3 = tess.broadcast(p_weight_synced, along="row", src=1)  # local [2, 2] float32 peers [0, 2] bytes 16; backward reduce bytes 16
-fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [0, 1] bytes 16
-add = aten.add.Tensor(fetched_product, fetched_product_1)  # local [1, 2, 2] float32
-add_1 = aten.add.Tensor(add, p_bias_synced)  # S(0)S(0)S(2) local [1, 2, 2] float32
-return (add_1,)
+all_gather = tess.all_gather(p_weight_synced, along="row", parts=2, dim=1, groups=1)  # local [2, 4] float32 peers [0, 2] bytes 16; backward reduce_scatter bytes 32
+all_gather_1 = tess.all_gather(shard_slice_2, along="col", parts=2, dim=2, groups=1)  # local [1, 2, 4] float32 peers [0, 1] bytes 16
+fetched_product = tess.fetched_product(all_gather_1, all_gather, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("all_gather", "col", 2, 2, 1), w_fetch=("all_gather", "row", 2, 1, 1))  # local [1, 2, 2] float32 backward all_gather along col peers [0, 1] bytes 16
+add = aten.add.Tensor(fetched_product, p_bias_synced)  # S(0)S(0)S(2) local [1, 2, 2] float32
+return (add,)
 """
 
 GOLDEN_LINEAR_RANK5 = """\
 # tess-compile rewritten graph, mesh [q=2, q=2, d=2], 8 ranks
 # rank 5 at (k, i, j) = (1, 0, 1); peers along depth [1, 5], row [5, 7], col [4, 5]
 # parameter bytes on this rank: 24
-# memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 32
+# summa=auto on mesh [q=2, q=2, d=2]: gather for 1 product (priced on the default cluster (CALIBRATED_CLUSTER))
+# memory per rank (bytes): parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
 # redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
-# bytes moved by this rank, inputs without grad: forward 64, backward 96
-#   forward broadcast along col: 32
-#   forward broadcast along row: 32
+# bytes moved by this rank, inputs without grad: forward 32, backward 80
+#   forward all_gather along col: 16
+#   forward all_gather along row: 16
+#   backward all_gather along col: 16
 #   backward all_reduce along depth: 24
 #   backward all_reduce along row: 8
-#   backward broadcast along col: 32
-#   backward reduce along row: 32
+#   backward reduce_scatter along row: 32
 p_weight = param("weight")  # RS(1)S(0) local [2, 2] float32
 p_bias = param("bias")  # RRS(0) local [2] float32
 grad_bucket = tess.grad_bucket([p_bias, p_weight], (("depth", "row"), ("depth",)))  # (local [2] float32, local [2, 2] float32) backward all_reduce along depth peers [1, 5] bytes 24 backward all_reduce along row peers [5, 7] bytes 8
@@ -73,15 +71,11 @@ input_1 = input(0)  # RRR local [4, 2, 4] float32
 shard_slice = tess.shard_slice(input_1, along="depth", parts=2, dim=0, groups=1)  # local [2, 2, 4] float32 peers [1, 5] bytes 0
 shard_slice_1 = tess.shard_slice(shard_slice, along="row", parts=2, dim=0, groups=1)  # local [1, 2, 4] float32 peers [5, 7] bytes 0
 shard_slice_2 = tess.shard_slice(shard_slice_1, along="col", parts=2, dim=2, groups=1)  # S(0)S(0)S(2) local [1, 2, 2] float32 peers [4, 5] bytes 0
-broadcast = tess.broadcast(shard_slice_2, along="col", src=0)  # local [1, 2, 2] float32 peers [4, 5] bytes 16
-broadcast_1 = tess.broadcast(p_weight_synced, along="row", src=0)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
-fetched_product = tess.fetched_product(broadcast, broadcast_1, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 0), w_fetch=("broadcast", "row", 0))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
-broadcast_2 = tess.broadcast(shard_slice_2, along="col", src=1)  # local [1, 2, 2] float32 peers [4, 5] bytes 16
-broadcast_3 = tess.broadcast(p_weight_synced, along="row", src=1)  # local [2, 2] float32 peers [5, 7] bytes 16; backward reduce bytes 16
-fetched_product_1 = tess.fetched_product(broadcast_2, broadcast_3, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("broadcast", "col", 1), w_fetch=("broadcast", "row", 1))  # local [1, 2, 2] float32 backward broadcast along col peers [4, 5] bytes 16
-add = aten.add.Tensor(fetched_product, fetched_product_1)  # local [1, 2, 2] float32
-add_1 = aten.add.Tensor(add, p_bias_synced)  # S(0)S(0)S(2) local [1, 2, 2] float32
-return (add_1,)
+all_gather = tess.all_gather(p_weight_synced, along="row", parts=2, dim=1, groups=1)  # local [2, 4] float32 peers [5, 7] bytes 16; backward reduce_scatter bytes 32
+all_gather_1 = tess.all_gather(shard_slice_2, along="col", parts=2, dim=2, groups=1)  # local [1, 2, 4] float32 peers [4, 5] bytes 16
+fetched_product = tess.fetched_product(all_gather_1, all_gather, a_own=shard_slice_2, w_own=p_weight_synced, product="linear", a_fetch=("all_gather", "col", 2, 2, 1), w_fetch=("all_gather", "row", 2, 1, 1))  # local [1, 2, 2] float32 backward all_gather along col peers [4, 5] bytes 16
+add = aten.add.Tensor(fetched_product, p_bias_synced)  # S(0)S(0)S(2) local [1, 2, 2] float32
+return (add,)
 """
 
 
@@ -178,7 +172,7 @@ def test_dot_format_and_svg():
     model, x = nn.Linear(4, 4), torch.randn(4, 2, 4)
     dot = dump(model, 2, 2, example_inputs=(x,), format="dot")
     assert dot.startswith("digraph")
-    assert "broadcast" in dot and dot.count("->") >= 10
+    assert "all_gather" in dot and dot.count("->") >= 10
     if shutil.which("dot") is None:
         with pytest.raises(ValueError, match="Graphviz"):
             dump(model, 2, 2, example_inputs=(x,), format="svg")
@@ -213,7 +207,7 @@ def test_accounting_of_flags_and_weights_given_as_inputs():
             return self.lin(x) * 2 if scale else self.lin(x)
 
     x = torch.randn(4, 2, 4)
-    assert "tess.broadcast" in dump(Flagged(), 2, 2, example_inputs={"x": x, "scale": False})
+    assert "tess.all_gather" in dump(Flagged(), 2, 2, example_inputs={"x": x, "scale": False})
 
     torch._dynamo.reset()
     programs = []

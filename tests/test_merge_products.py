@@ -25,7 +25,10 @@ from torch import nn
 
 import passes.driver
 import tess_compile
+from passes.driver import compile_model
 from tess_compile.analysis.accounting import bytes_from_records, predict_bytes
+from tess_compile.analysis.memory import predict_memory
+from tess_compile.core.mesh import Mesh
 from tess_compile.ops.fetched_product import fetched_product
 
 aten = torch.ops.aten
@@ -163,6 +166,20 @@ def test_gather_counts_before_and_after(gather_sims):
                                              ("reduce_scatter", "row"): 4, ("reduce_scatter", "col"): 4, **syncs}
     products = [sum(n.target is fetched_product for n in sim.program.graph.graph.nodes) for sim in gather_sims]
     assert products == [7, 4]
+
+
+@pytest.mark.parametrize("mode, summa", [("2.5d", "gather"), ("2.5d", "broadcast"), ("1d", "broadcast")])
+def test_merged_products_keep_no_more_for_backward(mode, summa):
+    """A merged product keeps the weights themselves for backward (its pieces), not a copy of
+    their concatenation: the bytes saved for backward are those of the unmerged program."""
+    model, (q, d) = _model(False, False), ((1, 4) if mode == "1d" else (2, 2))
+    x = _input(q, d, mode)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(passes.driver, "merge_products", _unmerged)
+        before = compile_model(model, Mesh(q, d, mode), (x,), summa=summa)
+    after = compile_model(model, Mesh(q, d, mode), (x,), summa=summa)
+    assert after.graph.meta["schedules"] == before.graph.meta["schedules"]
+    assert predict_memory(after).activations == predict_memory(before).activations
 
 
 class TiedHeads(nn.Module):

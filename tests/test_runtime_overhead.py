@@ -166,6 +166,7 @@ SPLITS = [  # shape of this rank's block, dim, groups, blocks in rank order
     ((8, 4), 0, 2, False),
     ((1, 8, 4), 1, 2, False),
     ((2, 4, 6), 2, 3, False),
+    ((6, 1), 1, 1, False),  # the gathered blocks' order a view could give: the result must still be contiguous
 ]
 
 

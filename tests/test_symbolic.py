@@ -99,7 +99,7 @@ def test_exact_where_derived_and_equal_to_the_records(mode):
     mesh, sizes = DERIVE[mode]
     assert evaluate_bytes(formulas, mesh, named(sizes)) == predict_bytes(program)
     sim = tess_compile.simulate(make_block("gpt", sizes["h"], sizes["n"]), mesh.q, mesh.d, mode=mode,
-                                example_inputs=(torch.randn(sizes["b"], sizes["s"], sizes["h"]),))
+                                example_inputs=(torch.randn(sizes["b"], sizes["s"], sizes["h"]),), summa="broadcast")
     x = torch.randn(sizes["b"], sizes["s"], sizes["h"])
     sim(x).square().sum().backward()
     assert evaluate_bytes(formulas, mesh, named(sizes)) == bytes_from_records(sim.comm.records)
@@ -134,7 +134,7 @@ def test_tesseract_closed_form_of_one_product():
     f = sympy.Symbol("f", positive=True, integer=True)
     sizes = {"b": 8, "s": 5, "h": 6, "f": 14}
     x = torch.randn(sizes["b"], sizes["s"], sizes["h"])
-    program = compile_model(nn.Linear(6, 14, bias=False), Mesh(2, 2), (x,))
+    program = compile_model(nn.Linear(6, 14, bias=False), Mesh(2, 2), (x,), summa="broadcast")
     formulas = symbolic_bytes(program, sizes, inputs_require_grad=True)
     expected = {
         "forward": {("broadcast", "col"): b * s * h / (d * q), ("broadcast", "row"): f * h / q},
@@ -159,8 +159,8 @@ def test_format_lines():
 
 def test_dump_prints_formulas_only_when_asked():
     model, x = nn.Linear(6, 14, bias=False), torch.randn(8, 5, 6)
-    plain = dump(model, 2, 2, example_inputs=(x,))
-    text = dump(model, 2, 2, example_inputs=(x,), sizes={"b": 8, "s": 5, "h": 6, "f": 14})
+    plain = dump(model, 2, 2, example_inputs=(x,), summa="broadcast")
+    text = dump(model, 2, 2, example_inputs=(x,), summa="broadcast", sizes={"b": 8, "s": 5, "h": 6, "f": 14})
     assert "formulas" not in plain
     assert text.startswith(plain.split("\np_weight")[0])
     assert "# bytes moved as formulas (b=8, s=5, h=6, f=14, q=2, d=2, p=8):" in text

@@ -207,7 +207,9 @@ def _fetch_costs(node: Node, values: dict[Node, object], reached: set) -> list[C
     for needed, own, fetch in ((values[a_used].requires_grad, w, w_fetch), (values[w_used].requires_grad, a, a_fetch)):
         if needed and fetch is not None:
             op, axis = fetch[:2]
-            costs.append(CollectiveCost(node, op, axis, None, op, tensor_bytes(values[own]), backward_of=own))
+            pieces = own if isinstance(own, tuple) else (own,)  # a merged product's weights, joined to fetch
+            num_bytes = sum(tensor_bytes(values[piece]) for piece in pieces)
+            costs.append(CollectiveCost(node, op, axis, None, op, num_bytes, backward_of=own))
     return costs
 
 

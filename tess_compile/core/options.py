@@ -59,7 +59,7 @@ class CompileOptions:
     mode: str = field(default="2.5d", metadata={
         "choices": MODES, "check": check_mode,
         "help": "2.5d (Tesseract, the default), 2d (Optimus, d=1), 3d (d=q), or 1d (Megatron-LM over q*q*d ranks)"})
-    summa: str = field(default="broadcast", metadata={
+    summa: str = field(default=AUTO, metadata={
         "choices": (*SCHEDULES, AUTO), "what": "a schedule",
         "help": "schedule of the matrix products: auto (the default: each product's cheapest on the cluster), "
                 "broadcast (the papers' q steps), overlap (the next step's broadcasts in flight) or gather (one "

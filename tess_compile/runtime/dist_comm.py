@@ -102,9 +102,10 @@ class DistComm(Comm):
         shape = _split_dim(x.shape, dim, parts * x.shape[dim])
         if in_rank_order(x.shape, dim, groups):
             return gathered.view(shape)
-        # Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..], as `put_blocks` puts it.
+        # Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..], as `put_blocks` puts it;
+        # contiguous, as the op's fake kernel says (where the reshape is a view, it is not).
         blocks = gathered.view(parts, *_split_dim(x.shape, dim, groups, x.shape[dim] // groups))
-        return blocks.movedim(0, dim + 1).reshape(shape)
+        return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
 
     def _reduce_scatter(self, x, axis, parts, dim, groups):
         """One `reduce_scatter_single` of the blocks (`take_block`'s) flattened in rank order (NCCL's
