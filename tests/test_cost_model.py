@@ -16,6 +16,7 @@ from tess_compile.analysis.accounting import collective_costs, forward_flops, pr
 from tess_compile.analysis.cost_model import (
     PhaseProfile,
     comm_seconds,
+    kernel_profile,
     predict_time,
     profile_program,
     ring_wire_bytes,
@@ -252,6 +253,38 @@ def test_overlap_takes_the_larger_of_compute_and_comm():
     assert overlapped.forward_s == max(serial.forward_compute_s, serial.forward_comm_s)
     assert overlapped.backward_s == max(serial.backward_compute_s, serial.backward_comm_s)
     assert overlapped.step_s < serial.step_s
+
+
+def test_the_overlap_schedules_started_broadcasts_hide_behind_forward_compute():
+    """summa="overlap" starts each step's broadcasts ahead (`broadcast_start`): forward is the
+    longer of its compute and those broadcasts, then its other collectives."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 8)
+    overlap = predict_time(compile_model(MLP(), Mesh(2, 2), x, summa="overlap"), PAPER_CLUSTER)
+    plain = predict_time(compile_model(MLP(), Mesh(2, 2), x, summa="broadcast"), PAPER_CLUSTER)
+    assert 0 < overlap.forward_ahead_s <= overlap.forward_comm_s
+    rest = overlap.forward_comm_s - overlap.forward_ahead_s
+    assert overlap.forward_s == pytest.approx(max(overlap.forward_compute_s, overlap.forward_ahead_s) + rest)
+    assert overlap.forward_comm_s == pytest.approx(plain.forward_comm_s)  # the same broadcasts
+    assert plain.forward_ahead_s == 0
+    assert plain.forward_s == pytest.approx(plain.forward_compute_s + plain.forward_comm_s)
+
+
+def test_a_product_with_a_bias_term_counts_the_bias_copy_where_the_cluster_makes_it():
+    """CPU addmm copies the bias into its output before the product, which reads it back
+    (`Cluster.bias_copy`); GPU kernels add it in the product."""
+    x, w, b = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16)
+    plain = kernel_profile(lambda: torch.mm(x, w))
+    biased = kernel_profile(lambda: torch.addmm(b, x, w))
+    assert plain.matmul_flops == biased.matmul_flops == 2 * 64 * 32 * 16
+    assert (plain.bias_bytes, biased.bias_bytes) == (0, 2 * 64 * 16 * 4)
+    assert plain.memory_bytes == biased.memory_bytes == 0
+    program = compiled(2, 1, "1d")  # its linears: addmm
+    profile = profile_program(program)
+    copying = replace(PAPER_CLUSTER, bias_copy=True, memory_bandwidth=1e9)
+    gpu, cpu = (step_time(profile, replace(copying, bias_copy=flag)) for flag in (False, True))
+    assert profile.forward.bias_bytes > 0
+    assert cpu.forward_compute_s - gpu.forward_compute_s == pytest.approx(profile.forward.bias_bytes / 1e9)
 
 
 def test_faster_links_and_gpus_take_less_time():

@@ -11,7 +11,9 @@ both. Per phase (forward, backward):
   achieved rate `flops * m / (m + matmul_half_size)`, `m` the smallest
   dimension of the product (small shards run below peak);
 - every other kernel (elementwise ops, norms, softmax, copies): the bytes it
-  reads and writes at `memory_bandwidth`;
+  reads and writes at `memory_bandwidth`; on a cluster whose products copy
+  their bias term (`Cluster.bias_copy`: CPU BLAS), a product with one
+  (`addmm`, `baddbmm`) also writes its output once more and reads it back;
 - `kernel_overhead` seconds per kernel launched (views and allocations
   launch none; collectives are priced below, with the copies that pack a
   gradient bucket, `tess_compile.ops.grad_bucket`, as part of its all-reduce);
@@ -52,12 +54,13 @@ from tess_compile.ops.grad_bucket import packing
 __all__ = [
     "COMM_TERMS",
     "COMPUTE_TERMS",
+    "TERMS",
     "PhaseProfile",
     "ProgramProfile",
     "StepTime",
-    "TERMS",
     "coefficients",
     "comm_seconds",
+    "kernel_profile",
     "optimizer_seconds",
     "predict_time",
     "profile_program",
@@ -138,6 +141,10 @@ _OVERLAPPED_PHASES = {False: (), True: ("forward", "backward"), "forward": ("for
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
 
+# Products that add a bias term: the CPU kernels first copy it into the output.
+_BIASED = ("addmm", "baddbmm")
+
+
 # Fused attention kernels (forward and backward): `_scaled_dot_product_flash_attention`,
 # `..._efficient_attention`, `..._flash_attention_for_cpu`, ...
 _ATTENTION_PREFIX = "_scaled_dot_product"
@@ -157,6 +164,7 @@ class PhaseProfile:
     memory_bytes: float = 0.0  # bytes the other kernels read and write
     num_kernels: int = 0  # kernels launched (products and others; collectives not counted)
     num_matmuls: int = 0
+    bias_bytes: float = 0.0  # bytes the products with a bias term copy it with (`Cluster.bias_copy`)
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ class _KernelRecorder(TorchDispatchMode):
         super().__init__()
         self.phase = "forward"
         self.totals = {phase: {"matmul_flops": 0.0, "matmul_flops_per_size": 0.0, "memory_bytes": 0.0,
-                               "num_kernels": 0, "num_matmuls": 0} for phase in PHASES}
+                               "bias_bytes": 0.0, "num_kernels": 0, "num_matmuls": 0} for phase in PHASES}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -203,6 +211,8 @@ class _KernelRecorder(TorchDispatchMode):
         if name in _MATMULS:
             batch, m, k, n = _product_shape(name, args)
             self._product(totals, 2 * batch * m * k * n, min(m, k, n))
+            if name in _BIASED:  # the bias a CPU kernel copies into the output, which the product reads back
+                totals["bias_bytes"] += 2 * tensor_bytes(out)
         elif name.startswith(_ATTENTION_PREFIX):
             # forward (q, k, v, ...), backward (grad_out, q, k, v, ...); the full score
             # matrix's two products, twice as many in backward
@@ -220,6 +230,16 @@ class _KernelRecorder(TorchDispatchMode):
         totals["num_matmuls"] += 1
         totals["matmul_flops"] += flops
         totals["matmul_flops_per_size"] += flops / max(size, 1)
+
+
+def kernel_profile(fn) -> PhaseProfile:
+    """The kernels `fn()` launches, forward and backward alike, as the cost model counts them
+    (on real or fake tensors): what `tess_compile.analysis.profiling` calibrates the cluster's
+    compute constants with."""
+    recorder = _KernelRecorder()
+    with recorder:
+        fn()
+    return PhaseProfile(**recorder.totals["forward"])
 
 
 class _ShapeComm(Comm):
@@ -323,7 +343,8 @@ def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str 
     price = coefficients(cluster)
 
     def compute(phase: str) -> float:
-        return sum(price[name] * terms[phase][name] for name in COMPUTE_TERMS)
+        copies = profile.phase(phase).bias_bytes / cluster.memory_bandwidth if cluster.bias_copy else 0.0
+        return sum(price[name] * terms[phase][name] for name in COMPUTE_TERMS) + copies
 
     costs = _priced_costs(profile, grad_sync)
     comm = comm_seconds(costs, profile.mesh, cluster)

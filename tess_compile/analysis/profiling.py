@@ -5,9 +5,14 @@ rank at once (so that the ranks contend for cores, memory and links as they
 do in training):
 
 - the kernel overhead: a chain of tiny products, forward and backward;
-- memory bandwidth: an add of large tensors;
 - the matrix-product rate as a function of size: products whose smallest
   dimension runs from 8 to 512, fitted to `flops * m / (m + matmul_half_size)`;
+- memory bandwidth: what a reference layer (an MLP half: norm, product,
+  activation, product, residual on a 2 MB activation, forward and backward,
+  each output newly allocated as in a program) takes beside its products and
+  launches, over its bytes as the cost model counts them
+  (`cost_model.kernel_profile`): the kernels of a program in the working
+  set of a program, not a streaming add (which runs 3 to 5 times faster);
 - each collective the programs use (broadcast, reduce, all-reduce,
   all-gather, reduce-scatter) on every group size that divides the world,
   all groups of that size at once, at three message sizes, each call after a
@@ -19,7 +24,9 @@ do in training):
   intra-node for groups within a node and inter-node for groups across
   nodes;
 - the optimizer step: AdamW over DTensor parameters on a (depth, row, col)
-  mesh, as a sharded module's parameters are, per tensor and per byte.
+  mesh, as a sharded module's parameters are, per tensor and per byte;
+- on the CPU, products with a bias term copy it into their output first
+  (`Cluster.bias_copy`).
 
 Each time is the median of repeated runs on a rank (a run repeats a short call
 until it lasts 50 ms, so that the ranks overlap), averaged over the ranks
@@ -43,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tess_compile.analysis.cost_model import kernel_profile
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.ops.collectives import COMMUNICATING, use_comm
@@ -57,7 +65,7 @@ MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10)
 
 _MATMUL_SIZES = (8, 16, 32, 64, 128, 256, 512)  # the smallest dimension of the timed products
 _MATMUL_OTHER = 512  # the two other dimensions
-_STREAM_ELEMENTS = 1 << 21  # float32 elements of each operand of the bandwidth add (8 MB)
+_ACTIVATION = (2048, 256)  # the float32 activation of the reference layer (2 MB)
 _CHAIN = 64  # tiny products per chain of the kernel overhead
 _BETWEEN = 128  # the side of the product run before each timed collective
 _RUN_S = 0.05  # seconds of one timed run (the calls of a fast function repeated to fill it)
@@ -84,8 +92,8 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
     per_node = gpus_per_node or _ranks_on_first_host()
     timer = _Timer(device, repeats)
     overhead = timer.mean(_kernel_chain(device)) / (2 * _CHAIN)
-    bandwidth = 3 * 4 * _STREAM_ELEMENTS / max(timer.mean(_stream_add(device)) - overhead, 1e-9)
     flops, half = _fit_matmul(timer, device, overhead)
+    bandwidth = _memory_bandwidth(timer, device, overhead, flops, half)
     # every rank on col, as a 1-D program's; a communicator per partition gives col its group
     device_mesh = init_device_mesh(device.type, (1, 1, dist.get_world_size()), mesh_dim_names=AXES)
     collectives = _collective_lines(timer, device, per_node, device_mesh)
@@ -97,7 +105,7 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
         inter_latency=inter[0], flops=flops, memory=memory or _memory_per_rank(device, per_node),
         matmul_half_size=half, memory_bandwidth=bandwidth, kernel_overhead=overhead,
         optimizer_overhead=optimizer_overhead, optimizer_bandwidth=optimizer_bandwidth,
-        collectives=tuple(collectives))
+        collectives=tuple(collectives), bias_copy=device.type == "cpu")
     shared = [cluster]  # rank 0's: the fits may differ in the last bit from rank to rank
     dist.broadcast_object_list(shared, src=0)
     cluster = shared[0]
@@ -192,10 +200,30 @@ def _kernel_chain(device: torch.device) -> Callable[[], None]:
     return run
 
 
-def _stream_add(device: torch.device) -> Callable[[], torch.Tensor]:
-    a = torch.ones(_STREAM_ELEMENTS, device=device)
-    b = torch.ones(_STREAM_ELEMENTS, device=device)
-    return lambda: torch.add(a, b)
+def _layer(device: torch.device, rows: int, width: int) -> Callable[[], None]:
+    """A transformer layer's MLP half on a [rows, width] float32 activation, forward and
+    backward: norm, product, activation, product, residual, each output newly allocated."""
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    up = torch.randn(2 * width, width, device=device, requires_grad=True)
+    down = torch.randn(width, 2 * width, device=device, requires_grad=True)
+
+    def run():
+        y = torch.nn.functional.layer_norm(x, (width,))
+        y = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(y, up)), down)
+        (x + y).sum().backward()
+
+    return run
+
+
+def _memory_bandwidth(timer: _Timer, device: torch.device, overhead: float, flops: float, half: float) -> float:
+    """Bytes per second of the memory-bound kernels of a reference layer (`_layer` on a 2 MB
+    activation) as the cost model counts their bytes (`cost_model.kernel_profile`): the layer's
+    time less its products (at the fitted rate) and one `overhead` a kernel."""
+    layer = _layer(device, *_ACTIVATION)
+    counted = kernel_profile(layer)
+    products = (counted.matmul_flops + counted.matmul_flops_per_size * half) / flops
+    seconds = timer.mean(layer) - products - counted.num_kernels * overhead
+    return counted.memory_bytes / max(seconds, 1e-9)
 
 
 def _fit_matmul(timer: _Timer, device: torch.device, overhead: float) -> tuple[float, float]:

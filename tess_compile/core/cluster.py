@@ -101,6 +101,10 @@ class Cluster:
     kernel launch costs `kernel_overhead` seconds. The defaults (0, inf, 0)
     give the uncalibrated alpha-beta model.
 
+    `bias_copy`: a matrix product with a bias term (`addmm`) first copies the
+    bias into its output, whose bytes it then reads back, as CPU BLAS kernels
+    do (GPU kernels add it in the product's epilogue).
+
     A profiled cluster (`tess_compile.analysis.profiling.profile_cluster`) also
     holds the optimizer step, `optimizer_overhead` seconds per parameter tensor
     plus its parameter bytes at `optimizer_bandwidth` (AdamW; the defaults, 0
@@ -123,6 +127,7 @@ class Cluster:
     optimizer_overhead: float = 0.0
     optimizer_bandwidth: float = math.inf
     collectives: tuple[tuple[str, int, str, float, float], ...] = ()
+    bias_copy: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -141,6 +146,9 @@ class Cluster:
                     and entry[2] in ("intra", "inter") and entry[3] >= 0 and entry[4] >= 0):
                 raise ValueError(f"Cluster collectives entry {entry!r}: use (op, group size > 1, 'intra' or "
                                  f"'inter', latency s >= 0, s per byte >= 0), op one of {', '.join(priced)}")
+        if not isinstance(self.bias_copy, bool):
+            raise ValueError(f"Cluster bias_copy={self.bias_copy!r}: use True (products copy their bias term into "
+                             "their output first, as CPU BLAS does) or False")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"collective algorithm {self.algorithm!r} is not one of "
                              f"{', '.join(map(repr, ALGORITHMS))}: use 'ring' (NCCL's default) or 'tree'")
