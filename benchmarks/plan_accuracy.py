@@ -172,8 +172,8 @@ def measure(sizes: dict, configs: list, steps: int, warmup: int, rounds: int, su
     times: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for size_name, config, schedule in runs:
-            seconds = run_local(_config_worker, WORLD, args=(sizes[size_name], config, schedule, steps, warmup, cluster),
-                                timeout_s=900, collective_timeout_s=600)[0]
+            args = (sizes[size_name], config, schedule, steps, warmup, cluster)
+            seconds = run_local(_config_worker, WORLD, args=args, timeout_s=900, collective_timeout_s=600)[0]
             times.setdefault((size_name, config[0], schedule), []).append(seconds)
     return {key: statistics.median(values) for key, values in times.items()}
 

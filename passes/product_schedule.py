@@ -85,10 +85,10 @@ def cheapest_schedule(case: ProductCase, mesh: Mesh, cluster: Cluster) -> str:
     return min(SCHEDULES, key=lambda schedule: prices[schedule])
 
 
-def _overlapped(first_fetch: float, fetch: float, work: float, q: int) -> float:
+def _overlapped(fetch: float, work: float, q: int) -> float:
     """q steps whose fetch t+1 runs behind step t's `work`: the first fetch, then per step the
     longer of the work and the next fetch, the last step's work alone."""
-    return first_fetch + (q - 1) * max(work, fetch) + work
+    return fetch + (q - 1) * max(work, fetch) + work
 
 
 def _steps(case: ProductCase, price: _Prices, q: int, schedule: str) -> float:
@@ -100,14 +100,14 @@ def _steps(case: ProductCase, price: _Prices, q: int, schedule: str) -> float:
     if schedule == "gather":
         forward = (0.0 if case.a_shared else price.comm("all_gather", "col", a_bytes))
         forward += price.comm("all_gather", "row", w_bytes) + price.product(m, q * k, n)
-        refetch = 0.0 if case.keep_blocks else price.comm("all_gather", "row", w_bytes) + price.comm(
-            "all_gather", "col", a_bytes)
+        refetch = 0.0 if case.keep_blocks else (price.comm("all_gather", "row", w_bytes)
+                                                + price.comm("all_gather", "col", a_bytes))
         grad_a = price.add(m * q * k, size) if case.a_shared else price.comm("reduce_scatter", "col", q * a_bytes)
         backward = refetch + price.product(m, n, q * k) + price.product(q * k, m, n) + grad_a
         return forward + backward + price.comm("reduce_scatter", "row", q * w_bytes)
     fetch = price.comm("broadcast", "col", a_bytes) + price.comm("broadcast", "row", w_bytes)
     work = price.product(m, k, n) + price.add(m * n, size)
-    forward = _overlapped(fetch, fetch, work, q) if schedule == "overlap" else q * (fetch + work)
+    forward = _overlapped(fetch, work, q) if schedule == "overlap" else q * (fetch + work)
     refetch = 0.0 if case.keep_blocks else fetch
     reduces = price.comm("reduce", "col", a_bytes) + price.comm("reduce", "row", w_bytes)
     grads = price.product(m, n, k) + price.product(k, m, n) + price.add(m * k, size) + price.add(k * n, size)
@@ -130,7 +130,7 @@ def _transposed_steps(case: ProductCase, price: _Prices, q: int, schedule: str) 
         return forward + backward + price.product(q * n, m, k) + price.comm("reduce_scatter", "row", q * w_bytes)
     fetch = price.comm("broadcast", "row", w_bytes)
     work = price.product(m, k, n) + price.comm("reduce", "col", out_bytes) + price.add(m * n, size)
-    forward = _overlapped(fetch, fetch, work, q) if schedule == "overlap" else q * (fetch + work)
+    forward = _overlapped(fetch, work, q) if schedule == "overlap" else q * (fetch + work)
     backward = price.comm("broadcast", "col", out_bytes) + refetch + price.comm("reduce", "row", w_bytes)
     backward += price.product(m, n, k) + price.product(n, m, k) + price.add(m * k, size) + price.add(n * k, size)
     return forward + q * backward

@@ -377,13 +377,15 @@ def test_position_table_is_no_batch(q, d, mode):
     assert work <= 1.05  # the table's positions are split (2.5-D: over depth and row), not repeated
 
 
-def test_table_too_small_to_split_runs_whole():
-    """A table whose rows no axis divides (2 positions, depth x row = 4) runs whole, with a warning."""
+@pytest.mark.parametrize("summa", ["auto", "gather", "overlap"])
+def test_table_too_small_to_split_runs_whole(summa):
+    """A table whose rows no axis divides (2 positions, depth x row = 4) runs whole, with a warning,
+    in every schedule (a product placed whole takes no steps)."""
     x = torch.randn(4, 1, 16, dtype=torch.float64)
     model = _seeded(lambda: RelativeAttention(span=1))
     oracle = copy.deepcopy(model)
     with pytest.warns(UserWarning, match=r"no row dim of this table divides .* computes it whole"):
-        sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,))
+        sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,), summa=summa)
     assert_close_rel(sim(x), oracle(x), 1e-12, "output")
 
 

@@ -187,7 +187,8 @@ def stub_comm(monkeypatch):
 
     monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
     monkeypatch.setattr(dist, "reduce_scatter_single", reduce_scatter_single)
-    comm = DistComm(Mesh(1, 2, "1d"), _DeviceMesh(), timedelta(seconds=1), groups=dict.fromkeys(("depth", "row", "col")))
+    comm = DistComm(Mesh(1, 2, "1d"), _DeviceMesh(), timedelta(seconds=1),
+                    groups=dict.fromkeys(("depth", "row", "col")))
     return comm, sent
 
 
@@ -220,7 +221,8 @@ def _splits_worker(rank, world):
     errors = []
     for shape, dim, groups, _ in SPLITS:
         blocks = [torch.randn(shape, generator=torch.Generator().manual_seed(r)) for r in range(2)]
-        if not torch.equal(comm.run("all_gather", blocks[rank], "col", 2, dim, groups), put_blocks(blocks, dim, groups)):
+        gathered = comm.run("all_gather", blocks[rank], "col", 2, dim, groups)
+        if not torch.equal(gathered, put_blocks(blocks, dim, groups)):
             errors.append(("all_gather", shape, dim, groups))
         full = [put_blocks([b, 2 * b], dim, groups) for b in blocks]
         expected = take_block(full[0], dim, groups, 2, rank) + take_block(full[1], dim, groups, 2, rank)

@@ -37,7 +37,7 @@ from tess_compile.analysis.parallel_plan import (
     outer_options,
     price,
 )
-from tess_compile.analysis.schedule_choice import choose_schedule
+from tess_compile.analysis.schedule_choice import ScheduleChoice, choose_schedule
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import AXES, MODES, Mesh
 from tess_compile.core.options import AUTO, CompileOptions, renamed
@@ -175,7 +175,7 @@ def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget:
     return PlanRow(mesh, best.time, best.memory, _schedule_note(choice) + note, fits=True, **chosen)
 
 
-def _schedule_note(choice) -> str:
+def _schedule_note(choice: ScheduleChoice) -> str:
     """`gather for 12 products, keep_blocks; ` where auto chose (per product, or among candidates)."""
     best = choice.best
     words = []

@@ -82,8 +82,9 @@ def has_summa_steps(mesh: Mesh) -> bool:
 def candidates(mesh: Mesh, options: CompileOptions) -> list[tuple[str, bool]]:
     """The (summa, keep_blocks) pairs to compile and price: keep_blocks="auto" gives both where the
     products run SUMMA steps, else False; summa as it is ("auto" resolves in each compile)."""
-    keeps = ((False, True) if has_summa_steps(mesh) else (False,)) if options.keep_blocks == AUTO else (options.keep_blocks,)
-    return [(options.summa, keep) for keep in keeps]
+    if options.keep_blocks != AUTO:
+        return [(options.summa, options.keep_blocks)]
+    return [(options.summa, keep) for keep in ((False, True) if has_summa_steps(mesh) else (False,))]
 
 
 def choose_schedule(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
