@@ -105,7 +105,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
 
 
 def _last_node(b: Builder) -> Node:
-    return next(reversed(b.graph.nodes))
+    return next(iter(reversed(b.graph.nodes)))
 
 
 def _mark_emitted(b: Builder, last: Node, original: Node) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow  # the whole file: benchmark smoke runs
 
@@ -77,3 +79,22 @@ def test_generate_benchmark_runs(capsys):
     table = capsys.readouterr().out
     assert "tess 2.5d [2,2,1]" in table and "DTensor TP p=4" in table
     assert table.count(" True") == 4  # every row's tokens are the unsharded model's
+
+
+def test_gpu_check_skips_without_cuda_and_dry_runs_on_cpu(capsys, tmp_path):
+    bench = _load("gpu_check")
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 0
+        assert "no CUDA device; skipped" in capsys.readouterr().out
+    out = tmp_path / "gpu.json"
+    assert bench.main(["--quick", "--device", "cpu", "--sections", "exact,kernels", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["errors"] == {}
+    assert max(row["worst"] for row in record["sections"]["exact"]) < 1e-12
+    assert {"collectives", "num_kernels"} <= set(record["sections"]["kernels"][0]["terms"]["forward"])
+
+
+def test_gpu_check_reports_the_committed_run(capsys):
+    bench = _load("gpu_check")
+    assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check.json")]) == 0
+    assert "local step = max(device, host)" in capsys.readouterr().out

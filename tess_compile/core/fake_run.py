@@ -21,13 +21,14 @@ from tess_compile.core.dynamic import concrete
 from tess_compile.core.mesh import Mesh
 
 # What stops a fake run early: data-dependent shapes, ops with no fake kernel, and devices fixed
-# in the graph (a model built on the meta device makes some tensors there, beside CPU inputs).
-UNCHECKABLE = (
-    fake_tensor.DataDependentOutputException,
-    fake_tensor.DynamicOutputShapeException,
-    fake_tensor.UnsupportedOperatorException,
-    fake_tensor.FakeTensorDeviceMismatchError,
-)
+# in the graph (a model built on the meta device makes some tensors there, beside CPU inputs;
+# torch before 2.13 has no class of its own for that).
+UNCHECKABLE = tuple(getattr(fake_tensor, name) for name in (
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "UnsupportedOperatorException",
+    "FakeTensorDeviceMismatchError",
+) if hasattr(fake_tensor, name))
 
 __all__ = ["UNCHECKABLE", "fake_run", "global_placeholder", "local_bytes", "local_placeholder", "requires_grad", "tensor_bytes"]
 

@@ -22,6 +22,17 @@ from tess_compile.ops.collectives import Comm
 __all__ = ["DistComm", "in_rank_order"]
 
 
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """torch 2.13's `all_gather_single`; the GPU machines' older torch has it only as
+    `all_gather_into_tensor` (its deprecated name in 2.13)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """torch 2.13's `reduce_scatter_single` (`reduce_scatter_tensor` before)."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
 class DistComm(Comm):
     """Collectives of this rank over the mesh's process groups.
 
@@ -98,7 +109,7 @@ class DistComm(Comm):
         one tensor; gloo takes only the concatenated form), put in place by one copy."""
         flat = x.reshape(-1)
         gathered = flat.new_empty(parts * flat.numel())
-        dist.all_gather_single(gathered, flat, group=self.groups[axis])
+        _all_gather_single(gathered, flat, group=self.groups[axis])
         shape = _split_dim(x.shape, dim, parts * x.shape[dim])
         if in_rank_order(x.shape, dim, groups):
             return gathered.view(shape)
@@ -117,7 +128,7 @@ class DistComm(Comm):
             split = _split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
             blocks = x.view(split).movedim(dim + 1, 0).reshape(-1)
         out = x.new_empty(blocks.numel() // parts)
-        dist.reduce_scatter_single(out, blocks, group=self.groups[axis])
+        _reduce_scatter_single(out, blocks, group=self.groups[axis])
         return out.view(shape)
 
     def _shard_slice(self, x, axis, parts, dim, groups):

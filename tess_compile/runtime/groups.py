@@ -134,6 +134,17 @@ def world_of(device_mesh) -> World | None:
     return known[1] if known is not None and known[0] is device_mesh else None
 
 
+def _backend_override(timeout: timedelta) -> tuple[str, object]:
+    """The default group's backend with options that time a group out after `timeout`:
+    NCCL takes only its own options class (it refuses the generic one)."""
+    backend = dist.get_backend()
+    if backend == dist.Backend.NCCL:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return backend, options
+    return backend, Backend.Options(backend, timeout)
+
+
 @functools.cache
 def _device_mesh(device_type: str, mesh: Mesh, timeout: timedelta):
     """The (d, q, q) DeviceMesh and its World, every group timing out after `timeout`.
@@ -143,8 +154,7 @@ def _device_mesh(device_type: str, mesh: Mesh, timeout: timedelta):
     in one collective (otherwise it runs one per axis and logs a warning on
     every rank); the flattened mesh of all ranks is the World.
     """
-    backend = dist.get_backend()
-    override = (backend, Backend.Options(backend, timeout))
+    override = _backend_override(timeout)
     device_mesh = init_device_mesh(
         device_type, mesh.shape, mesh_dim_names=AXES, backend_override={axis: override for axis in AXES}
     )
@@ -316,9 +326,7 @@ def mesh_groups(device_type: str, mesh: Mesh, timeout: timedelta, device_mesh=No
     known = _GROUPS.get(key)
     if known is not None and known[0] is device_mesh:
         return known[1]
-    backend = dist.get_backend()
-
-    override = (backend, Backend.Options(backend, timeout))
+    override = _backend_override(timeout)
     # torch keeps one flattened mesh per name (a second _flatten of a name returns the first's
     # groups), so the name carries the timeout: modules with other timeouts get groups of their own.
     prefix = f"tess{round(timeout.total_seconds() * 1000)}ms_"

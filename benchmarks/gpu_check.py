@@ -1,0 +1,673 @@
+"""The CUDA path, run and measured on one GPU (skips cleanly without CUDA).
+
+One launch runs every section in turn and writes what it found after each, so a
+section that fails or runs out of time leaves the others' results:
+
+- `exact`: `tess_compile.simulate` of the benchmark GPT stack
+  (`benchmarks.memory.Stack`) and of Hugging Face GPT-2 (vocabulary 50257, split
+  unevenly) at [2,2,2] and 1-D p=4 on CUDA in float64: the largest relative error
+  (in norm) of the output and of every gradient against the unsharded model;
+- `bf16`: the same under bf16 autocast: the sharded and the unsharded model's
+  errors against the float64 model, with test_bf16's bound (sharded <= twice
+  the unsharded error + 1e-3);
+- `nccl1`: `shard` in a world of one under NCCL (q = d = 1): output, gradients
+  and the weights after one AdamW step against the unsharded model;
+- `gloo8`: 8 processes over gloo with CUDA tensors (the one GPU shared), 2.5-D
+  [2,2,2] and 1-D p=8, each in every SUMMA schedule: the same comparison, or
+  the error that stopped it (which collective gloo refuses on CUDA tensors);
+- `compiled`: `simulate(compile=True)` (inductor's Triton kernels) against
+  eager on the GPT stack at [2,2,2]: parity, compile time, and the simulated
+  step (all 8 rank-programs) eager and compiled;
+- `kernels`: every row of the Tesseract paper's Tables 1 and 2 (one
+  checkpointed layer, `benchmarks.paper_tables`), in bf16: rank 0's per-rank
+  program, its collectives replaced by buffers of their outputs' shapes, timed
+  forward and backward with CUDA events; its products' FLOPs over that time as
+  a fraction of the GPU's bf16 rate; the kernels the cost model counts
+  (`cost_model.profile_program`), to fit the compute constants to
+  (`--report`); peak memory of the step and AdamW against `predict_memory`;
+- `memory`: the same local step for the GPT stack in each mode and `recompute=`
+  option: peak memory (`torch.cuda.max_memory_allocated`) against
+  `predict_memory`.
+
+    python3 benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--sections exact,bf16,...]
+    python3 benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json
+
+`--report` (no GPU needed) prints the tables of a results file and fits the
+cost model's compute constants to its measured local step times. `--quick
+--device cpu` runs tiny sizes on the CPU (the tests' dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tess_compile
+from benchmarks.memory import Stack
+from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, compile_layer
+from passes.driver import compile_model
+from tess_compile.analysis.cost_model import profile_program
+from tess_compile.analysis.memory import predict_memory
+from tess_compile.core.mesh import Mesh
+from tess_compile.ops.collectives import Comm, output_like, use_comm
+from tess_compile.runtime import state
+from tess_compile.runtime.launch import run_local
+
+SECTIONS = ("exact", "bf16", "nccl1", "gloo8", "kernels", "memory", "compiled")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
+MESHES = [("2.5d", 2, 2), ("1d", 2, 1)]  # [2,2,2] and 1-D p=4
+BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}  # dense bf16, SXM datasheets
+SIZES = {"full": {"layers": 2, "hidden": 64, "heads": 8, "batch": 8, "seq": 16, "vocab": 50257},
+         "quick": {"layers": 1, "hidden": 16, "heads": 8, "batch": 4, "seq": 8, "vocab": 101}}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 where both are 0)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    scale = b.norm().item()
+    return (a - b).norm().item() / scale if scale else (a - b).norm().item()
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+def gpt_stack(size: dict):
+    torch.manual_seed(0)
+    model = Stack(size["layers"], size["hidden"], size["heads"])
+    x = torch.randn(size["batch"], size["seq"], size["hidden"])
+    return model, (x,), lambda out: out.square().mean()
+
+
+def hf_gpt2(size: dict):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=size["vocab"], n_positions=size["seq"], n_embd=size["hidden"], n_layer=size["layers"],
+                     n_head=size["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]))
+
+    def loss_of(out):  # the logits' cross-entropy in their dtype (HF's own loss computes in float32)
+        logits = _unwrap(out.logits)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten().to(logits.device))
+
+    return model, {"input_ids": ids, "use_cache": False}, loss_of
+
+
+MODELS = {"gpt_stack": gpt_stack, "hf_gpt2": hf_gpt2}
+
+
+def _to(inputs, device, dtype=None):
+    def move(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to(device, dtype) if dtype is not None and t.is_floating_point() else t.to(device)
+    return {k: move(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(move(t) for t in inputs)
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _unwrap(out):
+    """A model output's loss-bearing value: HF outputs as they are, tensors as plain tensors."""
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+# ---- exactness on CUDA ----------------------------------------------------------------------------
+
+
+def exact(args) -> list[dict]:
+    """float64 on the device: simulate against the unsharded model, output and every gradient."""
+    rows = []
+    for name, build in MODELS.items():
+        for mode, q, d in MESHES:
+            model, inputs, loss_of = build(args.size)
+            model = model.double().to(args.device)
+            inputs = _to(inputs, args.device, torch.float64)
+            oracle = copy.deepcopy(model)
+            sim = tess_compile.simulate(model, q, d, example_inputs=inputs, mode=mode)
+            out, ref = _call(sim, inputs), _call(oracle, inputs)
+            loss, ref_loss = loss_of(out), loss_of(ref)
+            loss.backward()
+            ref_loss.backward()
+            grads = sim.full_grads()
+            errors = {"loss": rel(loss, ref_loss)}
+            errors.update({n: rel(grads[n], p.grad) for n, p in oracle.named_parameters() if p.grad is not None})
+            worst = max(errors, key=errors.get)
+            rows.append({"model": name, "mode": mode, "ranks": q * q * d, "worst": errors[worst], "worst_at": worst,
+                         "tensors": len(errors), "device": str(loss.device)})
+            print(f"exact {name} {mode} p={q * q * d}: worst {errors[worst]:.1e} ({worst})", flush=True)
+    return rows
+
+
+def bf16(args) -> list[dict]:
+    """bf16 autocast on the device: sharded and unsharded errors against the float64 model."""
+    rows = []
+    for name, build in MODELS.items():
+        for mode, q, d in MESHES:
+            model, inputs, loss_of = build(args.size)
+            model = model.to(args.device)
+            truth_model = copy.deepcopy(model).double()
+            truth = loss_of(_call(truth_model, _to(inputs, args.device, torch.float64)))
+            truth.backward()
+            inputs = _to(inputs, args.device)
+            unsharded = copy.deepcopy(model)
+            sim = tess_compile.simulate(model, q, d, example_inputs=inputs, mode=mode)
+            with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
+                sharded_loss, plain_loss = loss_of(_call(sim, inputs)), loss_of(_call(unsharded, inputs))
+            sharded_loss.backward()
+            plain_loss.backward()
+            grads = sim.full_grads()
+            errors = {"loss": (rel(sharded_loss, truth), rel(plain_loss, truth))}
+            for (n, p), t in zip(unsharded.named_parameters(), truth_model.parameters()):
+                if p.grad is not None and t.grad.norm() > 1e-6:
+                    errors[n] = (rel(grads[n], t.grad), rel(p.grad, t.grad))
+            over = {n: e for n, e in errors.items() if e[0] > 2 * e[1] + 1e-3}
+            worst = max(errors, key=lambda n: errors[n][0] - 2 * errors[n][1])
+            rows.append({"model": name, "mode": mode, "ranks": q * q * d, "loss_sharded": errors["loss"][0],
+                         "loss_unsharded": errors["loss"][1], "worst": worst, "worst_sharded": errors[worst][0],
+                         "worst_unsharded": errors[worst][1], "within_bound": not over, "over": sorted(over)})
+            print(f"bf16 {name} {mode}: loss {errors['loss'][0]:.1e} vs {errors['loss'][1]:.1e}, "
+                  f"within bound: {not over}", flush=True)
+    return rows
+
+
+# ---- real process groups ----------------------------------------------------------------------------
+
+
+def _compare_step(sharded, model, inputs, loss_of) -> dict:
+    """One forward, backward and AdamW step of `sharded` and of `model`: relative errors of
+    the loss, every gradient and every weight after the step."""
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss, ref = loss_of(_unwrap(_call(sharded, inputs))), loss_of(_call(model, inputs))
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss.backward()
+    ref.backward()
+    params = dict(sharded.named_parameters())
+    errors = {"loss": rel(loss, ref)}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            errors[f"grad {n}"] = rel(tess_compile.full_tensor(params[n].grad), p.grad)
+    opt.step()
+    ref_opt.step()
+    for n, p in model.named_parameters():
+        errors[f"weight {n}"] = rel(tess_compile.full_tensor(params[n].detach()), p)
+    worst = max(errors, key=errors.get)
+    return {"worst": errors[worst], "worst_at": worst, "tensors": len(errors)}
+
+
+def _nccl_worker(rank: int, world: int, size: dict) -> list[dict]:
+    torch.cuda.set_device(0)
+    rows = []
+    for name, build in MODELS.items():
+        model, inputs, loss_of = build(size)
+        model = model.double().cuda()
+        inputs = _to(inputs, "cuda", torch.float64)
+        sharded = tess_compile.shard(copy.deepcopy(model), 1, 1, example_inputs=inputs, timeout=120)
+        row = _compare_step(sharded, model, inputs, loss_of)
+        rows.append({"model": name, "backend": torch.distributed.get_backend(), **row,
+                     "param_device": str(next(sharded.parameters()).device)})
+    return rows
+
+
+def nccl1(args) -> list[dict]:
+    """A world of one under NCCL (one GPU: NCCL refuses two ranks on one device)."""
+    rows = run_local(_nccl_worker, 1, args=(args.size,), backend="nccl", timeout_s=300)[0]
+    for row in rows:
+        print(f"nccl1 {row['model']}: worst {row['worst']:.1e} ({row['worst_at']})", flush=True)
+    return rows
+
+
+GLOO_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+            "all_to_all_single")
+
+
+def _gloo_op(op: str, x: torch.Tensor, world: int) -> None:
+    dist = torch.distributed
+    if op == "all_reduce":
+        dist.all_reduce(x)
+    elif op == "broadcast":
+        dist.broadcast(x, 0)
+    elif op == "all_gather":
+        dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
+    elif op == "all_gather_into_tensor":
+        dist.all_gather_into_tensor(x.new_empty(world * x.numel()), x)
+    elif op == "reduce_scatter_tensor":
+        dist.reduce_scatter_tensor(x.new_empty(x.numel() // world), x)
+    else:
+        dist.all_to_all_single(torch.empty_like(x), x)
+
+
+def _gloo_worker(rank: int, world: int, size: dict, device: str, progress: str) -> list[dict]:
+    """Each collective the runtime uses on a tensor of `device`, then the sharded step; every
+    step is written to `progress` first, so a crash leaves what it was doing."""
+    device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+
+    def mark(text: str) -> None:
+        with open(f"{progress}.{rank}", "a") as f:
+            f.write(text + "\n")
+
+    rows = []
+    for op in GLOO_OPS:
+        mark(op)
+        try:
+            _gloo_op(op, torch.ones(8 * world, device=device), world)
+            rows.append({"op": op, "ok": True})
+        except Exception as error:  # noqa: BLE001 - reported: which collective gloo refuses on this device
+            rows.append({"op": op, "ok": False, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+    for mode, q, d in [("2.5d", 2, 2), ("1d", 2, 2)]:  # [2,2,2] and p=8
+        for summa in (("auto", "broadcast", "overlap", "gather") if mode != "1d" else ("auto",)):
+            mark(f"shard {mode} {summa}")
+            model, inputs, loss_of = gpt_stack(size)
+            model = model.double().to(device)
+            inputs = _to(inputs, device, torch.float64)
+            row = {"mode": mode, "ranks": q * q * d, "summa": summa}
+            try:
+                sharded = tess_compile.shard(copy.deepcopy(model), q, d, example_inputs=inputs, mode=mode,
+                                             summa=summa, device=device, timeout=60)
+                row.update(_compare_step(sharded, model, inputs, loss_of))
+            except Exception as error:  # noqa: BLE001 - reported: which collective gloo refuses on this device
+                row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+            rows.append(row)
+    return rows
+
+
+def gloo8(args) -> list[dict]:
+    """8 processes over gloo with tensors on the device (the one GPU shared by all)."""
+    progress = os.path.join(tempfile.mkdtemp(prefix="gloo8-"), "progress")
+    try:
+        rows = run_local(_gloo_worker, 8, args=(args.size, args.device, progress), backend="gloo", timeout_s=300,
+                         collective_timeout_s=60)[0]
+    except RuntimeError as error:
+        last = {}
+        for rank in range(8):
+            if os.path.exists(f"{progress}.{rank}"):
+                with open(f"{progress}.{rank}") as f:
+                    last[rank] = f.read().split("\n")[-2]
+        return [{"error": str(error).splitlines()[0][:300], "last_step_per_rank": last}]
+    for row in rows:
+        print(f"gloo8 {row.get('op') or row['mode'] + ' ' + row['summa']}: "
+              f"{row.get('worst', row.get('error', 'ok'))}", flush=True)
+    return rows
+
+
+# ---- compiled programs ----------------------------------------------------------------------------------
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_step(step, device, warmup: int = 2, steps: int = 5) -> float:
+    times = []
+    for number in range(warmup + steps):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        if number >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _compiled_worker(rank: int, world: int, size: dict, device: str, q: int, d: int) -> dict:
+    """simulate(compile=True) against eager on `[q, q, d]`: parity, first step, median step."""
+    model, inputs, loss_of = gpt_stack(size)
+    model = model.to(device)
+    inputs = _to(inputs, device)
+    results = {}
+    for name, flag in (("eager", False), ("compiled", True)):
+        sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=inputs, compile=flag)
+        start = time.perf_counter()
+        loss = loss_of(_call(sim, inputs))
+        loss.backward()
+        _sync(device)
+        results[name] = {"first_step_s": time.perf_counter() - start, "loss": loss.detach(), "grads": sim.full_grads()}
+
+        def step(sim=sim):
+            loss_of(_call(sim, inputs)).backward()
+
+        results[name]["step_s"] = _median_step(step, device)
+    errors = {"loss": rel(results["compiled"]["loss"], results["eager"]["loss"])}
+    errors.update({n: rel(g, results["eager"]["grads"][n]) for n, g in results["compiled"]["grads"].items()})
+    worst = max(errors, key=errors.get)
+    return {"model": "gpt_stack", "size": size, "mesh": f"[{q},{q},{d}]", "worst_vs_eager": errors[worst],
+            "worst_at": worst, **{f"{k}_{m}": results[k][m] for k in results for m in ("first_step_s", "step_s")}}
+
+
+def compiled(args) -> list[dict]:
+    """simulate(compile=True) against eager on the GPT stack in float32, one rank, then [2,2,2];
+    each in a child process with a time limit (inductor compiles on first use)."""
+    size = dict(args.size, hidden=4 * args.size["hidden"], seq=8 * args.size["seq"])
+    rows = []
+    for q, d, limit in ((1, 1, 120), (2, 2, 150)):
+        try:
+            row = run_local(_compiled_worker, 1, args=(size, args.device, q, d), timeout_s=limit)[0]
+            print(f"compiled [{q},{q},{d}]: worst {row['worst_vs_eager']:.1e} vs eager; step "
+                  f"{row['eager_step_s'] * 1e3:.1f} ms eager, {row['compiled_step_s'] * 1e3:.1f} ms compiled "
+                  f"(first compiled step {row['compiled_first_step_s']:.0f} s)", flush=True)
+        except (RuntimeError, TimeoutError) as error:
+            row = {"mesh": f"[{q},{q},{d}]", "error": str(error)[:2000]}
+            print(f"compiled [{q},{q},{d}] failed: {str(error)[:2000]}", flush=True)
+        rows.append(row)
+    return rows
+
+
+# ---- one rank's local program: kernels and memory -----------------------------------------------------
+
+
+class BufferComm(Comm):
+    """Collectives replaced by buffers of their outputs' shapes (random, made once per shape):
+    one rank's program runs its local kernels alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffers: dict = {}
+
+    def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
+        like = output_like(op, x, *args)
+        key = (tuple(like.shape), like.dtype, like.device)
+        if key not in self.buffers:
+            self.buffers[key] = torch.randn(like.shape, dtype=like.dtype, device=like.device) * 0.1
+        return self.buffers[key].detach()  # a new tensor object: autograd gives each call's output its own node
+
+
+def _rank0_inputs(program, inputs: list, device) -> tuple[nn.Module, list]:
+    module = state.add_local_tensors(nn.Module(), program, 0, device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return module, inputs
+
+
+def local_step(program, inputs: list, device, *, steps: int = 10, optimizer: bool = True) -> dict:
+    """Rank 0's program forward and backward with `BufferComm`, timed with CUDA events (median
+    of `steps`); peak memory of a step with AdamW, from the first allocation of the step."""
+    program = state.off_meta(program, torch.device(device))
+    module, inputs = _rank0_inputs(program, inputs, device)
+    comm = BufferComm()
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4) if optimizer else None
+
+    def forward():
+        with use_comm(comm):
+            outs = program.runnable(*state.graph_inputs(program, module, inputs))
+        return [t for t in (outs if isinstance(outs, (list, tuple)) else [outs])
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def backward(roots):
+        with use_comm(comm, "backward"):
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+    cuda = torch.device(device).type == "cuda"
+    fwd, bwd = [], []
+    for number in range(3 + steps):
+        for p in module.parameters():
+            p.grad = None
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+        roots = forward()
+        if cuda:
+            events[1].record()
+        backward(roots)
+        if cuda:
+            events[2].record()
+            torch.cuda.synchronize()
+            if number >= 3:
+                fwd.append(events[0].elapsed_time(events[1]) / 1e3)
+                bwd.append(events[1].elapsed_time(events[2]) / 1e3)
+        del roots
+    peak = None
+    if cuda:
+        for p in module.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        backward(forward())
+        if opt is not None:
+            opt.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - sum(t.numel() * t.element_size() for t in inputs
+                                                       if isinstance(t, torch.Tensor))
+    return {"forward_s": statistics.median(fwd) if fwd else None, "backward_s": statistics.median(bwd) if bwd else None,
+            "peak_bytes": peak}
+
+
+def _profile_terms(program) -> dict:
+    """The kernels the cost model counts per phase, and the collectives each phase runs."""
+    profile = profile_program(program)
+    collectives = {"forward": sum(c.forward_bytes is not None for c in profile.costs),
+                   "backward": sum(c.backward_bytes is not None for c in profile.costs)}
+    return {phase: {**asdict(profile.phase(phase)), "collectives": collectives[phase]}
+            for phase in ("forward", "backward")}
+
+
+def _memory_row(program) -> dict:
+    estimate = predict_memory(program)
+    return {"predicted_bytes": estimate.total, **{f"predicted_{k}": v for k, v in asdict(estimate).items()}}
+
+
+def kernels(args) -> list[dict]:
+    """Each paper row's rank-0 program in bf16: local forward and backward time, TFLOP/s."""
+    rows = []
+    table = [("1", r) for r in TABLE_1] + [("2", r) for r in TABLE_2]
+    if args.quick:
+        table = table[:2]
+    seq = 16 if args.quick else SEQ
+    for number, row in table:
+        hidden, heads, batch = (row.hidden, row.heads, row.batch_used) if not args.quick else (64, 16, 8)
+        program = compile_layer(row.mesh, batch, hidden, heads, seq, dtype=torch.bfloat16, checkpoint=True)
+        x = torch.randn(batch, seq, hidden, dtype=torch.bfloat16, device=args.device)
+        measured = local_step(program, [x], args.device)
+        terms = _profile_terms(program)
+        flops = terms["forward"]["matmul_flops"] + terms["backward"]["matmul_flops"]
+        seconds = (measured["forward_s"] or math.nan) + (measured["backward_s"] or math.nan)
+        out = {"table": number, "method": row.method, "shape": row.shape, "batch": batch, "hidden": hidden,
+               "mode": row.mesh.mode, "ranks": row.mesh.num_ranks, **measured, "terms": terms,
+               "tflops": flops / seconds / 1e12, **_memory_row(program)}
+        rows.append(out)
+        print(f"kernels table {number} {row.method} {row.shape}: fwd {out['forward_s']}, bwd {out['backward_s']}, "
+              f"{out['tflops']:.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def memory(args) -> list[dict]:
+    """The GPT stack's rank-0 program in each mode and recompute option: peak memory."""
+    size = ({"layers": 2, "hidden": 1024, "heads": 16, "batch": 16, "seq": 512} if not args.quick
+            else {"layers": 1, "hidden": 64, "heads": 8, "batch": 8, "seq": 8})
+    rows = []
+    for mode, q, d in [("1d", 2, 2), ("2d", 2, 1), ("2.5d", 2, 2), ("3d", 2, 2)]:
+        for recompute in ("none", "blocks", "selective"):
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = Stack(size["layers"], size["hidden"], size["heads"]).to(torch.bfloat16)
+                example = torch.empty(size["batch"], size["seq"], size["hidden"], dtype=torch.bfloat16)
+            program = compile_model(model, Mesh(q, d, mode), (example,), recompute=recompute)
+            x = torch.randn(example.shape, dtype=torch.bfloat16, device=args.device)
+            measured = local_step(program, [x], args.device, steps=2)
+            out = {"mode": mode, "ranks": program.mesh.num_ranks, "recompute": recompute, **measured,
+                   **_memory_row(program)}
+            rows.append(out)
+            print(f"memory {mode} p={out['ranks']} {recompute}: peak {out['peak_bytes']}, "
+                  f"predicted {out['predicted_bytes']}", flush=True)
+    return rows
+
+
+# ---- the run and its record ----------------------------------------------------------------------
+
+
+def environment(device) -> dict:
+    env = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "device": str(device)}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(name=props.name, memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}")
+        env["bf16_peak_flops"] = next((v for k, v in BF16_PEAK.items() if k in props.name), None)
+        env["bf16_matmul_flops"] = _matmul_rate(device)
+    return env
+
+
+def _matmul_rate(device, n: int = 8192) -> float:
+    """bf16 FLOP/s of an n x n x n product on random data (median of 10 after 3)."""
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    times = []
+    for number in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        if number >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times)
+
+
+def run(args) -> dict:
+    """Every section of `args.sections`, the record rewritten after each."""
+    record = {"environment": environment(args.device), "sections": {}, "errors": {}}
+    print(json.dumps(record["environment"]), flush=True)
+    for name in args.sections:
+        start = time.perf_counter()
+        try:
+            record["sections"][name] = globals()[name](args)
+        except Exception:  # noqa: BLE001 - recorded, the next section still runs
+            record["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"{name} failed:\n{record['errors'][name]}", flush=True)
+        record.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        _write(record, args.out)
+    return record
+
+
+def _write(record: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=lambda v: v.item() if isinstance(v, torch.Tensor) else str(v))
+
+
+# ---- report: tables and the fitted compute constants ------------------------------------------------
+
+
+HOST_FIT = ("matmul_half_size", "memory_bandwidth GB/s", "per kernel us", "per forward collective us",
+            "per backward collective us", "per phase us")
+_HOST_SCALE = (100.0, 1e12, 1e-5, 1e-5, 1e-5, 1e-3)  # each fitted constant is |x| * scale
+
+
+def local_seconds(row: dict, x, flops: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a rank-program alone: the larger of the device's work
+    (products at `flops` slowed by their smallest dimension, other kernels at a memory bandwidth)
+    and the host's (a cost per kernel, per collective and per phase), which launches the
+    kernels ahead of the device until it is the slower; constants `x` scaled by `_HOST_SCALE`."""
+    half, bandwidth, kernel, forward_coll, backward_coll, phase = (abs(v) * s for v, s in zip(x, _HOST_SCALE))
+    out = []
+    for name, coll in (("forward", forward_coll), ("backward", backward_coll)):
+        t = row["terms"][name]
+        device = (t["matmul_flops"] + t["matmul_flops_per_size"] * half) / flops + t["memory_bytes"] / bandwidth
+        host = kernel * t["num_kernels"] + coll * t["collectives"] + phase
+        out.append(max(device, host))
+    return tuple(out)
+
+
+def fit_local(rows: list[dict], flops: float):
+    """The constants of `local_seconds` that best explain the measured forward and backward
+    times (least squares on log seconds; Nelder-Mead from fixed starts: the max is not smooth)."""
+    import numpy as np
+    from scipy.optimize import minimize  # the bench extra: pip install -e '.[bench]'
+
+    def loss(x):
+        return sum(math.log(p / r[f"{n}_s"]) ** 2 for r in rows
+                   for p, n in zip(local_seconds(r, x, flops), ("forward", "backward")))
+
+    starts = np.random.RandomState(0).rand(16, len(HOST_FIT)) * [5, 3, 10, 10, 10, 2]
+    fits = [minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 20000, "xatol": 1e-6, "fatol": 1e-12})
+            for x0 in starts]
+    return min(fits, key=lambda f: f.fun).x
+
+
+def _errors(rows: list[dict], x, flops: float) -> list[float]:
+    return [abs(sum(local_seconds(r, x, flops)) / (r["forward_s"] + r["backward_s"]) - 1) for r in rows]
+
+
+def report(path: str) -> int:
+    with open(path) as f:
+        record = json.load(f)
+    env, sections = record["environment"], record["sections"]
+    print(f"{env.get('name', env['device'])}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}")
+    for name, error in record.get("errors", {}).items():
+        print(f"section {name} failed: {error.strip().splitlines()[-1]}")
+    for name in ("exact", "bf16", "nccl1", "gloo8", "compiled", "memory"):
+        for row in sections.get(name, []):
+            print(name, {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items()})
+    rows = [r for r in sections.get("kernels", []) if r.get("forward_s")]
+    if rows:
+        _report_kernels(rows, env)
+    return 0
+
+
+def _report_kernels(rows: list[dict], env: dict) -> None:
+    flops = env["bf16_matmul_flops"]
+    peak = env.get("bf16_peak_flops") or flops
+    x = fit_local(rows, flops)
+    constants = ", ".join(f"{name} {abs(v) * s / (1e9 if 'GB' in name else 1e-6 if 'us' in name else 1):.1f}"
+                          for name, v, s in zip(HOST_FIT, x, _HOST_SCALE))
+    errors = _errors(rows, x, flops)
+    print(f"\nlocal step = max(device, host) per phase, fitted to all {len(rows)} rank-programs: {constants}; "
+          f"mean error {100 * statistics.mean(errors):.1f}%")
+    for fit_on, held_out in (("1", "2"), ("2", "1")):
+        held = [r for r in rows if r["table"] == held_out]
+        x_part = fit_local([r for r in rows if r["table"] == fit_on], flops)
+        print(f"fitted to Table {fit_on} only: mean error {100 * statistics.mean(_errors(held, x_part, flops)):.1f}% "
+              f"on Table {held_out}")
+    print(f"\n{'table':>5} {'method':<12} {'shape':<10} {'fwd ms':>7} {'bwd ms':>7} {'TFLOP/s':>8} {'% peak':>7} "
+          f"{'pred ms':>8} {'err %':>6}")
+    for r in rows:
+        predicted = sum(local_seconds(r, x, flops))
+        total = r["forward_s"] + r["backward_s"]
+        print(f"{r['table']:>5} {r['method']:<12} {r['shape']:<10} {r['forward_s'] * 1e3:7.2f} "
+              f"{r['backward_s'] * 1e3:7.2f} {r['tflops']:8.1f} {100 * r['tflops'] * 1e12 / peak:7.1f} "
+              f"{predicted * 1e3:8.2f} {100 * (predicted / total - 1):6.1f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a dry run, on the CPU too)")
+    parser.add_argument("--report", metavar="JSON", help="print a results file's tables and the fit")
+    args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; skipped")
+        return 0
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    args.size = SIZES["quick" if args.quick else "full"]
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
