@@ -227,3 +227,12 @@ def test_the_backend_with_auto(caplog):
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     for param, ref in zip(model.parameters(), oracle.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cluster, expected", [(FAST_BROADCASTS, "overlap"), (FAST_GATHERS, "gather")],
+                         ids=["fast-broadcasts", "fast-gathers"])
+def test_simulated_pipeline_prices_auto_on_its_cluster(cluster, expected):
+    torch.manual_seed(0)
+    blocks, x = [GPTBlock(8, 2).double() for _ in range(2)], torch.randn(4, 3, 8, dtype=torch.float64)
+    pipeline = tess_compile.simulate_pipeline(blocks, 2, 2, example_inputs=(x,), summa="auto", cluster=cluster)
+    assert [stage.program.schedules for stage in pipeline.stages] == [{expected: 4}] * 2

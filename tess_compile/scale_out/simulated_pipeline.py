@@ -9,11 +9,15 @@ stage before returned (nothing is gathered between stages).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils import _pytree as pytree
 
+from tess_compile.analysis.schedule_choice import load_cluster
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import split_example_inputs
@@ -141,6 +145,7 @@ def simulate_pipeline(
     options: CompileOptions | None = None,
     microbatches: int = 1,
     dp: int = 1,
+    cluster: Cluster | str | os.PathLike | None = None,
 ):
     """Compile each module of `stages` as a pipeline stage on its own `[q, q, d]` mesh and run every
     rank of every stage in this process.
@@ -158,7 +163,9 @@ def simulate_pipeline(
     module): the batch is the concatenation of the groups' batches, group g
     pipelines the g-th slice, and each parameter's gradient is summed over the
     groups' replicas. Returns a `tess_compile.scale_out.data_parallel.SimulatedDataParallel`
-    of `SimulatedPipeline`s. The compile options are those of `CompileOptions`.
+    of `SimulatedPipeline`s. The compile options are those of `CompileOptions`;
+    summa="auto" prices each product's schedule on `cluster` (a `Cluster`, the path of a JSON
+    file `Cluster.save` wrote, or None: `CALIBRATED_CLUSTER`), as `pipeline_stage` does.
     """
     if not stages:
         raise ValueError("stages is empty: pass the model cut into a list of modules, one per pipeline stage")
@@ -171,8 +178,9 @@ def simulate_pipeline(
     example_args, example_kwargs = _split_microbatches(tuple(args), dict(kwargs), microbatches, "example input")[0]
     example = example_kwargs if example_kwargs else example_args  # as example_inputs takes them
     compiled, ports = [], []
+    priced_on = load_cluster(cluster)[0]
     for index, module in enumerate(stages):
-        compile_in = stage_compiler(module, mesh, example, index, len(stages), options)
+        compile_in = stage_compiler(module, mesh, example, index, len(stages), options, priced_on)
         try:
             program = compile_in(module.training)
         except ValueError:
