@@ -15,7 +15,7 @@ import tess_compile
 from tess_compile.analysis.cost_model import optimizer_seconds, predict_time
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.analysis.parallel_plan import Outer, price
-from tess_compile.analysis.profiling import _group_layouts, _payload_elements, profile_cluster
+from tess_compile.analysis.profiling import MESSAGE_BYTES, _group_layouts, _payload_elements, profile_cluster
 from tess_compile.cli import main
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.ops.collectives import COMMUNICATING
@@ -60,9 +60,33 @@ def test_cluster_file_errors_name_the_file_and_the_fix(tmp_path, text, words):
         Cluster.load(tmp_path / "missing.json")
 
 
-def test_bad_collective_line_is_refused():
+# As a profile measures them on a CPU: flat while the buffers stay in the caches, then steeper.
+POINTS = ((4096, 1e-3), (65536, 1e-3), (524288, 2e-3), (4194304, 10e-3))
+MEASURED = dataclasses.replace(PROFILED, collectives=(("all_reduce", 2, "intra", POINTS),))
+
+
+@pytest.mark.parametrize("entry", [
+    ("all_to_all", 2, "intra", 1e-3, 1e-9),
+    ("all_reduce", 2, "intra", ((4096, 1e-3), (1024, 2e-3))),  # bytes not ascending
+    ("all_reduce", 2, "intra", ((4096, 1e-3),)),  # one point
+    ("all_reduce", 2, "intra", ((4096, -1e-3), (8192, 1e-3))),
+])
+def test_bad_collective_entry_is_refused(entry):
     with pytest.raises(ValueError, match="collectives entry"):
-        dataclasses.replace(PROFILED, collectives=(("all_to_all", 2, "intra", 1e-3, 1e-9),))
+        dataclasses.replace(PROFILED, collectives=(entry,))
+
+
+def test_measured_points_price_on_straight_segments(tmp_path):
+    def seconds(num_bytes):
+        return MEASURED.collective_seconds("all_reduce", 2, num_bytes, intra=True)
+
+    assert seconds(100) == seconds(4096) == 1e-3  # below the first point: its seconds
+    assert seconds(65536) == 1e-3 and seconds(294912) == pytest.approx(1.5e-3)  # on a segment
+    slope = 8e-3 / (4194304 - 524288)
+    assert seconds(8388608) == pytest.approx(10e-3 + slope * 4194304)  # beyond: the last segment's slope
+    path = tmp_path / "cluster.json"
+    MEASURED.save(path)
+    assert Cluster.load(path) == MEASURED
 
 
 def test_measured_lines_price_their_collectives_and_rules_the_rest():
@@ -122,12 +146,14 @@ def test_data_parallel_sync_is_one_measured_all_reduce_per_parameter_shard():
     time, memory = predict_time(program, node), predict_memory(program)
     replicated, _ = price(time, memory, Outer(dp=2), program.mesh.num_ranks, node)
     tensors = len(program.params)
-    line = node.measured("all_reduce", 2, intra=True)
-    expected = tensors * (line[0] + line[1] * (memory.grads // tensors))
+    def line(num_bytes):  # PROFILED's line for all_reduce over 2
+        return 2e-3 + 1e-9 * num_bytes
+
+    expected = tensors * line(memory.grads // tensors)
     assert time.grad_tensors == tensors > 1
     assert replicated.backward_comm_s - time.backward_comm_s == pytest.approx(expected)
     zero, _ = price(time, memory, Outer(dp=2, zero=True), program.mesh.num_ranks, node)
-    assert zero.backward_comm_s - time.backward_comm_s == pytest.approx(line[0] + line[1] * memory.grads)
+    assert zero.backward_comm_s - time.backward_comm_s == pytest.approx(line(memory.grads))
     assert zero.optimizer_s == pytest.approx(time.optimizer_s / 2)
 
 
@@ -164,9 +190,11 @@ def test_profile_over_four_processes_is_the_same_on_every_rank(tmp_path):
     assert all(cluster == clusters[0] for cluster in clusters)
     cluster = clusters[0]
     assert cluster.gpus_per_node == 4
-    lines = {(op, size) for op, size, link, *_ in cluster.collectives}
-    assert lines == {(op, size) for op in COMMUNICATING for size in (2, 4)}
+    measured = {(op, size) for op, size, link, *_ in cluster.collectives}
+    assert measured == {(op, size) for op in COMMUNICATING for size in (2, 4)}
     assert all(link == "intra" for _, _, link, *_ in cluster.collectives)
+    sizes = {tuple(num_bytes for num_bytes, _ in points) for *_, points in cluster.collectives}
+    assert {len(s) for s in sizes} == {len(MESSAGE_BYTES)}  # a point per message size
     assert cluster.optimizer_overhead > 0
 
 

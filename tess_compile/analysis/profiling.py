@@ -15,14 +15,17 @@ do in training):
   set of a program, not a streaming add (which runs 3 to 5 times faster);
 - each collective the programs use (broadcast, reduce, all-reduce,
   all-gather, reduce-scatter) on every group size that divides the world,
-  all groups of that size at once, at three message sizes, each call after a
-  small product as in a program (the time of the product taken off), and
-  each as a program calls it: its custom op (`tess::all_gather`, ...) on the
-  runtime's communicator (`runtime.dist_comm.DistComm`), so the dispatch,
-  the copies and the Python around torch.distributed count: a line
-  `seconds + seconds per byte * bytes` per (op, group size, link),
-  intra-node for groups within a node and inter-node for groups across
-  nodes;
+  all groups of that size at once, at four message sizes from 4 KB to 4 MB,
+  each call after a small product as in a program (the time of the product
+  taken off), and each as a program calls it: its custom op
+  (`tess::all_gather`, ...) on the runtime's communicator
+  (`runtime.dist_comm.DistComm`), so the dispatch, the copies and the Python
+  around torch.distributed count: the measured (bytes, seconds) points per
+  (op, group size, link), joined by straight segments (no one line fits
+  them: on this 2-core machine an all-reduce over 8 ranks takes 11.5 ms at
+  4 KB and 512 KB alike, then 19 ms at 2 MB, once its buffers leave the
+  caches), intra-node for groups within a node and inter-node for groups
+  across nodes;
 - the optimizer step: AdamW over DTensor parameters on a (depth, row, col)
   mesh, as a sharded module's parameters are, per tensor and per byte;
 - on the CPU, products with a bias term copy it into their output first
@@ -61,7 +64,7 @@ __all__ = ["MESSAGE_BYTES", "profile_cluster"]
 log = logging.getLogger("tess_compile")
 
 # The payloads (bytes a rank passes to the collective) each line is fitted on.
-MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10)
+MESSAGE_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 
 _MATMUL_SIZES = (8, 16, 32, 64, 128, 256, 512)  # the smallest dimension of the timed products
 _MATMUL_OTHER = 512  # the two other dimensions
@@ -302,8 +305,7 @@ def _collective_lines(timer: _Timer, device: torch.device, per_node: int, device
                         call()
 
                 times.append(timer.median(each_axis, local=False) / len(calls) - work_s)
-            latency, per_byte = _nonnegative_fit([[1.0, n] for n in payloads], _world_mean(times))
-            lines.append((op, size, link, latency, per_byte))
+            lines.append((op, size, link, tuple((n, max(t, 0.0)) for n, t in zip(payloads, _world_mean(times)))))
     return lines
 
 
@@ -353,12 +355,13 @@ def _optimizer_line(timer: _Timer, device: torch.device, mesh) -> tuple[float, f
 
 
 def _link_figures(lines: list[tuple], link: str) -> tuple[float, float] | None:
-    """(latency per step, bandwidth) of `link` read from its all-reduce lines as a ring's
-    `2(g-1)` steps and `2(g-1)/g` bytes, for the collectives the lines do not price."""
-    found = [(size, latency, per_byte) for op, size, where, latency, per_byte in lines
-             if op == "all_reduce" and where == link]
+    """(latency per step, bandwidth) of `link` read from its largest group's all-reduce points,
+    a line fitted through them taken as a ring's `2(g-1)` steps and `2(g-1)/g` bytes, for the
+    collectives the points do not price."""
+    found = [(size, points) for op, size, where, points in lines if op == "all_reduce" and where == link]
     if not found:
         return None
-    size, latency, per_byte = max(found)
+    size, points = max(found)
+    latency, per_byte = _nonnegative_fit([[1.0, n] for n, _ in points], [t for _, t in points])
     steps, factor = 2 * (size - 1), 2 * (size - 1) / size
     return latency / steps, factor / per_byte if per_byte > 0 else float("inf")

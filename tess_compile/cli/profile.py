@@ -38,10 +38,18 @@ def describe_cluster(cluster) -> str:
         f"AdamW: {cluster.optimizer_overhead * 1e6:.3g} us a parameter tensor, "
         f"{cluster.optimizer_bandwidth / 1e9:.3g} GB/s of parameters",
     ]
-    for op, size, link, latency, per_byte in cluster.collectives:
-        rate = f"{1 / per_byte / 1e9:.3g} GB/s" if per_byte > 0 else "bandwidth not resolved"
-        lines.append(f"{op} over {size} ({link}-node): {latency * 1e6:.4g} us + bytes at {rate}")
+    for op, size, link, *curve in cluster.collectives:
+        lines.append(f"{op} over {size} ({link}-node): {_describe_curve(curve)}")
     return "\n".join(lines)
+
+
+def _describe_curve(curve: list) -> str:
+    """A profiled collective's points ("1.75 ms at 4 KiB, ...") or a line's latency and rate."""
+    if len(curve) == 1:
+        return ", ".join(f"{seconds * 1e3:.3g} ms at {num_bytes / 1024:.4g} KiB" for num_bytes, seconds in curve[0])
+    latency, per_byte = curve
+    rate = f"{1 / per_byte / 1e9:.3g} GB/s" if per_byte > 0 else "bandwidth not resolved"
+    return f"{latency * 1e6:.4g} us + bytes at {rate}"
 
 
 def cmd_profile(args) -> int:

@@ -19,6 +19,7 @@ and `PAPER_CLUSTER` the paper's cluster as specified, uncalibrated.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -31,11 +32,12 @@ __all__ = [
     "ALGORITHMS",
     "CALIBRATED_CLUSTER",
     "COLLECTIVE_RULES",
+    "PAPER_CLUSTER",
     "Cluster",
     "Link",
-    "PAPER_CLUSTER",
     "collective_rule",
     "collective_time",
+    "seconds_at",
 ]
 
 ALGORITHMS = ("ring", "tree")
@@ -108,9 +110,13 @@ class Cluster:
     A profiled cluster (`tess_compile.analysis.profiling.profile_cluster`) also
     holds the optimizer step, `optimizer_overhead` seconds per parameter tensor
     plus its parameter bytes at `optimizer_bandwidth` (AdamW; the defaults, 0
-    and inf, leave it out), and `collectives`: measured lines `(op, group size,
-    "intra" or "inter", seconds, seconds per byte)` that price those
-    collectives in place of `COLLECTIVE_RULES`.
+    and inf, leave it out), and `collectives`, which price those collectives in
+    place of `COLLECTIVE_RULES`: a line `(op, group size, "intra" or "inter",
+    seconds, seconds per byte)`, or measured points `(op, group size, link,
+    ((bytes, seconds), ...))`, bytes ascending, joined by straight segments
+    (below the first point its seconds, beyond the last the last segment's
+    slope): a profile's, since on a CPU a collective's time per byte grows once
+    its buffers leave the caches.
     """
 
     gpus_per_node: int
@@ -126,7 +132,7 @@ class Cluster:
     kernel_overhead: float = 0.0
     optimizer_overhead: float = 0.0
     optimizer_bandwidth: float = math.inf
-    collectives: tuple[tuple[str, int, str, float, float], ...] = ()
+    collectives: tuple[tuple, ...] = ()
     bias_copy: bool = False
 
     def __post_init__(self) -> None:
@@ -139,13 +145,14 @@ class Cluster:
         for name in ("intra_latency", "inter_latency", "matmul_half_size", "kernel_overhead", "optimizer_overhead"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0")
-        object.__setattr__(self, "collectives", tuple(map(tuple, self.collectives)))
+        object.__setattr__(self, "collectives", tuple(map(_entry, self.collectives)))
         priced = list(dict.fromkeys(op for _, op in COLLECTIVE_RULES))
         for entry in self.collectives:
-            if not (len(entry) == 5 and entry[0] in priced and isinstance(entry[1], int) and entry[1] > 1
-                    and entry[2] in ("intra", "inter") and entry[3] >= 0 and entry[4] >= 0):
+            if not (entry[0] in priced and isinstance(entry[1], int) and entry[1] > 1
+                    and entry[2] in ("intra", "inter") and _valid_curve(entry)):
                 raise ValueError(f"Cluster collectives entry {entry!r}: use (op, group size > 1, 'intra' or "
-                                 f"'inter', latency s >= 0, s per byte >= 0), op one of {', '.join(priced)}")
+                                 f"'inter', latency s >= 0, s per byte >= 0) or (op, group size, link, "
+                                 f"((bytes, seconds >= 0), ...) with bytes ascending), op one of {', '.join(priced)}")
         if not isinstance(self.bias_copy, bool):
             raise ValueError(f"Cluster bias_copy={self.bias_copy!r}: use True (products copy their bias term into "
                              "their output first, as CPU BLAS does) or False")
@@ -157,12 +164,13 @@ class Cluster:
         """Whether every group along `axis` lies within one node."""
         return all(len({rank // self.gpus_per_node for rank in group}) == 1 for group in mesh.groups(axis))
 
-    def measured(self, op: str, group_size: int, intra: bool) -> tuple[float, float] | None:
-        """(seconds, seconds per byte) of `op` over `group_size` ranks as profiled, or None."""
+    def measured(self, op: str, group_size: int, intra: bool) -> tuple[tuple[float, float], ...] | None:
+        """The (bytes, seconds) points of `op` over `group_size` ranks as profiled (a line's:
+        its seconds at 0 and 1 byte), or None."""
         link = "intra" if intra else "inter"
         for entry in self.collectives:
             if entry[:3] == (op, group_size, link):
-                return entry[3], entry[4]
+                return _points(entry)
         return None
 
     def collective_seconds(self, op: str, group_size: int, num_bytes: int, intra: bool) -> float:
@@ -171,9 +179,9 @@ class Cluster:
         on the link."""
         if group_size <= 1 or num_bytes == 0:
             return 0.0
-        line = self.measured(op, group_size, intra)
-        if line is not None:
-            return line[0] + line[1] * num_bytes
+        points = self.measured(op, group_size, intra)
+        if points is not None:
+            return seconds_at(points, num_bytes)
         return collective_time(op, group_size, num_bytes, self._link(intra), self.algorithm)
 
     def link(self, mesh: Mesh, axis: str) -> Link:
@@ -192,7 +200,7 @@ class Cluster:
     def to_dict(self) -> dict:
         """The fields as a dict of JSON values (an infinite bandwidth as the string "inf")."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["collectives"] = [list(entry) for entry in self.collectives]
+        values["collectives"] = [json.loads(json.dumps(entry)) for entry in self.collectives]  # tuples as lists
         return {key: "inf" if value == math.inf else value for key, value in values.items()}
 
     @classmethod
@@ -231,6 +239,41 @@ class Cluster:
             raise ValueError(f"cluster file {os.fspath(path)!r} holds a {type(values).__name__}, not an object "
                              "of Cluster fields")
         return cls.from_dict(values, where=f"cluster file {os.fspath(path)!r}")
+
+
+def _entry(entry) -> tuple:
+    """A collectives entry as tuples (JSON gives lists)."""
+    entry = tuple(entry)
+    if len(entry) == 4 and isinstance(entry[3], (list, tuple)):
+        return (*entry[:3], tuple(tuple(point) for point in entry[3]))
+    return entry
+
+
+def _valid_curve(entry: tuple) -> bool:
+    if len(entry) == 5:
+        return entry[3] >= 0 and entry[4] >= 0
+    points = entry[3] if len(entry) == 4 else ()
+    return (len(points) >= 2 and all(len(p) == 2 and p[0] >= 0 and p[1] >= 0 for p in points)
+            and all(a[0] < b[0] for a, b in itertools.pairwise(points)))
+
+
+def _points(entry: tuple) -> tuple[tuple[float, float], ...]:
+    """An entry's (bytes, seconds) points: a line's at 0 and 1 byte, measured ones as they are."""
+    if len(entry) == 5:
+        return ((0.0, entry[3]), (1.0, entry[3] + entry[4]))
+    return entry[3]
+
+
+def seconds_at(points: tuple[tuple[float, float], ...], num_bytes: float) -> float:
+    """The seconds of `num_bytes` on the straight segments through `points` (bytes ascending):
+    the first point's seconds below it, the last segment's slope (if it rises) beyond the last."""
+    if num_bytes <= points[0][0]:
+        return points[0][1]
+    for (b0, s0), (b1, s1) in itertools.pairwise(points):
+        if num_bytes <= b1:
+            return s0 + (s1 - s0) * (num_bytes - b0) / (b1 - b0)
+    (b0, s0), (b1, s1) = points[-2:]
+    return s1 + max(s1 - s0, 0.0) / (b1 - b0) * (num_bytes - b1)
 
 
 # The paper's cluster (Tesseract, section 4: MeluXina): 4 A100 per node, NVLink
