@@ -12,12 +12,15 @@ section that fails or runs out of time leaves the others' results:
   the unsharded error + 1e-3);
 - `nccl1`: `shard` in a world of one under NCCL (q = d = 1): output, gradients
   and the weights after one AdamW step against the unsharded model;
-- `gloo8`: 8 processes over gloo with CUDA tensors (the one GPU shared), 2.5-D
-  [2,2,2] and 1-D p=8, each in every SUMMA schedule: the same comparison, or
-  the error that stopped it (which collective gloo refuses on CUDA tensors);
+- `gloo8`: 8 processes over gloo with CUDA tensors (the one GPU shared): each
+  collective the runtime calls, on the world group, then `shard` at 2.5-D
+  [2,2,2] in every SUMMA schedule and 1-D p=8: the same comparison, or the
+  error that stopped it (each step is written to a file first, so a crash
+  leaves what it was doing);
 - `compiled`: `simulate(compile=True)` (inductor's Triton kernels) against
-  eager on the GPT stack at [2,2,2]: parity, compile time, and the simulated
-  step (all 8 rank-programs) eager and compiled;
+  eager on the GPT stack, one rank, then [2,2,2], each in a child process with
+  a time limit: parity, the first (compiling) step, and the simulated step
+  (every rank-program) eager and compiled;
 - `kernels`: every row of the Tesseract paper's Tables 1 and 2 (one
   checkpointed layer, `benchmarks.paper_tables`), in bf16: rank 0's per-rank
   program, its collectives replaced by buffers of their outputs' shapes, timed
@@ -32,9 +35,11 @@ section that fails or runs out of time leaves the others' results:
     python3 benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--sections exact,bf16,...]
     python3 benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json
 
-`--report` (no GPU needed) prints the tables of a results file and fits the
-cost model's compute constants to its measured local step times. `--quick
---device cpu` runs tiny sizes on the CPU (the tests' dry run).
+`--report` (no GPU needed) prints the tables of a results file and fits a
+model of one rank-program's time to its measured local forward and backward
+times: per phase the larger of the device's work and the host's
+(`local_seconds`). `--quick --device cpu` runs tiny sizes on the CPU (the
+tests' dry run).
 """
 
 from __future__ import annotations
@@ -391,19 +396,20 @@ class BufferComm(Comm):
         return self.buffers[key].detach()  # a new tensor object: autograd gives each call's output its own node
 
 
-def _rank0_inputs(program, inputs: list, device) -> tuple[nn.Module, list]:
+def _rank0_shards(program, device) -> nn.Module:
+    """Rank 0's shards, drawn at random (weights) or ones (norms and biases)."""
     module = state.add_local_tensors(nn.Module(), program, 0, device=device)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    return module, inputs
+    return module
 
 
 def local_step(program, inputs: list, device, *, steps: int = 10, optimizer: bool = True) -> dict:
     """Rank 0's program forward and backward with `BufferComm`, timed with CUDA events (median
     of `steps`); peak memory of a step with AdamW, from the first allocation of the step."""
     program = state.off_meta(program, torch.device(device))
-    module, inputs = _rank0_inputs(program, inputs, device)
+    module = _rank0_shards(program, device)
     comm = BufferComm()
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4) if optimizer else None
 
