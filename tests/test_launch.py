@@ -32,6 +32,15 @@ def _exit_on_rank_1(rank, world_size):
     dist.all_reduce(torch.zeros(1))
 
 
+def _segfault_on_rank_1(rank, world_size):
+    """Rank 1 dies of a segmentation fault (as native code can); rank 0 waits in a collective."""
+    if rank == 1:
+        import faulthandler
+
+        faulthandler._sigsegv()
+    dist.all_reduce(torch.zeros(1))
+
+
 def _sleep(rank, world_size):
     """Outlive any timeout the tests use."""
     time.sleep(60)
@@ -71,6 +80,15 @@ def test_dead_rank_ends_with_error_in_bounded_time():
     assert time.monotonic() - start < 30
     msg = str(info.value)
     assert "--- rank 1 ---\nprocess exited with code 3" in msg
+
+
+@pytest.mark.slow
+def test_crashed_rank_is_named_with_the_stack_it_crashed_in():
+    with pytest.raises(RuntimeError) as info:
+        run_local(_segfault_on_rank_1, 2, timeout_s=60, collective_timeout_s=5)
+    crash = str(info.value).split("--- rank 1 ---")[1]
+    assert "without reporting a result; it crashed in:\nFatal Python error: Segmentation fault" in crash, crash
+    assert "in _segfault_on_rank_1" in crash, crash
 
 
 @pytest.mark.slow

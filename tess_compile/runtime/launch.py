@@ -78,6 +78,7 @@ def run_local(fn, world_size, *, args=(), backend="gloo", timeout_s=120.0,
         for proc in procs:
             proc.start()
         outcomes = _collect(procs, results, start + timeout_s)
+        _add_crash_stacks(outcomes, stack_dir)
         stacks = _running_stacks(procs, outcomes, stack_dir)
     finally:
         _stop(procs)
@@ -125,12 +126,14 @@ def _free_port():
 def _worker(rank, world_size, backend, collective_timeout_s, env, payload, results, stack_file):
     """Child entry point: join the group, run fn and report (rank, ok, data) on the queue.
 
-    On the parent's signal the child writes its Python stacks to `stack_file`.
+    On the parent's signal the child writes its Python stacks to `stack_file`, and on a
+    fatal signal (a segmentation fault in native code) the stacks it crashed in.
     """
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    stack_out = open(stack_file, "w")  # noqa: SIM115  (open for the life of the process)
+    faulthandler.enable(file=stack_out, all_threads=True)
     if _STACK_SIGNAL is not None:
-        stack_out = open(stack_file, "w")  # noqa: SIM115  (open for the life of the process)
         faulthandler.register(_STACK_SIGNAL, file=stack_out, all_threads=True)
     try:
         fn, args = pickle.loads(payload)
@@ -189,6 +192,21 @@ def _stop(procs):
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+def _add_crash_stacks(outcomes, stack_dir) -> None:
+    """Append to the report of each rank that died without one the stack it crashed in
+    (`faulthandler`'s "Fatal Python error" dump), where it wrote one."""
+    for rank, (ok, data, seconds) in list(outcomes.items()):
+        if ok or not data.startswith("process exited with code"):
+            continue
+        try:
+            text = (stack_dir / f"rank{rank}.txt").read_text()
+        except OSError:
+            continue
+        start = text.find("Fatal Python error")
+        if start >= 0:
+            outcomes[rank] = (ok, f"{data}; it crashed in:\n{text[start:].strip()}", seconds)
 
 
 def _running_stacks(procs, outcomes, stack_dir) -> dict[int, str]:
