@@ -405,13 +405,14 @@ def _rank0_shards(program, device) -> nn.Module:
     return module
 
 
-def local_step(program, inputs: list, device, *, steps: int = 10, optimizer: bool = True) -> dict:
+def local_step(program, inputs: list, device, *, steps: int = 10) -> dict:
     """Rank 0's program forward and backward with `BufferComm`, timed with CUDA events (median
-    of `steps`); peak memory of a step with AdamW, from the first allocation of the step."""
+    of `steps`); the peak memory allocated in a step with AdamW (shards, gradients and AdamW's
+    state included), less the inputs."""
     program = state.off_meta(program, torch.device(device))
     module = _rank0_shards(program, device)
     comm = BufferComm()
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4) if optimizer else None
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
     def forward():
         with use_comm(comm):
@@ -449,8 +450,7 @@ def local_step(program, inputs: list, device, *, steps: int = 10, optimizer: boo
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         backward(forward())
-        if opt is not None:
-            opt.step()
+        opt.step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - sum(t.numel() * t.element_size() for t in inputs
                                                        if isinstance(t, torch.Tensor))

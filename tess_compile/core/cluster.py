@@ -200,7 +200,7 @@ class Cluster:
     def to_dict(self) -> dict:
         """The fields as a dict of JSON values (an infinite bandwidth as the string "inf")."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["collectives"] = [json.loads(json.dumps(entry)) for entry in self.collectives]  # tuples as lists
+        values["collectives"] = [list(entry) for entry in self.collectives]
         return {key: "inf" if value == math.inf else value for key, value in values.items()}
 
     @classmethod

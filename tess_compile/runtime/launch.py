@@ -77,8 +77,7 @@ def run_local(fn, world_size, *, args=(), backend="gloo", timeout_s=120.0,
     try:
         for proc in procs:
             proc.start()
-        outcomes = _collect(procs, results, start + timeout_s)
-        _add_crash_stacks(outcomes, stack_dir)
+        outcomes = _collect(procs, results, start + timeout_s, stack_dir)
         stacks = _running_stacks(procs, outcomes, stack_dir)
     finally:
         _stop(procs)
@@ -149,9 +148,10 @@ def _worker(rank, world_size, backend, collective_timeout_s, env, payload, resul
             dist.destroy_process_group()
 
 
-def _collect(procs, results, deadline):
+def _collect(procs, results, deadline, stack_dir):
     """Gather {rank: (ok, data, seconds)} until all ranks report, one fails, or the deadline passes;
-    `seconds` is when the parent learnt of it (a death, from the exit code)."""
+    `seconds` is when the parent learnt of it (a death, from the exit code; with the stack the
+    child crashed in where it wrote one)."""
     outcomes = {}
     failed_at = None
     while len(outcomes) < len(procs) and time.monotonic() < deadline:
@@ -160,7 +160,8 @@ def _collect(procs, results, deadline):
             if rank not in outcomes and proc.exitcode is not None:
                 _drain(results, outcomes, 0)  # its report may still sit in the pipe
                 reason = f"process exited with code {proc.exitcode} without reporting a result"
-                outcomes.setdefault(rank, (False, reason, time.monotonic()))
+                outcomes.setdefault(rank, (False, reason + _crash_stack(stack_dir / f"rank{rank}.txt"),
+                                           time.monotonic()))
         if failed_at is None and not all(ok for ok, *_ in outcomes.values()):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
@@ -194,19 +195,15 @@ def _stop(procs):
             proc.join()
 
 
-def _add_crash_stacks(outcomes, stack_dir) -> None:
-    """Append to the report of each rank that died without one the stack it crashed in
-    (`faulthandler`'s "Fatal Python error" dump), where it wrote one."""
-    for rank, (ok, data, seconds) in list(outcomes.items()):
-        if ok or not data.startswith("process exited with code"):
-            continue
-        try:
-            text = (stack_dir / f"rank{rank}.txt").read_text()
-        except OSError:
-            continue
-        start = text.find("Fatal Python error")
-        if start >= 0:
-            outcomes[rank] = (ok, f"{data}; it crashed in:\n{text[start:].strip()}", seconds)
+def _crash_stack(file) -> str:
+    """"; it crashed in:" and the stack a dead child's `faulthandler` dumped on a fatal signal
+    (its "Fatal Python error" report), or "" if it wrote none."""
+    try:
+        text = file.read_text()
+    except OSError:
+        return ""
+    start = text.find("Fatal Python error")
+    return f"; it crashed in:\n{text[start:].strip()}" if start >= 0 else ""
 
 
 def _running_stacks(procs, outcomes, stack_dir) -> dict[int, str]:
