@@ -1,6 +1,8 @@
 """The compiler: a model's graph in, one SPMD per-rank graph out, one pass a file.
 
-    capture -> place -> verify -> rewrite -> bucket gradients -> verify
+    capture (writes through views made functional) -> place -> verify
+    -> (recompute blocks) -> rewrite -> merge products -> (recompute selective)
+    -> bucket gradients -> verify -> report repeated work
 
 `passes.driver.compile_model` calls the passes in that order and packs the
 result in a `Program` (`tess_compile.core.program`). The op families' rules

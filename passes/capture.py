@@ -41,6 +41,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.traceback import annotate, preserve_node_meta
 from torch.utils import _pytree as pytree
 
+from passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.ops.local import device_of
 
@@ -99,6 +100,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
     _merge_tied(gm, tensors)
     _inline_grad_mode_wrappers(gm)
+    functionalize_view_mutations(gm)
     _drop_dead_code(gm)
     _mark_checkpoints(gm)
     _devices_at_run_time(gm)
@@ -391,10 +393,11 @@ def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
 
 
 def _mutates_a_dead_temporary(node: torch.fx.Node) -> bool:
-    """An in-place op whose target is made by an op of the graph and read by nothing else."""
-    target = node.args[0] if node.args else None
-    mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
-    return mutable and isinstance(target, torch.fx.Node) and target.op == "call_function" and set(target.users) == {node}
+    """An in-place op on a whole tensor made by an op of the graph and read by nothing else. (A write
+    through a view is functional by now: `passes.view_mutations`.)"""
+    target = node.args[0] if writes_in_place(node) else None
+    return (isinstance(target, torch.fx.Node) and target.op == "call_function" and set(target.users) == {node}
+            and may_alias_root(target) is target)
 
 
 def _detached(gm: torch.fx.GraphModule, at: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ import torch
 # `from models import ...` and `from conftest import ...` in the test files.
 sys.path.insert(0, os.path.dirname(__file__))
 
-from models import MESHES  # noqa: E402,F401  (re-exported for the tests)
+from models import MESHES  # noqa: F401  (re-exported for the tests)
 
+import tess_compile
 from passes.observers import add_pass_observer, remove_pass_observer
+from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +82,72 @@ def assert_matches_model(sim, model, *inputs, rtol: float = 1e-5):
     for name, param in model.named_parameters():
         assert_close_rel(grads[name], param.grad, rtol, f"grad {name}")
     return out
+
+
+# A gradient element below this fraction of the model's largest is the rounding noise of a gradient that is
+# mathematically zero (a key bias under softmax): AdamW divides it by its own root mean square (or by eps) and
+# turns it into an lr-sized step whose sign the summation order decides, so no weight after AdamW is compared there.
+NULL_GRADIENT = 1e-8
+
+
+def null_gradients(model: torch.nn.Module, earlier: dict | None = None) -> dict[str, torch.Tensor]:
+    """Per parameter of `model` (the unsharded oracle, after a backward), the elements whose gradient is
+    below NULL_GRADIENT times the model's largest, or were in `earlier` (the masks of earlier steps)."""
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    scale = max(g.abs().max().item() for g in grads.values())
+    masks = dict(earlier or {})
+    for name, grad in grads.items():
+        null = grad.abs() <= NULL_GRADIENT * scale
+        masks[name] = null | masks[name] if name in masks else null
+    return masks
+
+
+def trained_error(actual: torch.Tensor, expected: torch.Tensor, null: torch.Tensor | None) -> float:
+    """max |actual - expected| over max |expected|, where the gradient was not null (see NULL_GRADIENT)."""
+    keep = torch.ones_like(expected, dtype=torch.bool) if null is None else ~null
+    scale = expected.abs().max().item()
+    return ((actual - expected)[keep].abs().max().item() if keep.any() else 0.0) / max(scale, 1e-300)
+
+
+def simulate_exact(build, inputs: tuple, q: int, d: int, mode: str, gathers: bool = False, strict: bool = True):
+    """Simulate the float64 model that `build()` makes with every op sharded (`strict`) and no
+    warning (`gathers`: but for views that gather their input), check every output (float ones to
+    1e-12, integer ones equal) and every parameter gradient against a second one built alike (the
+    old weight_norm's modules cannot be deep-copied), and return the simulated module with its
+    redundant work."""
+    model, oracle = (seeded(build) for _ in range(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sim = tess_compile.simulate(model, q, d, example_inputs=inputs, mode=mode, strict=strict, verify=True)
+    unexpected = ("replicated",) if gathers else ("replicated", "whole")
+    assert not [str(w.message) for w in caught if any(word in str(w.message) for word in unexpected)]
+    outs, expected = _outputs(sim(*inputs)), _outputs(oracle(*inputs))
+    loss, oracle_loss = 0.0, 0.0
+    for index, (out, exp) in enumerate(zip(outs, expected)):
+        if not exp.is_floating_point():
+            assert torch.equal(out, exp), f"output {index}: {out} != {exp}"
+            continue
+        assert_close_rel(out, exp, 1e-12, f"output {index}")
+        target = torch.randn(exp.shape, generator=torch.Generator().manual_seed(index), dtype=exp.dtype)
+        loss, oracle_loss = loss + (out * target).sum(), oracle_loss + (exp * target).sum()
+    loss.backward()
+    oracle_loss.backward()
+    grads = sim.full_grads()
+    for name, param in oracle.named_parameters():
+        assert_close_rel(grads[name], param.grad, 1e-12, f"grad {name}")
+    return sim, redundant_work(sim.program, unsharded_forward_flops(oracle, inputs))
+
+
+def seeded(build) -> torch.nn.Module:
+    """`build()` after torch.manual_seed(0), in float64."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated
+        return build().double()
+
+
+def _outputs(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
 
 
 @contextlib.contextmanager

@@ -10,12 +10,11 @@ output and every parameter gradient equal to the unsharded model's."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_rel
+from conftest import assert_close_rel, seeded, simulate_exact
 from torch import nn
 
 import tess_compile
@@ -25,46 +24,6 @@ from tess_compile.core.layout import Shard
 MESHES = [(2, 2, "2.5d"), (2, 1, "1d")]
 MESH_IDS = ["2.5d-q2d2", "1d-p4"]
 aten = torch.ops.aten
-
-
-def _outputs(out) -> tuple:
-    return out if isinstance(out, tuple) else (out,)
-
-
-def _simulate_exact(build, inputs: tuple, q: int, d: int, mode: str, gathers: bool = False):
-    """Simulate the float64 model that `build()` makes with every op sharded (strict=True) and no
-    warning (`gathers`: but for views that gather their input), check every output (float ones to
-    1e-12, integer ones equal) and every parameter gradient against a second one built alike (the
-    old weight_norm's modules cannot be deep-copied), and return the simulated module with its
-    redundant work."""
-    model, oracle = (_seeded(build) for _ in range(2))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sim = tess_compile.simulate(model, q, d, example_inputs=inputs, mode=mode, strict=True, verify=True)
-    unexpected = ("replicated",) if gathers else ("replicated", "whole")
-    assert not [str(w.message) for w in caught if any(word in str(w.message) for word in unexpected)]
-    outs, expected = _outputs(sim(*inputs)), _outputs(oracle(*inputs))
-    loss, oracle_loss = 0.0, 0.0
-    for index, (out, exp) in enumerate(zip(outs, expected)):
-        if not exp.is_floating_point():
-            assert torch.equal(out, exp), f"output {index}: {out} != {exp}"
-            continue
-        assert_close_rel(out, exp, 1e-12, f"output {index}")
-        target = torch.randn(exp.shape, generator=torch.Generator().manual_seed(index), dtype=exp.dtype)
-        loss, oracle_loss = loss + (out * target).sum(), oracle_loss + (exp * target).sum()
-    loss.backward()
-    oracle_loss.backward()
-    grads = sim.full_grads()
-    for name, param in oracle.named_parameters():
-        assert_close_rel(grads[name], param.grad, 1e-12, f"grad {name}")
-    return sim, redundant_work(sim.program, unsharded_forward_flops(oracle, inputs))
-
-
-def _seeded(build) -> nn.Module:
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated
-        return build().double()
 
 
 def _per_rank_calls(sim, op) -> list:
@@ -98,7 +57,7 @@ class SpeechFrontEnd(nn.Module):
 @pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
 def test_speech_front_end_is_sharded_exactly(q, d, mode):
     torch.manual_seed(0)
-    sim, redundant = _simulate_exact(SpeechFrontEnd, (torch.randn(4, 34, dtype=torch.float64),), q, d, mode)
+    sim, redundant = simulate_exact(SpeechFrontEnd, (torch.randn(4, 34, dtype=torch.float64),), q, d, mode)
     assert redundant <= 1.05
     layouts = {slot.name: str(slot.layout) for slot in sim.program.slots}
     assert layouts["norm0.weight"] == "RRS(0)", "group_norm's affine split like the channels"
@@ -129,7 +88,7 @@ class WeightNormed(nn.Module):
 @pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
 def test_weight_norm_shards_with_its_weight(q, d, mode):
     torch.manual_seed(0)
-    sim, redundant = _simulate_exact(WeightNormed, (torch.randn(4, 6, 8, dtype=torch.float64),), q, d, mode)
+    sim, redundant = simulate_exact(WeightNormed, (torch.randn(4, 6, 8, dtype=torch.float64),), q, d, mode)
     assert redundant <= 1.05
     layouts = {slot.name: slot.layout for slot in sim.program.slots}
     for name in ("fc1.parametrizations.weight.original1", "fc2.weight_v", "conv1.parametrizations.weight.original1",
@@ -156,7 +115,7 @@ class SpreadGroups(nn.Module):
 @pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
 def test_group_norm_with_groups_spread_over_ranks(q, d, mode):
     torch.manual_seed(0)
-    sim, _ = _simulate_exact(SpreadGroups, (torch.randn(4, 4, 6, dtype=torch.float64),), q, d, mode)
+    sim, _ = simulate_exact(SpreadGroups, (torch.randn(4, 4, 6, dtype=torch.float64),), q, d, mode)
     local = [n.args[1] for n in _per_rank_calls(sim, aten.group_norm.default)]
     # 1 group: merged across col's ranks; 2 groups: a group a rank on 2 ranks, merged on 4
     assert local == ([1] if sim.program.mesh.size("col") == 2 else []), local
@@ -190,7 +149,7 @@ class HeadLogits(nn.Module):
 @pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
 def test_unit_dim_views_keep_splits_and_groups(q, d, mode):
     torch.manual_seed(0)
-    sim, redundant = _simulate_exact(HeadLogits, (torch.randn(4, 6, 8, dtype=torch.float64),), q, d, mode)
+    sim, redundant = simulate_exact(HeadLogits, (torch.randn(4, 6, 8, dtype=torch.float64),), q, d, mode)
     assert redundant <= 1.05
     unsqueezed = [n for n in _per_rank_calls(sim, aten.unsqueeze.default) if len(n.meta["global_shape"]) == 4]
     layouts = {str(n.meta["layout"].col) for n in unsqueezed}
@@ -232,7 +191,7 @@ class SelectiveScan(nn.Module):
 @pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
 def test_selective_scan_stacks_its_steps_sharded(q, d, mode):
     torch.manual_seed(0)
-    sim, redundant = _simulate_exact(SelectiveScan, (torch.randn(4, 5, 8, dtype=torch.float64),), q, d, mode)
+    sim, redundant = simulate_exact(SelectiveScan, (torch.randn(4, 5, 8, dtype=torch.float64),), q, d, mode)
     assert redundant <= 1.05
     [stack] = _per_rank_calls(sim, aten.stack.default)
     assert stack.meta["layout"].axes_where(Shard, sim.program.mesh), "the steps stay split"
@@ -264,7 +223,7 @@ class Indexing(nn.Module):
 def test_roll_gather_scatter_argmax_upsample_are_sharded(q, d, mode):
     torch.manual_seed(0)
     inputs = (torch.randn(4, 8, 8, dtype=torch.float64), torch.randint(0, 8, (4, 3, 8)))
-    sim, redundant = _simulate_exact(Indexing, inputs, q, d, mode)
+    sim, redundant = simulate_exact(Indexing, inputs, q, d, mode)
     assert redundant <= 1.05
     [argmax] = _per_rank_calls(sim, aten.argmax.default)
     assert argmax.args[1:] == (2, True), "a local argmax over the split features, merged by the lowering"
@@ -287,7 +246,7 @@ def test_argmax_over_a_split_dim_picks_torch_s_index(q, d, mode):
     torch.manual_seed(0)
     holes = torch.zeros(4, 6, 8, dtype=torch.bool)
     holes[0, 0, 5] = holes[1, 2, 3] = holes[1, 2, 6] = True
-    _simulate_exact(SplitArgmax, (torch.randn(4, 6, 8, dtype=torch.float64), holes), q, d, mode)
+    simulate_exact(SplitArgmax, (torch.randn(4, 6, 8, dtype=torch.float64), holes), q, d, mode)
 
 
 class ImageTokens(nn.Module):
@@ -311,7 +270,7 @@ def test_masked_scatter_keeps_batch_and_hidden_splits(q, d, mode):
     torch.manual_seed(0)
     ids = torch.randint(4, 16, (4, 6))
     ids[0, 1] = ids[1, 4] = ids[1, 5] = ids[3, 0] = 3  # ranks of the batch split mask 1, 2, 0 and 1 tokens
-    sim, _ = _simulate_exact(ImageTokens, (ids, torch.randn(8, 6, dtype=torch.float64)), q, d, mode)
+    sim, _ = simulate_exact(ImageTokens, (ids, torch.randn(8, 6, dtype=torch.float64)), q, d, mode)
     [merge] = _per_rank_calls(sim, aten.masked_scatter.default)
     if mode == "2.5d":  # in 1-D the embeddings come whole, as Megatron's
         assert str(merge.meta["layout"]) == "S(0)S(0)S(2)", "batch and hidden splits kept"
@@ -373,7 +332,7 @@ class RelativeAttention(nn.Module):
 @pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
 def test_position_table_is_no_batch(q, d, mode):
     x = torch.randn(4, 8, 16, dtype=torch.float64)
-    _, work = _simulate_exact(RelativeAttention, (x,), q, d, mode)
+    _, work = simulate_exact(RelativeAttention, (x,), q, d, mode)
     assert work <= 1.05  # the table's positions are split (2.5-D: over depth and row), not repeated
 
 
@@ -382,7 +341,7 @@ def test_table_too_small_to_split_runs_whole(summa):
     """A table whose rows no axis divides (2 positions, depth x row = 4) runs whole, with a warning,
     in every schedule (a product placed whole takes no steps)."""
     x = torch.randn(4, 1, 16, dtype=torch.float64)
-    model = _seeded(lambda: RelativeAttention(span=1))
+    model = seeded(lambda: RelativeAttention(span=1))
     oracle = copy.deepcopy(model)
     with pytest.warns(UserWarning, match=r"no row dim of this table divides .* computes it whole"):
         sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,), summa=summa)
@@ -414,7 +373,7 @@ def test_fused_multi_query_attention_splits_its_heads(q, d, mode):
     """1-D: the fused output is gathered for the view; the attention then splits its query heads
     (a free slice of the whole value) instead of running every head on every rank."""
     x = torch.randn(8, 8, 32, dtype=torch.float64)
-    _, work = _simulate_exact(FusedMultiQuery, (x,), q, d, mode, gathers=True)
+    _, work = simulate_exact(FusedMultiQuery, (x,), q, d, mode, gathers=True)
     assert work <= 1.05
 
 

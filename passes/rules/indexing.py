@@ -1,5 +1,6 @@
 """Placement rules of indexing along a dim: gather, scatter (of a tensor or a value,
-in place or not), scatter_add, scatter_reduce, and masked_scatter.
+in place or not), scatter_add, scatter_reduce, slice_scatter, select_scatter and
+masked_scatter.
 
 gather and scatter work along one dim with an index tensor of the values' rank:
 that dim is whole in the values (any index may point anywhere along it), and
@@ -9,6 +10,10 @@ only their first rows, so that dim stays whole). A gather's index may stay split
 on the gathered dim itself: each rank gathers its own rows of the output from the
 whole values. In-place forms follow the same rules: the captured graph's later
 uses read the op's result, not the tensor it was given.
+
+slice_scatter and select_scatter (a write into a slice or a row, made functional by
+`passes.view_mutations`) keep the written dim whole in the values; the other dims
+are split alike in the values and the source.
 
 masked_scatter fills the mask's positions, in row-major order, with the
 source's elements in order. Where the mask is constant along the last dims
@@ -35,6 +40,7 @@ from passes.rules.common import (
     R,
     aten,
     display_name,
+    get_arg,
     is_one,
     layout_of,
     lower_default,
@@ -49,7 +55,17 @@ from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c
 from tess_compile.ops.local import arange_like
 
-__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_masked_scatter", "place_gather", "place_masked_scatter", "place_scatter"]
+__all__ = [
+    "FAMILY",
+    "LOWERING",
+    "PLACEMENT",
+    "lower_masked_scatter",
+    "place_gather",
+    "place_masked_scatter",
+    "place_scatter",
+    "place_select_scatter",
+    "place_slice_scatter",
+]
 
 
 def _even(placements, shape, mesh) -> list:
@@ -110,6 +126,24 @@ def place_scatter(node: Node, ctx) -> Decision:
     tensors = [x, index] + ([source] if source is not None else [])
     needed, out = _split_alike(ctx, tensors, dim)
     return Decision(needed, Layout(*out))
+
+
+def place_slice_scatter(node: Node, ctx) -> Decision:
+    """slice_scatter(x, src, dim, ...): `dim` whole in both; the other dims split alike where their sizes agree."""
+    x, src = node.args[:2]
+    dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
+    needed, out = _split_alike(ctx, [x, src], dim)
+    return Decision(needed, Layout(*out))
+
+
+def place_select_scatter(node: Node, ctx) -> Decision:
+    """select_scatter(x, src, dim, index): `dim` whole in x; src, which lacks that dim, split as x is."""
+    x, src, dim = node.args[:3]
+    dim = normalize_dim(dim, len(shape_of(x)))
+    kept = [R if isinstance(p, Shard) and p.dim == dim else p for p in without_partial(layout_of(ctx, x)).placements]
+    placements = _even(kept, shape_of(x), ctx.mesh)
+    of_src = [Shard(p.dim - (p.dim > dim), p.groups) if isinstance(p, Shard) else p for p in placements]
+    return Decision({x: Layout(*placements), src: Layout(*of_src)}, Layout(*placements))
 
 
 def _constant_mask_dims(mask: Node, ndim: int) -> set[int]:
@@ -228,6 +262,8 @@ PLACEMENT = {
     **{op: place_scatter for op in _SCATTERS},
     aten.masked_scatter.default: place_masked_scatter,
     aten.masked_scatter_.default: place_masked_scatter,
+    aten.slice_scatter.default: place_slice_scatter,
+    aten.select_scatter.default: place_select_scatter,
 }
 
 LOWERING = {

@@ -176,6 +176,9 @@ _POINTWISE = [
     aten.hardtanh.default, aten.relu6.default, aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default,
     aten.elu.default, aten.softplus.default, aten.mish.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.log1p.default, aten.expm1.default, aten.sign.default, aten.floor.default, aten.ceil.default,
+    aten.min.other, aten.max.other, aten.fill.Scalar, aten.fill.Tensor,
+    # made like the input: its layout, no partial sums (ones_like of a partial sum is no partial sum)
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
 ]
 
 
@@ -243,7 +246,9 @@ PLACEMENT = {
     aten.type_as.default: place_type_as,
     **{op: place_inplace for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
                                     aten.relu_.default, aten.relu6_.default, aten.hardtanh_.default,
-                                    aten.copy_.default, aten.dropout_.default, aten.detach_.default)},
+                                    aten.copy_.default, aten.dropout_.default, aten.detach_.default,
+                                    aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.fill_.Scalar,
+                                    aten.fill_.Tensor, aten.zero_.default)},
     **{op: place_replicated for op in _RANDOM},
 }
 

@@ -72,8 +72,10 @@ def _last_two(node: Node) -> list[int]:
 
 
 def _padded_dims(node: Node) -> list[int]:
-    """aten.pad's `pad` lists (before, after) pairs from the last dim backwards."""
-    return [-1 - k for k in range(len(node.args[1]) // 2)]
+    """The dims that aten.pad pads or cuts: `pad` lists (before, after) pairs from the last dim backwards,
+    and a dim with (0, 0) is left as it is, so its split stays."""
+    pad = node.args[1]
+    return [-1 - k for k in range(len(pad) // 2) if pad[2 * k] != 0 or pad[2 * k + 1] != 0]
 
 
 def _unpadded(b: Builder, node: Node, x: Node, dims: list[int]) -> Node:
