@@ -122,10 +122,10 @@ def test_world_of_one_trains_exactly(world_of_one):
     unsharded model's in float64; a frozen
     parameter gets no gradient; under no_grad the program reads the parameters' storage."""
     model = TinyGPT(vocab=16, hidden=8, heads=2, layers=1, seq=4).double()
+    model.positions.weight.requires_grad_(False)  # frozen before sharding: frozen in the sharded module
     ids = torch.randint(0, 16, (2, 4))
     sharded = tess_compile.shard(copy.deepcopy(model), 1, 1, example_inputs=(ids,), timeout=60)
-    model.positions.weight.requires_grad_(False)
-    sharded.get_parameter("positions.weight").requires_grad_(False)
+    assert not sharded.get_parameter("positions.weight").requires_grad
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, sharded)]
     out = sharded(ids)
     assert_close_rel(out.full_tensor(), model(ids), 1e-12, "output")

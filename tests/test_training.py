@@ -164,3 +164,21 @@ def test_full_state_dict_is_the_models_state_dict():
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
     assert list(state) == list(expected), f"key order {list(state)} != model.state_dict() order {list(expected)}"
+
+
+def test_a_frozen_parameter_stays_frozen():
+    """A parameter the model froze (requires_grad=False) is frozen on every rank: no gradient, no step."""
+    model = make_block("gpt", 8, 2, bias=True).double()
+    model.ln1.weight.requires_grad_(False)
+    oracle = copy.deepcopy(model)
+    x = torch.randn(4, 4, 8, dtype=torch.float64)
+    sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,))
+    frozen = [name for name, param in sim.named_parameters() if not param.requires_grad]
+    assert frozen and all(name.endswith("ln1.weight") for name in frozen), frozen
+    sim(x).sum().backward()
+    oracle(x).sum().backward()
+    grads = sim.full_grads()
+    assert grads["ln1.weight"] is None
+    for name, param in oracle.named_parameters():
+        if param.requires_grad:
+            assert_close_rel(grads[name], param.grad, 1e-12, f"grad {name}")

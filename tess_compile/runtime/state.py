@@ -91,6 +91,8 @@ def add_local_tensors(
             if slot.role == "param" and wrap_param is not None:
                 local = wrap_param(slot, local)
             _set_tensor(root, slot.name, local, slot.role)
+            if slot.role == "param":  # a parameter the model froze stays frozen
+                get_attribute(root, slot.name).requires_grad_(program.tensors[slot.name].requires_grad)
     roles = {s.name: s.role for s in program.slots}
     for slot in program.slots:
         if slot.role == "alias":  # tied: the very same tensor under a second name

@@ -45,12 +45,13 @@ def fully_shard_over_dp(module: nn.Module, **fsdp_options) -> nn.Module:
     for slot in program.slots:
         if slot.role != "param":
             continue
-        local = state.get_tensor(module, slot).detach()
+        current = state.get_tensor(module, slot)
+        local = current.detach()
         tp = dict(zip(AXES, placements_of(slot.layout)))
         placements = tuple(tp.get(name, Replicate()) for name in names)
         shape = torch.Size(slot.shape)
         value = DTensor.from_local(local, root, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
-        state._set_tensor(module, slot.name, nn.Parameter(value), "param")
+        state._set_tensor(module, slot.name, nn.Parameter(value, requires_grad=current.requires_grad), "param")
     for slot in program.slots:
         if slot.role == "alias" and roles.get(slot.alias_of) == "param":
             state._set_tensor(module, slot.name, state.get_attribute(module, slot.alias_of), "param")
