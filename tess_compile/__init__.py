@@ -5,12 +5,14 @@ runs every rank in this process. Both take the model's own inputs and the
 compile options of `CompileOptions` as keywords: a `mode`, "2.5d" (Tesseract,
 the default), "2d" (Optimus, d=1), "3d" (d=q) or "1d" (Megatron-LM over the
 same q*q*d ranks; see `tess_compile.core.mesh`), a `summa` schedule of the
-matrix products: "broadcast" (the papers' q steps, the default), "overlap"
-(step t+1's broadcasts in flight during step t's product), "gather" (one
-all-gather per operand, one product) or "auto" (the fastest on a cluster,
-`cluster=`), and what backward keeps or recomputes.
-`plan` ranks the modes and meshes of a model on a cluster by predicted time;
-`profile_cluster` measures the machine it runs on (a `Cluster` to plan with).
+matrix products: "auto" (the default: each product's cheapest on a cluster,
+`cluster=`), "broadcast" (the papers' q steps), "overlap" (step t+1's
+broadcasts in flight during step t's product) or "gather" (one all-gather per
+operand, one product), and what backward keeps or recomputes.
+`check` compares every simulated rank of a model with the model itself
+(outputs, gradients, a step) before a long launch. `plan` ranks the modes and
+meshes of a model on a cluster by predicted time; `profile_cluster` measures
+the machine it runs on (a `Cluster` to plan with).
 
 The package's layers, each importing only those before it: `core` (mesh,
 layouts, options, programs), `ops` (what a per-rank graph calls), `runtime`
@@ -50,12 +52,14 @@ from tess_compile.scale_out.pipeline import pipeline_stage
 from tess_compile.scale_out.simulated_pipeline import simulate_pipeline
 from tess_compile.training.clip import clip_grad_norm_
 from tess_compile.training.shard_loading import for_dcp, load_pretrained_shards, load_shards_from
+from tess_compile.validation import check
 
 __all__ = [
     "Cluster",
     "CompileOptions",
     "Mesh",
     "backend",
+    "check",
     "clip_grad_norm_",
     "dump",
     "for_dcp",

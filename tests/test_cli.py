@@ -81,7 +81,7 @@ def check_run(proc: subprocess.CompletedProcess, steps: int) -> None:
     assert f"step {steps}/{steps}" in proc.stderr, report(proc)  # the progress bar, one line a step off a TTY
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["dump", "--help"], ["run", "--help"], ["plan", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["dump", "--help"], ["check", "--help"], ["run", "--help"], ["plan", "--help"]])
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)

@@ -1,6 +1,7 @@
-"""The `tess-compile` command: dump a model's compiled graph, train it sharded, plan a mesh, or profile.
+"""The `tess-compile` command: dump a model's compiled graph, check it, train it sharded, plan a mesh, or profile.
 
     tess-compile dump model.py:make --q 2 --d 2 [compile options] [--rank R] [--stage S] [--format F] [-o OUT]
+    tess-compile check model.py:make --q 2 --d 2 [compile options] [--tolerance T]
     tess-compile run model.py:make --q 2 --d 2 [compile options] [--steps N] [--lr LR] [--simulate] [--timeout S]
     tess-compile plan model.py:make --gpus 64 [--gpus-per-node 4] [--modes 1d,2d,2.5d] [--memory-gb 40] ...
     tess-compile profile [-o cluster.json] [--processes 8] [--backend gloo]
@@ -10,6 +11,12 @@
 inputs or a dict of keyword inputs. torch is seeded before each call, so
 every process builds the same model and inputs.
 
+`check` simulates every rank in this process on float64 copies of the model
+and its inputs and compares outputs, loss, gradients and the weights after
+one SGD step with the unsharded model's (`tess_compile.check`), printing a
+table with the redundant work and the ops that run replicated; it exits with
+1 if anything differs by more than the tolerance (docs/check.md).
+
 `run` starts q*q*d local gloo processes (or, with `--simulate`, runs every
 rank in this process), and trains the sharded model with AdamW on the example
 inputs beside an unsharded copy (the oracle), printing both losses at every
@@ -18,7 +25,7 @@ the mean of the squares of its first tensor output (a DTensor is gathered
 with `.full_tensor()` first). It exits with 1 if the losses differ by more
 than TOLERANCE (relative), or if a process fails or runs past `--timeout`.
 
-The compile options of dump and run are `tess_compile.CompileOptions`'
+The compile options of dump, check and run are `tess_compile.CompileOptions`'
 fields as flags (`--mode`, `--summa`, `--keep-blocks`, `--recompute`,
 `--strict`, `--verify`): `--mode` picks the parallel mode, 2.5d (Tesseract,
 the default), 2d (Optimus, d=1), 3d (d=q) or 1d (Megatron-LM over q*q*d
@@ -38,19 +45,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tess_compile.cli import dump, plan, profile, run
+from tess_compile.cli import check, dump, plan, profile, run
 from tess_compile.cli.common import CliError
 
 __all__ = ["main", "make_parser"]
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """The parser of `tess-compile` and its commands `dump`, `run`, `plan` and `profile`."""
+    """The parser of `tess-compile` and its commands `dump`, `check`, `run`, `plan` and `profile`."""
     parser = argparse.ArgumentParser(
         prog="tess-compile",
         description="Shard a PyTorch model with Tesseract (2.5-D) tensor parallelism on a [q, q, d] mesh.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (dump, run, plan, profile):
+    for command in (dump, check, run, plan, profile):
         command.add_command(commands)
     return parser
 
