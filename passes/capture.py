@@ -23,6 +23,8 @@ device in the graph. Every `torch.device` argument equal to the capture
 device (a user input's, else the first lifted tensor's) becomes a
 `device_of(that input)` node, so the per-rank graph makes them on the device
 it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
+
+Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line (`passes.data_dependent`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.traceback import annotate, preserve_node_meta
 from torch.utils import _pytree as pytree
 
+from passes.data_dependent import explained_data_dependence, is_data_dependent, refuse_data_dependent_shapes
 from passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.ops.local import device_of
@@ -75,9 +78,11 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     dims = None
     if batch_factor is not None:
         args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
-    ep = _export(model, args, kwargs, dims)
+    with explained_data_dependence(model):
+        ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module
+    refuse_data_dependent_shapes(gm, model)
     specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
@@ -200,6 +205,8 @@ def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tup
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
             return torch.export.export(model, args, kwargs, dynamic_shapes=dims, strict=False)
     except torch._dynamo.exc.UserError as err:
+        if is_data_dependent(err):
+            raise  # explained by capture
         if "size()[0] != 1" in str(err) and _batch_of_one(dims):
             # the model's code differs at a batch of 1 (a broadcast): the program takes batches of 2 or more
             log.info("dynamic=True: %s's code differs at a batch of 1; the program takes batches of 2 or more",

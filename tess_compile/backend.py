@@ -21,6 +21,13 @@ A graph with symbolic shapes (`torch.compile(..., dynamic=True)`,
 is compiled once as a dynamic program, symbolic where Dynamo's graph is: its
 size inputs are read from its tensors' shapes and its Python numbers become
 constants (docs/backend.md, "Dynamic shapes").
+
+Dynamo breaks the graph where the model reads the values in a tensor (`.item()`,
+`nonzero`, `x[mask]`), which `shard` cannot capture (docs/data_dependent.md): each
+piece is compiled on its own, a piece that takes no tensor runs as it is, a
+table of batch 1 carried across a break arrives whole (as a weight does), and a
+tensor input whose dim 0 the mesh does not split (rows picked by a boolean index)
+is a ValueError that names the graph break that carries it in.
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
+from passes.source_lines import source_line, with_code
 from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.dynamic import has_symbols
@@ -101,19 +111,26 @@ def tesseract(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict 
 
 def _compile(gm, example_inputs: list, mesh: Mesh, options: CompileOptions, *, simulate: bool, timeout,
              compile: bool, cluster) -> Callable:
-    """One program for Dynamo's graph: symbolic in the dims that are symbolic there (see docs/backend.md)."""
+    """One program for Dynamo's graph: symbolic in the dims that are symbolic there (see docs/backend.md).
+    A graph that takes no tensor (a mask made of constants after a graph break) has nothing to shard: it runs as
+    it is."""
+    if not any(isinstance(x, torch.Tensor) for x in example_inputs):
+        return gm
     gm = _copy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     symbolic = _symbolic(placeholders)
     if options.dynamic and not symbolic:
         _warn_static(placeholders)
+    _check_no_data_read(gm, mesh)
     _check_no_size_outputs(gm, placeholders, mesh)
     kept, numbers = _tensors_only(gm, placeholders, example_inputs, mesh)
     weights = {
         position: _weight_name(placeholders[i].target)
         for position, i in enumerate(kept)
         if isinstance(example_inputs[i], nn.Parameter) or "_buffers_" in placeholders[i].target
+        or _broadcast_over_batch(placeholders[i])
     }
+    _check_batches(placeholders, example_inputs, kept, weights, mesh)
     _untag_checkpoints(gm)
     options = dataclasses.replace(options, dynamic=symbolic)
     # outside Dynamo's tracing context: export would otherwise trace in Dynamo's fake mode and leave the
@@ -169,6 +186,29 @@ def _warn_static(placeholders: list[torch.fx.Node]) -> None:
                 "whose code holds those sizes as constants: it is compiled for them, and Dynamo compiles again for a "
                 "new shape; for one program for every batch and sequence length pass dynamic=True to torch.compile "
                 "as well, or mark the dims with torch._dynamo.mark_dynamic", _describe(placeholders))
+
+
+def _check_no_data_read(gm: torch.fx.GraphModule, mesh: Mesh) -> None:
+    """Dynamo keeps a value read from a tensor in its graph only with torch._dynamo.config's
+    capture_dynamic_output_shape_ops (`nonzero`, `x[mask]`) or capture_scalar_outputs (`.item()`) on. The program
+    can neither split a tensor whose size was read so nor return such a value: a ValueError naming the line."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = [n for n in pytree.tree_leaves(output.args[0]) if isinstance(n, torch.fx.Node)]
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        shapes = [list(t.shape) for t in pytree.tree_leaves(value)
+                  if isinstance(t, torch.Tensor) and free_unbacked_symbols(t.shape)]
+        scalar = node in returned and isinstance(value, (torch.SymBool, torch.SymInt, torch.SymFloat)) \
+            and free_unbacked_symbols(value)
+        if shapes or scalar:
+            what = f"a tensor of shape {shapes[0]}, a size" if shapes else f"{value}, returned by the graph, a value"
+            raise ValueError(
+                f"{node.name} at {with_code(source_line(node))} is {what} read from the data, which Dynamo's graph "
+                "holds because torch._dynamo.config.capture_dynamic_output_shape_ops or capture_scalar_outputs is "
+                f"on; the program on mesh {mesh} can neither split a tensor whose size depends on the data nor "
+                "return such a value: set them False (the default), so that Dynamo breaks the graph there and each "
+                "piece is sharded (docs/data_dependent.md)"
+            )
 
 
 def _check_no_size_outputs(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], mesh: Mesh) -> None:
@@ -261,7 +301,7 @@ def _sizes_from_tensors(gm: torch.fx.GraphModule, placeholders: list[torch.fx.No
             raise ValueError(
                 f"graph input {node.target!r} is the symbolic int {value}, which is no dim of the graph's tensor "
                 f"inputs ({_describe(placeholders)}), so the program on mesh {mesh} cannot read it from their "
-                "shapes (an int argument, or a size carried across a graph break): set "
+                "shapes (an int argument, or a size or a value read with .tolist() carried across a graph break): set "
                 "torch._dynamo.config.specialize_int = True so that Dynamo compiles each value, pass it as a "
                 "tensor, or use torch.compile(..., dynamic=False)"
             )
@@ -273,6 +313,52 @@ def _sizes_from_tensors(gm: torch.fx.GraphModule, placeholders: list[torch.fx.No
         sizes.append(index)
     gm.recompile()
     return sizes
+
+
+def _broadcast_over_batch(node: torch.fx.Node) -> bool:
+    """Whether a tensor input has dim 0 of size 1 and fixed sizes: a table that broadcasts over the batch (position
+    ids, a rotary table, a mask) carried across a graph break. The program cannot split its dim 0, so it arrives
+    whole, as a weight does, and its consumers choose its layout (a weight input's sizes are fixed)."""
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 1 and not has_symbols(value.shape)
+
+
+def _check_batches(placeholders: list[torch.fx.Node], example_inputs: list, kept: list[int], weights: dict[int, str],
+                   mesh: Mesh) -> None:
+    """The program splits dim 0 of each tensor input that is no weight over d*q ranks: one it does not divide is a
+    ValueError naming the input, its line and the graph break it crosses (rows that `x[mask]` picked, say)."""
+    if mesh.mode == "1d":  # inputs arrive whole
+        return
+    parts = mesh.d * mesh.q
+    for position, index in enumerate(kept):
+        value, node = example_inputs[index], placeholders[index]
+        if position in weights or value.dim() == 0 or value.shape[0] % parts == 0:
+            continue
+        raise ValueError(
+            f"graph input {node.target!r} of shape {list(value.shape)}{_where(node)} has dim 0 of size "
+            f"{value.shape[0]}, which the program on mesh {mesh} splits over d*q = {parts} ranks: "
+            f"{_batch_fix(value, parts)} (docs/data_dependent.md)"
+        )
+
+
+def _batch_fix(value: torch.Tensor, parts: int) -> str:
+    """The fix for a tensor input of `value`'s dim 0, which `parts` does not divide."""
+    if value.shape[0] == 1:  # of symbolic sizes: one of fixed sizes arrives whole (`_broadcast_over_batch`)
+        return ("a tensor of dim 0 of size 1 that broadcasts over the batch crosses a graph break whole only in a "
+                "graph of fixed sizes: pass dynamic=False to torch.compile, or remove the graph break")
+    return (f"use a batch that is a multiple of {parts}; rows whose number depends on the data (picked by a boolean "
+            f"index x[mask] or nonzero before a graph break) cannot be split: keep their number a fixed multiple of "
+            f"{parts} (compute on every row and mask the result, or pad the picked rows), or remove the graph break")
+
+
+def _where(node: torch.fx.Node) -> str:
+    """`, carried across the graph break at file:line (`code`),` for an input of the code that Dynamo resumes after a
+    graph break (named `torch_dynamo_resume_in_forward_at_42` in the node's stack trace), else the line that uses it."""
+    trace = node.meta.get("stack_trace") or ""
+    resumed = re.search(r'File "([^"]+)", line \d+, in torch_dynamo_resume_in_\w+_at_(\d+)', trace)
+    if resumed:
+        return f", carried across the graph break at {with_code(f'{resumed.group(1)}:{resumed.group(2)}')},"
+    return f", used at {with_code(source_line(node))}," if trace else ""
 
 
 def _example(value: torch.Tensor, node: torch.fx.Node) -> torch.Tensor:
