@@ -1,22 +1,37 @@
 """The tess-compile command line end to end, in subprocesses: `dump`, `run` (simulated and
 on real gloo processes), `plan`, `--mode`, the installed script, and user errors (exit 2,
-no traceback); `plan`'s options and errors also in this process, through `cli.main`."""
+no traceback); `plan`'s options and errors also in this process, through `cli.main`;
+`--version`, `plan --json` and `--plot`, and the progress bars (on a terminal only)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import io
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import xml.etree.ElementTree as ET
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tess_compile import cli
-from tess_compile.cli.common import MODULE_NAME
+from tess_compile.analysis import profiling
+from tess_compile.analysis.cost_model import StepTime
+from tess_compile.analysis.memory import MemoryEstimate
+from tess_compile.analysis.plan_plot import plan_svg
+from tess_compile.analysis.planner import PlanRow
+from tess_compile.cli.common import MODULE_NAME, package_version
 from tess_compile.cli.plan import cluster_of
 from tess_compile.cli.run import TOLERANCE, summarize
+from tess_compile.core.cluster import CALIBRATED_CLUSTER
+from tess_compile.core.mesh import Mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_PY = '''
@@ -264,8 +279,10 @@ def test_plan_over_the_memory_budget_exits_1(plan_dir, monkeypatch, capsys):
     (["plan", "plan_model.py:nothing", "--gpus", "8"], "no function 'nothing'"),
     (["dump", "plan_model.py:make_mlp", "--q", "2", "--d", "2", "--mode", "2d"], "mode '2d' (Optimus) is the d=1 case"),
     (["run", "plan_model.py:make_mlp", "--q", "2", "--d", "1", "--mode", "4d"], "invalid choice: '4d'"),
+    (["plan", "plan_model.py:make_mlp", "--gpus", "8", "--json", "no_such_folder/plan.json"],
+     "no_such_folder' of 'no_such_folder/plan.json' not found (--json): create it"),
 ], ids=["plan-no-mesh", "plan-bad-dp", "plan-bad-mode", "plan-no-gpus", "plan-algorithm", "plan-latency", "plan-no-factory",
-        "dump-2d-depth", "run-bad-mode"])
+        "dump-2d-depth", "run-bad-mode", "plan-json-folder"])
 def test_plan_and_mode_user_errors(plan_dir, monkeypatch, capsys, argv, expected):
     code, _, err = run_in_process(argv, plan_dir, monkeypatch, capsys)
     assert code == 2, err
@@ -292,3 +309,149 @@ def test_plan_defaults_are_the_calibrated_cluster():
 
     args = cli.make_parser().parse_args(["plan", "model.py:make", "--gpus", "8"])
     assert cluster_of(args) == CALIBRATED_CLUSTER
+
+
+
+# --------------------------------------------------------------------------- --version, --json, --plot, progress
+
+JSON_KEYS = {"schema", "tess_compile", "target", "gpus", "options", "model", "cluster", "memory_budget_bytes", "pick",
+             "rows"}
+ROW_KEYS = {"mode", "mesh", "tp_ranks", "dp", "pp", "microbatches", "zero", "compiled", "fits", "step_s", "time_s",
+            "comm_bytes", "memory_bytes", "redundant_work", "summa", "keep_blocks", "schedules", "note", "pick"}
+TIME_KEYS = {"forward", "backward", "optimizer", "forward_compute", "forward_comm", "backward_compute", "backward_comm"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "transient", "total"}
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == (f"tess-compile {importlib.metadata.version('tess-compile')} "
+                                       f"(torch {torch.__version__})\n")
+
+
+def test_version_from_a_source_tree_that_is_not_installed(monkeypatch):
+    installed = importlib.metadata.version("tess-compile")  # an editable install: the checkout's pyproject's
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert package_version() == f"{installed} (not installed: the source tree at {ROOT})"
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """`plan --json FILE --plot FILE` of make_mlp on 8 GPUs (dp and pp auto: 6 configurations), run once
+    in this process: (exit code, stdout, stderr, the JSON document, the SVG text)."""
+    folder = tmp_path_factory.mktemp("plan_outputs")
+    (folder / "plan_model.py").write_text(PLAN_MODEL_PY)
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(folder)
+        patch.setattr(sys, "path", list(sys.path))
+        patch.setitem(sys.modules, MODULE_NAME, None)
+        code = cli.main(["plan", "plan_model.py:make_mlp", "--gpus", "8", "--json", "plan.json", "--plot", "plan.svg"])
+    document = json.loads((folder / "plan.json").read_text())
+    return code, out.getvalue(), err.getvalue(), document, (folder / "plan.svg").read_text()
+
+
+def test_plan_json_has_the_documented_keys_and_a_row_per_configuration(planned):
+    code, out, err, document, _ = planned
+    assert code == 0 and err == "", err
+    table = plan_rows(out)  # the table still goes to stdout beside --json FILE
+    assert set(document) == JSON_KEYS and document["schema"] == 1
+    rows = document["rows"]
+    assert len(rows) == len(table) == 6, out
+    for row, line in zip(rows, table):
+        assert set(row) == ROW_KEYS and set(row["time_s"]) == TIME_KEYS and set(row["memory_bytes"]) == MEMORY_KEYS
+        assert (row["mode"], str(row["mesh"]), f"{row['step_s']:.4g}") == (line[0], line[1], line[4]), (row, line)
+        assert row["compiled"] and row["fits"] and row["memory_bytes"]["total"] == sum(
+            value for key, value in row["memory_bytes"].items() if key != "total")
+    assert {(row["dp"], row["pp"]) for row in rows} == {(1, 1), (2, 1), (4, 1), (8, 1)}
+    assert document["pick"] == 0 and [row["pick"] for row in rows] == [True] + [False] * 5
+    assert document["cluster"] == CALIBRATED_CLUSTER.to_dict()
+    assert document["model"] == {"class": "Sequential", "parameters": 33088, "parameter_bytes": 4 * 33088,
+                                 "repeated_blocks": 1, "batch": 16,
+                                 "inputs": [{"shape": [16, 4, 64], "dtype": "float32"}]}
+
+
+def test_plan_json_to_stdout_goes_in_place_of_the_table(plan_dir, monkeypatch, capsys):
+    code, out, err = run_in_process(["plan", "plan_model.py:make_mlp", "--gpus", "8", "--dp", "1", "--pp", "1",
+                                     "--json", "-"], plan_dir, monkeypatch, capsys)
+    assert code == 0 and err == "", err
+    document = json.loads(out)  # all of stdout is the document
+    assert [(row["mode"], row["mesh"]) for row in document["rows"]] == [("2.5d", [2, 2, 2]), ("1d", [8])]
+
+
+def test_plan_plot_draws_a_point_per_configuration_and_marks_the_pick(planned):
+    _, _, _, document, svg = planned
+    assert svg.isascii()
+    root = ET.fromstring(svg)
+    assert root.tag == f"{SVG}svg"
+    points = [g for g in root.iter(f"{SVG}g") if g.get("class") == "point"]
+    assert sorted(g.get("data-mode") for g in points) == sorted(row["mode"] for row in document["rows"])
+    picks = [g for g in root.iter(f"{SVG}g") if g.get("class") == "pick"]
+    assert len(picks) == 1
+    assert "".join(picks[0].itertext()) == "pick: 2.5d [2, 2, 2], dp 1, pp 1"
+    assert [line.get("class") for line in root.iter(f"{SVG}line")].count("budget") == 1
+    texts = [" ".join(text.itertext()) for text in root.iter(f"{SVG}text")]
+    assert "memory per rank (GB, log scale)" in texts and "predicted step time (ms)" in texts, texts
+    assert "memory budget 40 GB" in texts and {"1d", "2d", "2.5d"} <= set(texts), texts
+
+
+def test_plan_svg_shows_hollow_rows_over_the_budget_and_counts_those_that_did_not_compile():
+    def row(mode, q, d, step_s, total, fits):
+        time = StepTime(step_s / 2, 0.0, step_s / 2, 0.0, 0, 0)
+        return PlanRow(Mesh(q, d, mode), time, MemoryEstimate(total, 0, 0, 0), fits=fits)
+
+    rows = [row("1d", 1, 4, 2.0, 3e9, True), row("2.5d", 2, 1, 1.5, 9e9, False), PlanRow(Mesh(2, 1, "2d"))]
+    svg = plan_svg(rows, budget=4e9)
+    assert svg == plan_svg(rows, budget=4e9)  # deterministic
+    root = ET.fromstring(svg)
+    points = {g.get("data-mode"): g for g in root.iter(f"{SVG}g") if g.get("class") == "point"}
+    assert set(points) == {"1d", "2.5d"}
+    fills = {mode: [shape.get("fill") for shape in g if shape.tag != f"{SVG}title"] for mode, g in points.items()}
+    assert fills == {"1d": ["#0072B2"], "2.5d": ["white"]}  # hollow: over the budget
+    texts = [" ".join(text.itertext()) for text in root.iter(f"{SVG}text")]
+    assert "predicted step time (s)" in texts and "memory per rank (GB)" in texts, texts
+    assert "1 configuration did not compile (not shown)" in texts
+    assert "pick: 1d [4], dp 1, pp 1" in texts
+    assert 'class="pick"' not in plan_svg(rows[1:], budget=4e9)  # none fits: no pick
+
+
+def test_progress_goes_to_stderr_on_a_terminal_only(plan_dir, monkeypatch, capsys):
+    argv = ["plan", "plan_model.py:make_mlp", "--gpus", "8", "--dp", "1", "--pp", "1"]
+    code, plain, err = run_in_process(argv, plan_dir, monkeypatch, capsys)
+    assert code == 0 and err == "", err  # not a terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run_in_process(argv, plan_dir, monkeypatch, capsys)
+    assert code == 0 and out == plain, out  # nothing extra on stdout
+    assert "tess-compile plan [" in err and "0/2 configurations" in err and "2/2 configurations" in err, err
+    assert "s left, 2.5d [2, 2, 2], dp 1, pp 1" in err, err  # the time left and the configuration under way
+    code, out, err = run_in_process([*argv, "--no-progress"], plan_dir, monkeypatch, capsys)
+    assert code == 0 and out == plain and err == "", err
+
+
+def test_profile_reports_each_measurement_to_progress(tmp_path, monkeypatch):
+    monkeypatch.setattr(profiling, "_RUN_S", 1e-3)  # short timed runs: only the calls are checked
+    calls = []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        profiling.profile_cluster(repeats=1, memory=1e9, progress=lambda *call: calls.append(call))
+    finally:
+        dist.destroy_process_group()
+    total = calls[0][1]
+    assert [done for done, _, _ in calls] == list(range(total + 1)) and {t for _, t, _ in calls} == {total}
+    assert calls[0][2] == "kernel overhead" and calls[-1][2] == "" and all(what for *_, what in calls[:-1])
+
+
+@pytest.mark.slow
+def test_profile_command_draws_its_bar_on_a_terminal(tmp_path, monkeypatch, capfd):
+    """Rank 0, a process of its own, draws the bar on the stderr it shares with the command."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(["profile", "--processes", "2", "--repeats", "1", "-o", str(tmp_path / "cluster.json")]) == 0
+    out, err = capfd.readouterr()
+    assert "wrote" in out and "measurements" not in out, out
+    assert "tess-compile profile [" in err and "32/32 measurements" in err and "all_reduce over 2 ranks" in err, err

@@ -1,6 +1,8 @@
 """Tests for tess_compile.runtime.launch.run_local (real multi-process gloo runs)."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -8,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tess_compile.runtime.launch import run_local
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Worker functions must live at module level so spawned children can import them.
 
@@ -116,3 +120,40 @@ def test_hung_rank_is_named_with_its_stack():
 def test_bad_arguments_give_value_error(fn, world_size, match):
     with pytest.raises(ValueError, match=match):
         run_local(fn, world_size)
+
+
+TWO_RANKS_PY = """
+import multiprocessing
+
+import torch
+import torch.distributed as dist
+
+from tess_compile.runtime.launch import run_local
+
+LOCKS = []
+
+
+def rank_main(rank, world_size):
+    # a named semaphore held until exit, as tqdm's lock is in every compile (torch.fx's interpreter makes it)
+    LOCKS.append(multiprocessing.get_context("spawn").RLock())
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+if __name__ == "__main__":
+    print(run_local(rank_main, 2, timeout_s=120))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_that_succeeds_leaks_no_semaphore(tmp_path):
+    """The children exit by themselves (their exit handlers free their semaphores) rather than
+    being terminated once they reported, so no "leaked semaphore objects" warning ends the run."""
+    (tmp_path / "two_ranks.py").write_text(TWO_RANKS_PY)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "two_ranks.py"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[2.0, 2.0]", proc.stdout
+    assert "leaked semaphore" not in proc.stderr, proc.stderr

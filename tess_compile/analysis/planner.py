@@ -10,7 +10,9 @@ priced cheapest for it (`passes.product_schedule`); with `keep_blocks="auto"`
 each mesh is priced with and without keeping the fetched blocks and keeps the
 fastest that fits (`schedule_choice.choose_schedule`). Each row also
 gives the redundant work of its program (forward FLOPs over all ranks / the
-unsharded model's, `accounting.redundant_work`). `format_table` prints the rows.
+unsharded model's, `accounting.redundant_work`). `format_table` prints the rows,
+`PlanRow.to_dict` gives a row as JSON values. `plan(progress=...)` reports each
+configuration as it starts (a progress bar's callback: `tess-compile plan` shows one).
 """
 
 from __future__ import annotations
@@ -43,7 +45,19 @@ from tess_compile.core.mesh import AXES, MODES, Mesh
 from tess_compile.core.options import AUTO, CompileOptions, renamed
 from tess_compile.core.program import describe_schedules
 
-__all__ = ["DEFAULT_MODES", "GB", "HEADER", "PlanRow", "candidate_meshes", "format_table", "mesh_label", "plan"]
+__all__ = [
+    "DEFAULT_MODES",
+    "GB",
+    "HEADER",
+    "PlanRow",
+    "Progress",
+    "candidate_meshes",
+    "format_table",
+    "mesh_label",
+    "mesh_sides",
+    "pick",
+    "plan",
+]
 
 DEFAULT_MODES = ("1d", "2d", "2.5d")
 
@@ -52,6 +66,11 @@ GB = 1e9
 
 
 log = logging.getLogger("tess_compile")
+
+
+# progress(done, total, what): `done` of `total` steps finished and `what` the one starting,
+# before each step; once more at the end with done == total and what == "".
+Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -74,12 +93,60 @@ class PlanRow:
     def mode(self) -> str:
         return self.mesh.mode
 
+    def to_dict(self) -> dict:
+        """The row as JSON values, the same keys on every row (None where it did not compile):
+        seconds, bytes per rank and the choices it was priced with (docs/planner.md)."""
+        time, memory = self.time, self.memory
+        return {
+            "mode": self.mode,
+            "mesh": mesh_sides(self.mesh),
+            "tp_ranks": self.mesh.num_ranks,
+            "dp": self.outer.dp,
+            "pp": self.outer.pp,
+            "microbatches": self.outer.microbatches,
+            "zero": self.outer.zero,
+            "compiled": time is not None,
+            "fits": self.fits,
+            "step_s": None if time is None else time.step_s,
+            "time_s": None if time is None else _time_parts(time),
+            "comm_bytes": None if time is None else time.comm_bytes,
+            "memory_bytes": None if memory is None else _memory_parts(memory),
+            "redundant_work": self.redundant_work,
+            "summa": self.summa,
+            "keep_blocks": self.keep_blocks,
+            "schedules": dict(self.schedules),
+            "note": self.note,
+        }
+
+
+def _time_parts(time: StepTime) -> dict:
+    """The predicted seconds of a step: the phases and their compute and communication parts."""
+    return {"forward": time.forward_s, "backward": time.backward_s, "optimizer": time.optimizer_s,
+            "forward_compute": time.forward_compute_s, "forward_comm": time.forward_comm_s,
+            "backward_compute": time.backward_compute_s, "backward_comm": time.backward_comm_s}
+
+
+def _memory_parts(memory: MemoryEstimate) -> dict:
+    """The predicted bytes per rank by kind, and their total."""
+    return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
+            "activations": memory.activations, "transient": memory.transient, "total": memory.total}
+
+
+def pick(rows: Sequence[PlanRow]) -> PlanRow | None:
+    """The configuration to use: the fastest that fits (the first of `plan`'s rows), or None."""
+    return next((row for row in rows if row.fits), None)
+
 
 def mesh_label(mesh: Mesh) -> str:
     """The paper's notation: `[64]` for 1-D, `[q, q, d]` otherwise."""
+    return str(mesh_sides(mesh))
+
+
+def mesh_sides(mesh: Mesh) -> list[int]:
+    """The sides in the paper's notation: `[64]` for 1-D, `[q, q, d]` otherwise."""
     if mesh.mode == "1d":
-        return f"[{mesh.num_ranks}]"
-    return f"[{mesh.q}, {mesh.q}, {mesh.d}]"
+        return [mesh.num_ranks]
+    return [mesh.q, mesh.q, mesh.d]
 
 
 def candidate_meshes(gpus: int, modes: Sequence[str] = DEFAULT_MODES) -> list[Mesh]:
@@ -212,6 +279,7 @@ def plan(
     pp: int | str = 1,
     microbatches: int | None = None,
     zero: bool = False,
+    progress: Progress | None = None,
     **deprecated,
 ) -> list[PlanRow]:
     """Every mesh of `gpus` ranks in `modes`, priced on `cluster`, fastest first.
@@ -233,6 +301,9 @@ def plan(
     `gpus / (dp * pp)` ranks, with `microbatches` per step (default
     `parallel_plan.default_microbatches`) and, with `zero`, the optimizer
     state sharded over dp (`tess_compile.analysis.parallel_plan`).
+    `progress(done, total, what)`, if given, is called before each configuration is
+    compiled and priced (`what` names it: "2.5d [4, 4, 4], dp 1, pp 1") and once at the
+    end (`Progress`); `tess-compile plan` passes a progress bar.
     """
     if deprecated:  # checkpoint=, recompute's old name
         given = renamed("tess_compile.plan", deprecated, stacklevel=3)
@@ -262,9 +333,11 @@ def plan(
     unsharded_flops = functools.cache(lambda: unsharded_forward_flops(model, inputs))  # once a mesh compiles
     evaluated: dict[tuple, PlanRow] = {}
     rows = []
+    report = progress or _no_progress
     for number, (outer, mesh, micro) in enumerate(configs, 1):
-        log.info("plan: compiling %s for %s %s, dp %d, pp %d (%d of %d)", type(model).__name__, mesh.mode,
-                 mesh_label(mesh), outer.dp, outer.pp, number, len(configs))
+        what = f"{mesh.mode} {mesh_label(mesh)}, dp {outer.dp}, pp {outer.pp}"
+        log.info("plan: compiling %s for %s (%d of %d)", type(model).__name__, what, number, len(configs))
+        report(number - 1, len(configs), what)
         if (mesh, micro) not in evaluated:
             micro_inputs = inputs if micro in (None, batch) else microbatch_inputs(inputs, batch, micro)
             flops = unsharded_flops if micro_inputs is inputs else functools.cache(
@@ -273,7 +346,12 @@ def plan(
                 model, micro_inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
                 keep_blocks=keep_blocks, recompute=recompute, unsharded_flops=flops)
         rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget))
+    report(len(configs), len(configs), "")
     return sorted(rows, key=_sort_key)
+
+
+def _no_progress(done: int, total: int, what: str) -> None:
+    """The `Progress` of a plan nobody watches."""
 
 
 def _meshes_or_none(gpus: int, modes: Sequence[str], fixed: bool) -> list[Mesh]:

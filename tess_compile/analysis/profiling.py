@@ -34,7 +34,8 @@ do in training):
 Each time is the median of repeated runs on a rank (a run repeats a short call
 until it lasts 50 ms, so that the ranks overlap), averaged over the ranks
 with an all-reduce; every rank returns rank 0's `Cluster`. `Cluster.save`
-writes it as JSON; `tess-compile profile` runs this over local processes.
+writes it as JSON; `tess-compile profile` runs this over local processes, with a
+progress bar fed by `profile_cluster(progress=...)` on rank 0.
 """
 
 from __future__ import annotations
@@ -71,18 +72,22 @@ _MATMUL_OTHER = 512  # the two other dimensions
 _ACTIVATION = (2048, 256)  # the float32 activation of the reference layer (2 MB)
 _CHAIN = 64  # tiny products per chain of the kernel overhead
 _BETWEEN = 128  # the side of the product run before each timed collective
+_OPTIMIZER_SIZES = (16, 1 << 16)  # elements of each parameter tensor of the two timed AdamW steps
+_OPTIMIZER_TENSORS = 8  # parameter tensors of a timed AdamW step
 _RUN_S = 0.05  # seconds of one timed run (the calls of a fast function repeated to fill it)
 _TIMEOUT = timedelta(minutes=10)  # of a profiled collective (a rank that stops fails the others)
 
 
 def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = None, device=None,
-                    repeats: int = 5) -> Cluster:
+                    repeats: int = 5, progress: Callable[[int, int, str], None] | None = None) -> Cluster:
     """Measure this machine on every rank of the default process group at once; call on every rank.
 
     `gpus_per_node`: ranks per node (default: the ranks on rank 0's host, read from the
     host names); `memory`: bytes per rank (default: the GPU's memory, or the host's
     memory divided among its ranks); `device`: where to run (default: the current CUDA
-    device under NCCL, else the CPU); `repeats`: timed runs of each measurement. Returns
+    device under NCCL, else the CPU); `repeats`: timed runs of each measurement;
+    `progress(done, total, what)`: called on this rank before each measurement (`what`
+    names it) and once at the end (`planner.Progress`; pass one on one rank only). Returns
     the same `Cluster` on every rank.
     """
     if not dist.is_initialized():
@@ -93,14 +98,15 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
     device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
     started = time.perf_counter()
     per_node = gpus_per_node or _ranks_on_first_host()
-    timer = _Timer(device, repeats)
-    overhead = timer.mean(_kernel_chain(device)) / (2 * _CHAIN)
+    timer = _Timer(device, repeats, progress, _num_measurements(dist.get_world_size(), per_node))
+    overhead = timer.mean(_kernel_chain(device), "kernel overhead") / (2 * _CHAIN)
     flops, half = _fit_matmul(timer, device, overhead)
     bandwidth = _memory_bandwidth(timer, device, overhead, flops, half)
     # every rank on col, as a 1-D program's; a communicator per partition gives col its group
     device_mesh = init_device_mesh(device.type, (1, 1, dist.get_world_size()), mesh_dim_names=AXES)
     collectives = _collective_lines(timer, device, per_node, device_mesh)
     optimizer_overhead, optimizer_bandwidth = _optimizer_line(timer, device, device_mesh)
+    timer.finish()
     intra = _link_figures(collectives, "intra") or (0.0, math.inf)  # a world of one: no link
     inter = _link_figures(collectives, "inter") or intra
     cluster = Cluster(
@@ -117,6 +123,14 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
     return cluster
 
 
+def _num_measurements(world: int, per_node: int) -> int:
+    """How many measurements (`_Timer.median` calls) a profile takes: the kernel chain, the
+    products, the reference layer, the product between collectives, every collective on
+    every group layout at every message size, and the AdamW steps."""
+    collectives = len(_group_layouts(world, per_node)) * len(COMMUNICATING) * len(MESSAGE_BYTES)
+    return 3 + len(_MATMUL_SIZES) + collectives + len(_OPTIMIZER_SIZES)
+
+
 class _Timer:
     """Times a function on every rank at once, as training runs it: all ranks busy together.
 
@@ -124,13 +138,21 @@ class _Timer:
     about `_RUN_S` seconds, `calls` agreed by all ranks (a collective is called as often
     on each). A run of local work ends at a barrier, so its time is the slowest rank's,
     as a training step waits for it at the next collective. The result is the median
-    over `repeats` runs of one call's time, averaged over the ranks."""
+    over `repeats` runs of one call's time, averaged over the ranks. Each measurement is
+    reported to `progress` (of `total`) as it starts."""
 
-    def __init__(self, device: torch.device, repeats: int):
+    def __init__(self, device: torch.device, repeats: int, progress: Callable[[int, int, str], None] | None,
+                 total: int):
         self.device = device
         self.repeats = repeats
+        self.progress = progress
+        self.total = total
+        self.done = 0
 
-    def median(self, fn: Callable[[], object], local: bool = True) -> float:
+    def median(self, fn: Callable[[], object], what: str, local: bool = True) -> float:
+        if self.progress is not None:
+            self.progress(self.done, self.total, what)
+        self.done += 1
         fn()  # warm-up: first-call allocations and lazy initialisation
         start = self._now()
         fn()
@@ -146,9 +168,15 @@ class _Timer:
             times.append((self._now() - start) / calls)
         return statistics.median(times)
 
-    def mean(self, fn: Callable[[], object]) -> float:
+    def mean(self, fn: Callable[[], object], what: str) -> float:
         """`median` of local work averaged over all ranks (the same value on every rank)."""
-        return _world_mean([self.median(fn)])[0]
+        return _world_mean([self.median(fn, what)])[0]
+
+    def finish(self) -> None:
+        """Report the end to `progress`."""
+        assert self.done == self.total, f"{self.done} measurements taken, {self.total} counted"
+        if self.progress is not None:
+            self.progress(self.total, self.total, "")
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -225,7 +253,7 @@ def _memory_bandwidth(timer: _Timer, device: torch.device, overhead: float, flop
     layer = _layer(device, *_ACTIVATION)
     counted = kernel_profile(layer)
     products = (counted.matmul_flops + counted.matmul_flops_per_size * half) / flops
-    seconds = timer.mean(layer) - products - counted.num_kernels * overhead
+    seconds = timer.mean(layer, "memory bandwidth (reference layer)") - products - counted.num_kernels * overhead
     return counted.memory_bytes / max(seconds, 1e-9)
 
 
@@ -238,7 +266,8 @@ def _fit_matmul(timer: _Timer, device: torch.device, overhead: float) -> tuple[f
         b = torch.randn(_MATMUL_OTHER, m, device=device)
         flops = 2 * _MATMUL_OTHER * _MATMUL_OTHER * m
         rows.append([flops, flops / m])
-        times.append(timer.median(lambda a=a, b=b: torch.mm(a, b)) - overhead)
+        times.append(timer.median(lambda a=a, b=b: torch.mm(a, b), f"matrix product, smallest dimension {m}")
+                     - overhead)
     times = _world_mean(times)
     inverse, half_over = _nonnegative_fit(rows, times)
     inverse = max(inverse, 1e-18)
@@ -286,7 +315,7 @@ def _collective_lines(timer: _Timer, device: torch.device, per_node: int, device
     small product (`_between_kernels`), as a program's collectives follow its kernels;
     the products' time is taken off."""
     work = _between_kernels(device)
-    work_s = timer.mean(work)
+    work_s = timer.mean(work, "product between collectives")
     lines = []
     world = dist.get_world_size()
     mesh = Mesh(1, world, "1d")
@@ -304,7 +333,8 @@ def _collective_lines(timer: _Timer, device: torch.device, per_node: int, device
                         work()
                         call()
 
-                times.append(timer.median(each_axis, local=False) / len(calls) - work_s)
+                what = f"{op} over {size} ranks ({link}-node), {num_bytes / 1024:.4g} KiB"
+                times.append(timer.median(each_axis, what, local=False) / len(calls) - work_s)
             lines.append((op, size, link, tuple((n, max(t, 0.0)) for n, t in zip(payloads, _world_mean(times)))))
     return lines
 
@@ -339,18 +369,20 @@ def _collective(op: str, elements: int, size: int, comm: DistComm, device) -> Ca
 def _optimizer_line(timer: _Timer, device: torch.device, mesh) -> tuple[float, float]:
     """(seconds per parameter tensor, parameter bytes per second) of an AdamW step over
     DTensor parameters on the (depth, row, col) DeviceMesh `mesh`, as a sharded module's
-    (torch's default implementation), from steps over 8 small and 8 large tensors."""
+    (torch's default implementation), from steps over `_OPTIMIZER_TENSORS` tensors of each of
+    `_OPTIMIZER_SIZES` float32 elements."""
     placements = [Replicate(), Replicate(), Shard(0)]
     times = []
-    for numel in (16, 1 << 16):
+    for numel in _OPTIMIZER_SIZES:
         params = [torch.nn.Parameter(DTensor.from_local(torch.randn(numel, device=device), mesh, placements,
-                                                        run_check=False)) for _ in range(8)]
+                                                        run_check=False)) for _ in range(_OPTIMIZER_TENSORS)]
         for p in params:
             p.grad = torch.ones_like(p)
         optimizer = torch.optim.AdamW(params, lr=1e-6)
-        times.append(timer.median(optimizer.step))
+        times.append(timer.median(optimizer.step, f"AdamW step, {_OPTIMIZER_TENSORS} tensors of {numel} elements"))
     times = _world_mean(times)
-    per_tensor, per_byte = _nonnegative_fit([[8.0, 8 * 16 * 4], [8.0, 8 * (1 << 16) * 4]], times)
+    count = float(_OPTIMIZER_TENSORS)
+    per_tensor, per_byte = _nonnegative_fit([[count, count * numel * 4] for numel in _OPTIMIZER_SIZES], times)
     return per_tensor, 1 / per_byte if per_byte > 0 else float("inf")
 
 

@@ -4,7 +4,9 @@
     tess-compile check model.py:make --q 2 --d 2 [compile options] [--tolerance T]
     tess-compile run model.py:make --q 2 --d 2 [compile options] [--steps N] [--lr LR] [--simulate] [--timeout S]
     tess-compile plan model.py:make --gpus 64 [--gpus-per-node 4] [--modes 1d,2d,2.5d] [--memory-gb 40] ...
-    tess-compile profile [-o cluster.json] [--processes 8] [--backend gloo]
+        [--json [FILE|-]] [--plot FILE.svg] [--no-progress]
+    tess-compile profile [-o cluster.json] [--processes 8] [--backend gloo] [--no-progress]
+    tess-compile --version
 
 `make` is a function in model.py that takes no arguments and returns
 `(model, example_inputs)`: an `nn.Module` and a tensor, a tuple of positional
@@ -34,7 +36,14 @@ for every mesh of --gpus ranks in --modes and prints the meshes by predicted
 step time on the cluster the options describe (default: the Tesseract
 paper's, 4 A100 per node); see docs/planner.md. `profile` measures this machine
 over local processes (`tess_compile.profile_cluster`) and writes the cluster as
-JSON for `plan --cluster`.
+JSON for `plan --cluster`. `plan --json` writes the rows, the pick, the cluster
+and the model as JSON (to stdout with `-`, in place of the table); `plan --plot`
+draws step time against memory per rank as SVG.
+
+`plan` and `profile` draw a progress bar with the time left on stderr when
+stderr is a terminal (never into a pipe or a file; `--no-progress` turns it
+off), `check` one of its stages; their results go to stdout. `--version`
+prints the installed version and torch's.
 
 User errors (the FILE.py:FACTORY argument, the file, the factory, the mesh,
 shapes the mesh cannot split) print a message and exit with 2.
@@ -46,16 +55,19 @@ import argparse
 import sys
 
 from tess_compile.cli import check, dump, plan, profile, run
-from tess_compile.cli.common import CliError
+from tess_compile.cli.common import CliError, version_text
 
 __all__ = ["main", "make_parser"]
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """The parser of `tess-compile` and its commands `dump`, `check`, `run`, `plan` and `profile`."""
+    """The parser of `tess-compile` (and `--version`) and its commands `dump`, `check`, `run`, `plan`
+    and `profile`."""
     parser = argparse.ArgumentParser(
         prog="tess-compile",
         description="Shard a PyTorch model with Tesseract (2.5-D) tensor parallelism on a [q, q, d] mesh.")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the version of tess-compile and of torch, and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in (dump, check, run, plan, profile):
         command.add_command(commands)

@@ -14,6 +14,7 @@ import sys
 from tess_compile.cli.common import (
     CliError,
     add_model_arguments,
+    add_progress_flag,
     build,
     compile_options,
     parse_target,
@@ -34,6 +35,7 @@ def add_command(commands) -> None:
     parser.add_argument("--tolerance", type=positive(float), default=None,
                         help="the largest relative error accepted (default 1e-12, or 1e-5 for a model whose "
                              "own code casts float64 down to float32)")
+    add_progress_flag(parser)
     parser.set_defaults(func=cmd_check)
 
 
@@ -43,7 +45,7 @@ def cmd_check(args) -> int:
     options = compile_options(args)
     try:
         report = check(model, args.q, args.d, example_inputs=inputs, options=options, cluster=args.cluster,
-                       tolerance=args.tolerance)
+                       tolerance=args.tolerance, progress=not args.no_progress)
     except CheckMismatch as exc:  # --strict
         report = exc.report
     except ValueError as exc:

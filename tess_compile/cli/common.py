@@ -1,17 +1,22 @@
 """What the commands of `tess-compile` share: the model factory, argument types, the
-mesh, compile-option and cluster flags, and the error that prints one line and exits."""
+mesh, compile-option and cluster flags, the progress bar, the version, and the error that
+prints one line and exits."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
+import pathlib
+import re
 import sys
 import traceback
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.options import AUTO, RENAMED, CompileOptions
@@ -20,8 +25,10 @@ __all__ = [
     "CliError",
     "KEEP_BLOCKS",
     "MODULE_NAME",
+    "ProgressBar",
     "SEED",
     "add_model_arguments",
+    "add_progress_flag",
     "build",
     "call_factory",
     "compile_options",
@@ -31,9 +38,14 @@ __all__ = [
     "load_factory",
     "non_negative",
     "on_off_auto",
+    "package_version",
     "parse_target",
     "positive",
+    "show_progress",
+    "source_tree_version",
+    "time_left",
     "type_names",
+    "version_text",
 ]
 
 SEED = 0  # torch's seed before every call of the factory
@@ -216,3 +228,85 @@ def compile_options(args) -> CompileOptions:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return options
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """`--no-progress`: no progress bar (there is one on stderr only when stderr is a terminal)."""
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (one is drawn on stderr only when stderr is a terminal)")
+
+
+def show_progress(args) -> bool:
+    """Whether to draw a progress bar: stderr is a terminal and `--no-progress` was not given."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
+class ProgressBar:
+    """A tqdm bar on stderr fed by a library loop's `progress(done, total, what)` callback
+    (`tess_compile.analysis.planner.Progress`), with the time left at the average pace so far:
+    `tess-compile plan [######..............] 12/40 configurations, 00:21, ~30 s left, 2.5d [4, 4, 4], ...`.
+    A context manager; the bar is erased at the end, as `tess_compile.check`'s is."""
+
+    def __init__(self, command: str, unit: str):
+        self.desc = f"tess-compile {command}"
+        self.bar_format = "{desc} [{bar:20}] {n_fmt}/{total_fmt} " + unit + ", {elapsed}, {left}{postfix}"
+        self.bar = None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self.bar is None:
+            self.bar = _TimeLeftBar(total=total, desc=self.desc, bar_format=self.bar_format, file=sys.stderr,
+                                    leave=False, ascii=True, smoothing=0, mininterval=0)
+        self.bar.set_postfix_str(what, refresh=False)
+        self.bar.update(done - self.bar.n)  # draws (mininterval=0): the steps are seconds apart
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _TimeLeftBar(tqdm):
+    """tqdm with a `{left}` field: "~30 s left" at the average time per step so far."""
+
+    @property
+    def format_dict(self) -> dict:
+        values = super().format_dict
+        done, total, elapsed = values["n"], values["total"], values["elapsed"]
+        values["left"] = time_left(elapsed / done * (total - done)) if done else "estimating the time left"
+        return values
+
+
+def time_left(seconds: float) -> str:
+    """"~30 s left", "~4 min left", "~1.5 h left"."""
+    if seconds < 90:
+        return f"~{seconds:.0f} s left"
+    if seconds < 5400:
+        return f"~{seconds / 60:.0f} min left"
+    return f"~{seconds / 3600:.1f} h left"
+
+
+def version_text() -> str:
+    """What `tess-compile --version` prints: this package's version and torch's."""
+    return f"tess-compile {package_version()} (torch {torch.__version__})"
+
+
+def package_version() -> str:
+    """The installed distribution's version; run from a source tree that is not installed,
+    the version in its pyproject.toml, said so."""
+    try:
+        return importlib.metadata.version("tess-compile")
+    except importlib.metadata.PackageNotFoundError:
+        return source_tree_version(pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml")
+
+
+def source_tree_version(pyproject: pathlib.Path) -> str:
+    """The `version = "..."` of the pyproject.toml at `pyproject`, said to be a source tree's."""
+    try:
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(encoding="utf-8"), re.MULTILINE)
+    except OSError:
+        found = None
+    if found is None:
+        return "(version unknown: not installed, and no pyproject.toml beside the package)"
+    return f"{found.group(1)} (not installed: the source tree at {pyproject.parent})"

@@ -4,34 +4,49 @@ It builds the model on the meta device, compiles it for every mesh of --gpus
 ranks in --modes and prints the meshes by predicted step time on the cluster
 the options describe: `--cluster`'s file or the Tesseract paper's (4 A100 per
 node, with the constants fitted to its Table 1), with the cluster flags given
-in place of its values; see docs/planner.md.
+in place of its values; see docs/planner.md. A progress bar on stderr (a
+terminal's only) counts the configurations; `--json` writes the rows as JSON
+(`plan_json`), `--plot` a chart of step time against memory per rank as SVG
+(`tess_compile.analysis.plan_plot`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
+import os
 import sys
 
 import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from tess_compile.analysis.planner import candidate_meshes, format_table, plan
+from tess_compile.analysis.parallel_plan import batch_size, num_blocks
+from tess_compile.analysis.plan_plot import plan_svg
+from tess_compile.analysis.planner import PlanRow, candidate_meshes, format_table, plan
 from tess_compile.cli.common import (
     KEEP_BLOCKS,
     CliError,
+    ProgressBar,
+    add_progress_flag,
     call_factory,
     count_or_auto,
     load_cluster_file,
     load_factory,
     non_negative,
+    package_version,
     parse_target,
     positive,
+    show_progress,
 )
 from tess_compile.core.cluster import CALIBRATED_CLUSTER as paper
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.options import RECOMPUTE, SCHEDULES
 
-__all__ = ["CLUSTER_FLAGS", "add_command", "cluster_of", "cmd_plan"]
+__all__ = ["CLUSTER_FLAGS", "JSON_SCHEMA", "add_command", "cluster_of", "cmd_plan", "model_summary", "plan_json"]
 
 # Cluster field -> (the flag's dest, the field's units in one of the flag's; None: the same).
 CLUSTER_FLAGS = {
@@ -48,39 +63,131 @@ CLUSTER_FLAGS = {
     "kernel_overhead": ("kernel_overhead", 1e-6),
 }
 
+JSON_SCHEMA = 1  # the "schema" of `--json`'s document: raised when a key changes meaning or goes away
+
 
 def cmd_plan(args) -> int:
     """Print the meshes of --gpus ranks by predicted step time; exit 1 if none fits in memory."""
     path, name = parse_target(args.target)
     cluster = cluster_of(args)
-    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    modes = _modes(args)
     try:  # bad --gpus or --modes fail before the model is built
         candidate_meshes(args.gpus if (args.dp, args.pp) == (1, 1) else 1, modes)
     except ValueError as exc:
         raise CliError(f"{exc} (--gpus, --modes)") from None
+    for flag, output in (("--json", args.json), ("--plot", args.plot)):
+        _check_folder(output, flag)
     factory = load_factory(path, name)
     with torch.device("meta"):  # no weight is allocated
         model, inputs = call_factory(factory, path, name)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        rows = plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap,
-                    summa=args.summa, keep_blocks=KEEP_BLOCKS[args.keep_blocks], recompute=args.recompute,
-                    dp=args.dp, pp=args.pp, microbatches=args.microbatches, zero=args.zero)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    print(f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {cluster.intra_bandwidth / 1e9:g} GB/s, "
-          f"{cluster.intra_latency * 1e6:g} us; inter-node {cluster.inter_bandwidth / 1e9:g} GB/s, "
-          f"{cluster.inter_latency * 1e6:g} us; {cluster.flops / 1e12:g} TFLOP/s and {cluster.memory / 1e9:g} GB "
-          f"per GPU; matmul half size {cluster.matmul_half_size:g}, memory {cluster.memory_bandwidth / 1e9:g} GB/s, "
-          f"{cluster.kernel_overhead * 1e6:g} us a kernel; {cluster.algorithm} collectives"
-          f"{'; compute and communication overlapped' if args.overlap else ''}")
-    sys.stdout.write(format_table(rows))
+    rows = _plan_rows(args, model, inputs, cluster, modes)
+    if "-" not in (args.json, args.plot):  # stdout holds the table, or what was sent there instead
+        print(_cluster_line(args, cluster))
+        sys.stdout.write(format_table(rows))
+    if args.json is not None:
+        _write(args.json, json.dumps(plan_json(rows, args, cluster, model, inputs), indent=2) + "\n", "--json")
+    if args.plot is not None:
+        _write(args.plot, _plot(rows, args, cluster, model), "--plot")
     if not any(row.fits for row in rows):
         print(f"tess-compile: error: no mesh of {args.gpus} GPUs fits (see the notes): raise --memory-gb, "
               "use more GPUs, or change the model", file=sys.stderr)
         return 1
     return 0
+
+
+def _modes(args) -> tuple[str, ...]:
+    """The modes of --modes, in its order."""
+    return tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+
+
+def _plan_rows(args, model: nn.Module, inputs, cluster: Cluster, modes: tuple[str, ...]) -> list[PlanRow]:
+    """`plan`'s rows for the options, with a progress bar on a terminal (log lines of -v above it)."""
+    bar = ProgressBar("plan", "configurations") if show_progress(args) else None
+    quiet_logs = logging_redirect_tqdm() if bar is not None and args.verbose else contextlib.nullcontext()
+    with bar or contextlib.nullcontext(), quiet_logs:
+        try:
+            return plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap,
+                        summa=args.summa, keep_blocks=KEEP_BLOCKS[args.keep_blocks], recompute=args.recompute,
+                        dp=args.dp, pp=args.pp, microbatches=args.microbatches, zero=args.zero, progress=bar)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+
+
+def _cluster_line(args, cluster: Cluster) -> str:
+    """The table's first line: the cluster it was priced on."""
+    return (f"# {args.gpus} GPUs, {cluster.gpus_per_node} per node; intra-node {cluster.intra_bandwidth / 1e9:g} GB/s, "
+            f"{cluster.intra_latency * 1e6:g} us; inter-node {cluster.inter_bandwidth / 1e9:g} GB/s, "
+            f"{cluster.inter_latency * 1e6:g} us; {cluster.flops / 1e12:g} TFLOP/s and {cluster.memory / 1e9:g} GB "
+            f"per GPU; matmul half size {cluster.matmul_half_size:g}, memory {cluster.memory_bandwidth / 1e9:g} "
+            f"GB/s, {cluster.kernel_overhead * 1e6:g} us a kernel; {cluster.algorithm} collectives"
+            f"{'; compute and communication overlapped' if args.overlap else ''}")
+
+
+def plan_json(rows: list[PlanRow], args, cluster: Cluster, model: nn.Module, inputs) -> dict:
+    """`--json`'s document: the options, the model, the cluster, the pick and every row in the
+    table's order (`PlanRow.to_dict`); the keys are listed in docs/planner.md."""
+    chosen = next((number for number, row in enumerate(rows) if row.fits), None)  # `planner.pick`'s
+    return {
+        "schema": JSON_SCHEMA,
+        "tess_compile": package_version(),
+        "target": args.target,
+        "gpus": args.gpus,
+        "options": {"modes": list(_modes(args)), "summa": args.summa, "keep_blocks": args.keep_blocks,
+                    "recompute": args.recompute, "dp": args.dp, "pp": args.pp, "microbatches": args.microbatches,
+                    "zero": args.zero, "overlap": args.overlap},
+        "model": model_summary(model, inputs),
+        "cluster": cluster.to_dict(),
+        "memory_budget_bytes": cluster.memory,
+        "pick": chosen,
+        "rows": [dict(row.to_dict(), pick=number == chosen) for number, row in enumerate(rows)],
+    }
+
+
+def model_summary(model: nn.Module, inputs) -> dict:
+    """The model's class, parameters (count and bytes), repeated blocks, batch and input tensors."""
+    params = list(model.parameters())
+    tensors = [leaf for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
+    return {
+        "class": type(model).__name__,
+        "parameters": sum(p.numel() for p in params),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "repeated_blocks": num_blocks(model),
+        "batch": batch_size(inputs),
+        "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for t in tensors],
+    }
+
+
+def _plot(rows: list[PlanRow], args, cluster: Cluster, model: nn.Module) -> str:
+    """`--plot`'s SVG (`plan_plot.plan_svg`); a CliError if no configuration compiled."""
+    title = f"tess-compile plan: {type(model).__name__} ({args.target}) on {args.gpus} GPUs"
+    try:
+        return plan_svg(rows, budget=cluster.memory, title=title)
+    except ValueError as exc:
+        raise CliError(f"{exc} (--plot)") from None
+
+
+def _check_folder(path: str | None, flag: str) -> None:
+    """A CliError before the model is planned if `path`'s folder does not exist."""
+    if path is None or path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"folder {folder!r} of {path!r} not found ({flag}): create it, or write elsewhere")
+
+
+def _write(path: str, text: str, flag: str) -> None:
+    """`text` to the file at `path`, or to stdout for "-"; a CliError if it cannot be written."""
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(text)
+    except OSError as exc:
+        raise CliError(f"cannot write {path!r} ({exc.strerror}) ({flag}): pass a path in a folder you can "
+                       "write to") from None
 
 
 def cluster_of(args) -> Cluster:
@@ -160,5 +267,12 @@ def add_command(commands) -> None:
                         help="recompute in backward: none, blocks (each repeated block) or selective (default none)")
     parser.add_argument("--overlap", action="store_true",
                         help="assume compute and communication overlap (max instead of sum per phase)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the plan as JSON to FILE (its keys: docs/planner.md); '-': to stdout, in "
+                             "place of the table")
+    parser.add_argument("--plot", metavar="FILE.svg",
+                        help="also draw predicted step time against memory per rank as SVG to FILE.svg, one point "
+                             "per configuration, the pick ringed and the memory budget dashed ('-': stdout)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each mesh as it compiles")
+    add_progress_flag(parser)
     parser.set_defaults(func=cmd_plan)

@@ -3,17 +3,20 @@
 It starts `--processes` local processes (gloo on CPUs; `--backend nccl` for one
 process per GPU), runs `tess_compile.profile_cluster` on all of them at once
 and writes the `Cluster` as JSON to `-o` (`plan --cluster FILE`, `shard(...,
-cluster=...)` and `Cluster.load` read it), printing its figures.
+cluster=...)` and `Cluster.load` read it), printing its figures. When stderr is
+a terminal, rank 0 draws a progress bar of the measurements with the time left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 
 import torch
 
 from tess_compile.analysis.profiling import profile_cluster
-from tess_compile.cli.common import CliError, positive
+from tess_compile.cli.common import CliError, ProgressBar, add_progress_flag, positive, show_progress
 from tess_compile.runtime.launch import run_local
 
 __all__ = ["add_command", "cmd_profile", "describe_cluster"]
@@ -21,10 +24,13 @@ __all__ = ["add_command", "cmd_profile", "describe_cluster"]
 log = logging.getLogger("tess_compile")
 
 
-def _profile_rank(rank: int, world: int, gpus_per_node: int | None, repeats: int):
+def _profile_rank(rank: int, world: int, gpus_per_node: int | None, repeats: int, progress: bool):
+    """One process of `profile`; rank 0 draws the progress bar if `progress`."""
     if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    return profile_cluster(gpus_per_node=gpus_per_node, repeats=repeats)
+    bar = ProgressBar("profile", "measurements") if progress and rank == 0 else None
+    with bar or contextlib.nullcontext():
+        return profile_cluster(gpus_per_node=gpus_per_node, repeats=repeats, progress=bar)
 
 
 def describe_cluster(cluster) -> str:
@@ -57,8 +63,11 @@ def cmd_profile(args) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     log.info("profiling over %d %s processes", args.processes, args.backend)
+    progress = show_progress(args)
+    if progress:
+        print(f"tess-compile profile: starting {args.processes} {args.backend} processes", file=sys.stderr, flush=True)
     try:
-        clusters = run_local(_profile_rank, args.processes, args=(args.gpus_per_node, args.repeats),
+        clusters = run_local(_profile_rank, args.processes, args=(args.gpus_per_node, args.repeats, progress),
                              backend=args.backend, timeout_s=args.timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise CliError(f"profiling failed: {exc}", code=1) from None
@@ -79,5 +88,6 @@ def add_command(commands) -> None:
                         help="ranks per node (default: the ranks on one host, here all of them)")
     parser.add_argument("--repeats", type=positive(int), default=5, help="timed runs of each measurement (5)")
     parser.add_argument("--timeout", type=positive(float), default=300, help="seconds before the run is stopped (300)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what it does")
+    add_progress_flag(parser)
     parser.set_defaults(func=cmd_profile)

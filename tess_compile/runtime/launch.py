@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -40,6 +41,9 @@ _GRACE_S = 1.0  # after a failure, how long to wait for other ranks' reports
 _STOP_S = 5.0  # how long a child gets after SIGTERM before SIGKILL
 
 
+_EXIT_S = 10.0  # how long children that all reported get to exit by themselves before SIGTERM
+
+
 _STACK_S = 2.0  # how long the parent waits for a running child's stack dump
 
 
@@ -57,7 +61,9 @@ def run_local(fn, world_size, *, args=(), backend="gloo", timeout_s=120.0,
     ranks do not all finish within timeout_s seconds. The message names the
     rank that stopped first (with every failed rank's traceback) and the ranks
     still running, with their Python stacks: those outside a torch.distributed
-    call are where the run hung. Children are always terminated before returning.
+    call are where the run hung. After a run in which every rank reported a result the
+    children get a few seconds to exit by themselves (their exit handlers free what they
+    hold); every child still running then, or after a failure, is terminated before returning.
     """
     _check_args(world_size, timeout_s, collective_timeout_s, env)
     payload = _pickle_job(fn, args)
@@ -79,6 +85,8 @@ def run_local(fn, world_size, *, args=(), backend="gloo", timeout_s=120.0,
             proc.start()
         outcomes = _collect(procs, results, start + timeout_s, stack_dir)
         stacks = _running_stacks(procs, outcomes, stack_dir)
+        if len(outcomes) == world_size and all(ok for ok, *_ in outcomes.values()):
+            _await_exit(procs, _EXIT_S)
     finally:
         _stop(procs)
         results.close()
@@ -123,7 +131,8 @@ def _free_port():
 
 
 def _worker(rank, world_size, backend, collective_timeout_s, env, payload, results, stack_file):
-    """Child entry point: join the group, run fn and report (rank, ok, data) on the queue.
+    """Child entry point: join the group, run fn and report (rank, ok, data) on the queue,
+    then leave the group and exit (objects left in reference cycles are not collected).
 
     On the parent's signal the child writes its Python stacks to `stack_file`, and on a
     fatal signal (a segmentation fault in native code) the stacks it crashed in.
@@ -146,6 +155,7 @@ def _worker(rank, world_size, backend, collective_timeout_s, env, payload, resul
         results.join_thread()  # report before peers see our connections close
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.freeze()  # exit without collecting torch's object graphs: seconds of CPU a rank (see _await_exit)
 
 
 def _collect(procs, results, deadline, stack_dir):
@@ -178,6 +188,18 @@ def _drain(results, outcomes, wait_s):
             rank, ok, data = results.get_nowait()
     except queue.Empty:
         pass
+
+
+def _await_exit(procs, wait_s):
+    """Give every child up to `wait_s` seconds in all to exit by itself. A child stopped by a
+    signal skips its exit handlers, and so leaks the named semaphores of the multiprocessing
+    locks it made (tqdm's, which torch.fx's interpreter makes in every compile): the resource
+    tracker then warns of "leaked semaphore objects" when the parent exits. The children
+    skip the interpreter's last garbage collection (`gc.freeze` in `_worker`), which took
+    5 s for 8 ranks on 2 cores; they end in under a second."""
+    deadline = time.monotonic() + wait_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
 
 
 def _stop(procs):
