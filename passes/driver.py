@@ -82,8 +82,8 @@ def compile_model(
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.keep_blocks == AUTO:
-        raise ValueError("keep_blocks='auto' must be resolved before compiling: tess_compile.shard, simulate, dump "
-                         "and backend price both on a cluster (tess_compile.analysis.schedule_choice); here pass "
+        raise ValueError("keep_blocks='auto' must be resolved before compiling: every face of tess_compile prices "
+                         "both on a cluster (tess_compile.analysis.compile_entry.compile_for); here pass "
                          "keep_blocks=True or False")
     if options.dynamic and local_inputs:
         raise ValueError("dynamic=True is not supported for pipeline stages yet (their inputs arrive as this rank's "

@@ -24,21 +24,19 @@ model, planner, dumps), `training`, `scale_out` and `generation`; this file, `ba
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
-from passes.driver import mode_compiler
+from tess_compile.analysis.compile_entry import Compiled, compile_for
 from tess_compile.analysis.graph_dump import dump
 from tess_compile.analysis.planner import plan
 from tess_compile.analysis.profiling import profile_cluster
-from tess_compile.analysis.schedule_choice import resolve_auto
 from tess_compile.backend import backend
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
-from tess_compile.core.program import Program, split_example_inputs
+from tess_compile.core.program import split_example_inputs
 from tess_compile.generation.cache_step import is_causal_lm
 from tess_compile.generation.generate import Generation
 from tess_compile.moved import install as _install_moved_modules
@@ -80,21 +78,11 @@ __all__ = [
 _install_moved_modules()  # the old module paths, deprecated (tess_compile.moved)
 
 
-def _compiler(model: torch.nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
-              cluster: Cluster | str | os.PathLike | None) -> tuple[Callable[[bool], Program], Program]:
-    """`compile_in(training)` (`mode_compiler`) and the program of the model's mode, "auto"
-    options resolved on `cluster` first (`schedule_choice.resolve_auto`): the chosen program,
-    compiled to price it, is not compiled again."""
-    resolved = resolve_auto(model, mesh, example_inputs, options, cluster)
-    compile_in = mode_compiler(model, mesh, example_inputs, resolved.options, cluster=resolved.cluster)
-    return compile_in, resolved.program if resolved.program is not None else compile_in(model.training)
-
-
-def _with_generation(module, model: torch.nn.Module, mesh: Mesh, options: CompileOptions):
+def _with_generation(module, model: torch.nn.Module, mesh: Mesh, compiled: Compiled):
     """`module`, with a working `generate` if `model` is a transformers causal LM compiled with
-    `dynamic=True` (`tess_compile.generation`)."""
-    if options.dynamic and is_causal_lm(model):
-        module.generation = Generation(model, mesh, options)
+    `dynamic=True` (`tess_compile.generation`), its programs compiled with the same options and cluster."""
+    if compiled.options.dynamic and is_causal_lm(model):
+        module.generation = Generation(model, mesh, compiled.options, compiled.cluster)
     return module
 
 
@@ -144,14 +132,16 @@ def simulate(
     _check_compile(compile, "tess_compile.simulate")
     mesh = options.mesh(q, d)
     if dp == 1:
-        compile_in, program = _compiler(model, mesh, example_inputs, options, cluster)
-        return _with_generation(SimulatedModule(program, recompile=compile_in, compile=compile), model, mesh, options)
+        compiled = compile_for(model, mesh, example_inputs, options, cluster)
+        module = SimulatedModule(compiled.program, recompile=compiled.recompile, compile=compile)
+        return _with_generation(module, model, mesh, compiled)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r} is not a number of data-parallel groups: pass an int >= 1, e.g. dp=2")
     check_batch(example_inputs, mesh, "tess_compile.simulate(dp=...)", num_groups=dp)
     group_args, group_kwargs = split_batch(*split_example_inputs(example_inputs), dp)[0]
-    compile_in, program = _compiler(model, mesh, group_kwargs if group_kwargs else tuple(group_args), options, cluster)
-    return SimulatedDataParallel([SimulatedModule(program, recompile=compile_in, compile=compile) for _ in range(dp)])
+    compiled = compile_for(model, mesh, group_kwargs if group_kwargs else tuple(group_args), options, cluster)
+    return SimulatedDataParallel([SimulatedModule(compiled.program, recompile=compiled.recompile, compile=compile)
+                                  for _ in range(dp)])
 
 
 @takes_compile_options
@@ -205,7 +195,7 @@ def shard(
         check_zero(zero, mesh, dp_dims, tess_mesh)
         if mesh is not None:
             check_batch(example_inputs, tess_mesh, "mesh=", dp_size(mesh, dp_dims), device_mesh=mesh)
-    compile_in, program = _compiler(model, tess_mesh, example_inputs, options, cluster)
-    module = shard_program(program, device=device, timeout=timeout, recompile=compile_in,
+    compiled = compile_for(model, tess_mesh, example_inputs, options, cluster)
+    module = shard_program(compiled.program, device=device, timeout=timeout, recompile=compiled.recompile,
                            mesh=mesh, zero=zero, compile=compile)
-    return module if mesh is not None or zero else _with_generation(module, model, tess_mesh, options)
+    return module if mesh is not None or zero else _with_generation(module, model, tess_mesh, compiled)

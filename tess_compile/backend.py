@@ -46,7 +46,8 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
 from passes.source_lines import source_line, with_code
-from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
+from tess_compile.analysis.compile_entry import compile_for
+from tess_compile.analysis.schedule_choice import load_cluster
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.dynamic import has_symbols
 from tess_compile.core.mesh import Mesh
@@ -137,7 +138,8 @@ def _compile(gm, example_inputs: list, mesh: Mesh, options: CompileOptions, *, s
     # guards of its own symbolic shapes among Dynamo's
     with torch._guards.tracing(None):
         examples = tuple(_example(example_inputs[i], placeholders[i]) for i in kept)
-        program, _ = compile_auto(gm, mesh, examples, options, cluster, weight_inputs=weights, replicate_outputs=True)
+        program = compile_for(gm, mesh, examples, options, cluster, weight_inputs=weights,
+                              replicate_outputs=True).program
     log.info("torch.compile backend: graph of %d nodes on mesh %s (%s shapes)", len(gm.graph.nodes), mesh,
              "symbolic" if symbolic else "static")
     if simulate:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from passes.capture import capture
 from tess_compile.analysis.accounting import captured_forward_flops, redundant_work
-from tess_compile.analysis.schedule_choice import compile_auto
+from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
@@ -244,7 +244,7 @@ def check(
                disable=not (progress and sys.stderr.isatty()))
     with bar, torch.random.fork_rng(devices=[]):
         with _stage(bar, "compile"):
-            program, _ = compile_auto(model64, mesh, inputs, options, cluster)
+            program = compile_for(model64, mesh, inputs, options, cluster).program
             sim = SimulatedModule(program)
             flops, dtype = model_facts(model64, inputs)
         with _stage(bar, "sharded run"):

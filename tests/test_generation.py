@@ -177,3 +177,14 @@ def test_an_adopted_program_brings_its_own_constants():
     assert torch.equal(sim.program.tensors["scale"], torch.arange(4.0))
     blocks = [sim.ranks[r].get_buffer("scale_0") for r in range(4)]
     assert torch.equal(assemble(blocks, renamed.layout, sim.mesh), torch.ones(4))
+
+
+@pytest.mark.slow
+def test_generation_takes_keep_blocks_auto():
+    """keep_blocks="auto" is resolved for the prefill and decode programs too (it raised before)."""
+    model = gpt2()
+    prompt = torch.randint(0, VOCAB, (4, 5))
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs={"input_ids": prompt}, dynamic=True,
+                                keep_blocks="auto")
+    out = sim.generate(prompt, max_new_tokens=3, return_dict_in_generate=True, output_logits=True)
+    assert worst_error(model, out, 5) < 1e-12

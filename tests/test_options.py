@@ -1,6 +1,8 @@
 """One option list: every entry point takes the compile options of `CompileOptions`, by the
-same keywords with the same defaults; `checkpoint=` is the deprecated name of `recompute=`;
-an unknown keyword is a TypeError that names the options; old module paths still import."""
+same keywords with the same defaults, and compiles with every value each option takes, through
+the one compile entry (`tess_compile.analysis.compile_entry.compile_for`); `checkpoint=` is the
+deprecated name of `recompute=`; an unknown keyword is a TypeError that names the options; old
+module paths still import."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from tess_compile.cli import make_parser
 from tess_compile.moved import MOVED
 
 FIELDS = {field.name: field.default for field in dataclasses.fields(CompileOptions)}
-ENTRY_POINTS = [tess_compile.shard, tess_compile.simulate, tess_compile.dump, tess_compile.pipeline_stage,
-                tess_compile.simulate_pipeline, tess_compile.backend]
+ENTRY_POINTS = [tess_compile.shard, tess_compile.simulate, tess_compile.dump, tess_compile.check,
+                tess_compile.pipeline_stage, tess_compile.simulate_pipeline, tess_compile.backend]
 
 
 def small():
@@ -38,7 +40,7 @@ def test_every_entry_point_takes_the_same_options(entry):
     assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in FIELDS)
 
 
-@pytest.mark.parametrize("command", ["dump", "run"])
+@pytest.mark.parametrize("command", ["dump", "check", "run"])
 def test_the_command_line_takes_the_same_options(command):
     parser = make_parser()
     args = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1"])
@@ -55,6 +57,80 @@ def test_the_command_line_takes_the_same_options(command):
     assert (auto.summa, auto.keep_blocks) == ("auto", "auto")
     off = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--keep-blocks", "off"])
     assert off.keep_blocks is False
+
+
+# Each face that compiles in this process: (face, options) -> what the caller gets, after one call.
+def _block():
+    """A GPT block of 4 heads (they split over p = 4 in 1-D), float64, and its input."""
+    torch.manual_seed(0)
+    return GPTBlock(16, 4, bias=True).double(), torch.randn(4, 3, 16, dtype=torch.float64)
+
+
+def _simulate(options):
+    model, x = _block()
+    sim = tess_compile.simulate(model, 2, _depth(options), example_inputs=(x,), options=options)
+    return sim(x)
+
+
+def _dump(options):
+    model, x = _block()
+    return tess_compile.dump(model, 2, _depth(options), example_inputs=(x,), options=options)
+
+
+def _check(options):
+    model, x = _block()
+    return tess_compile.check(model, 2, _depth(options), example_inputs=(x,), options=options, progress=False)
+
+
+def _backend(options):
+    model, x = _block()
+    torch._dynamo.reset()
+    fields = {field: getattr(options, field) for field in FIELDS}
+    return torch.compile(model, backend=tess_compile.backend(q=2, d=_depth(options), simulate=True, **fields))(x)
+
+
+def _pipeline(options):
+    (first, x), (second, _) = _block(), _block()
+    pipe = tess_compile.simulate_pipeline([first, second], 2, _depth(options), example_inputs=(x,), options=options)
+    return pipe(x)
+
+
+def _depth(options) -> int:
+    """d of the mesh: 2 but where the mode asks d = 1 (2d, and 1d's p = 4)."""
+    return 1 if options.mode in ("2d", "1d") else 2
+
+
+FACES = {"simulate": _simulate, "dump": _dump, "check": _check, "backend": _backend, "simulate_pipeline": _pipeline}
+VALUES = [(name, value) for name, values in {
+    "mode": ("2.5d", "2d", "3d", "1d"), "summa": ("auto", "broadcast", "overlap", "gather"),
+    "keep_blocks": (False, True, "auto"), "recompute": ("none", "blocks", "selective"), "dynamic": (False, True),
+    "strict": (False, True), "verify": (None, False, True),
+}.items() for value in values]
+# What a face refuses by design, with the words of its ValueError.
+REFUSED = {("simulate_pipeline", "dynamic", True): "dynamic=True is not supported for pipeline stages"}
+
+
+def _accepts(face: str, name: str, value) -> None:
+    options = CompileOptions(**{name: value})
+    refused = REFUSED.get((face, name, value))
+    if refused is None:
+        assert FACES[face](options) is not None
+        return
+    with pytest.raises(ValueError, match=refused):
+        FACES[face](options)
+
+
+def test_every_face_takes_keep_blocks_auto():
+    """keep_blocks="auto" is resolved once for every face (it crashed pipeline stages and generation)."""
+    for face in FACES:
+        _accepts(face, "keep_blocks", "auto")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("name, value", VALUES, ids=[f"{n}={v}" for n, v in VALUES])
+def test_every_face_takes_every_option_value(face, name, value):
+    _accepts(face, name, value)
 
 
 def test_options_object_and_keywords_give_one_program():

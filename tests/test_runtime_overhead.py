@@ -119,8 +119,8 @@ def world_of_one(tmp_path):
 def test_world_of_one_trains_exactly(world_of_one):
     """A sharded TinyGPT on a gloo world of one: output, gradients (DTensors placed like their
     parameters) and weights after AdamW (where no gradient is mathematically zero) equal the
-    unsharded model's in float64; a frozen
-    parameter gets no gradient; under no_grad the program reads the parameters' storage."""
+    unsharded model's in float64; a frozen parameter gets no gradient; under no_grad the
+    program reads the parameters' storage."""
     model = TinyGPT(vocab=16, hidden=8, heads=2, layers=1, seq=4).double()
     model.positions.weight.requires_grad_(False)  # frozen before sharding: frozen in the sharded module
     ids = torch.randint(0, 16, (2, 4))

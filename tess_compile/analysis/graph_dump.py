@@ -38,6 +38,7 @@ from passes.capture import capture
 from passes.observers import PassResult, add_pass_observer
 from passes.place import place
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
+from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.analysis.graph_views import (
     STAGE_VIEWS,
     redundant_work_text,
@@ -47,7 +48,7 @@ from tess_compile.analysis.graph_views import (
     rewritten_view,
 )
 from tess_compile.analysis.memory import predict_memory
-from tess_compile.analysis.schedule_choice import compile_auto, load_cluster
+from tess_compile.analysis.schedule_choice import load_cluster
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.options import CompileOptions, takes_compile_options
@@ -87,7 +88,8 @@ def dump(
     mesh = options.mesh(q, d)
     _check_options(stage, format, rank, mesh, sizes)
     if stage == "rewritten":
-        program, summary = compile_auto(model, mesh, example_inputs, options, cluster)
+        compiled = compile_for(model, mesh, example_inputs, options, cluster)
+        program, summary = compiled.program, compiled.summary
         unsharded_flops = unsharded_forward_flops(model, example_inputs)
         return dump_program(program, rank=rank, format=format, sizes=sizes, unsharded_flops=unsharded_flops,
                             notes=[summary] if summary else [])

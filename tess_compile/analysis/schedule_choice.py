@@ -11,12 +11,12 @@ compiled once more in the broadcast schedule, whose products hold one fetched
 block at a time. Candidates that do not compile are skipped; if none compiles,
 the first error is raised. The planner calls it for every mesh.
 
-`resolve_auto` serves the face (`shard`, `simulate`, `dump`, the backend): it
-loads the cluster given (a `Cluster` or the path of a JSON file `Cluster.save`
-wrote; `CALIBRATED_CLUSTER` by default) and resolves keep_blocks="auto" on it;
-`compile_auto` compiles the result and says, in one line that it logs and the
-dump prints, what auto chose. 1-D meshes and q == 1 run no SUMMA steps: nothing
-to choose there.
+`resolve_auto` serves the faces' one compile entry
+(`tess_compile.analysis.compile_entry.compile_for`): it loads the cluster given
+(a `Cluster` or the path of a JSON file `Cluster.save` wrote;
+`CALIBRATED_CLUSTER` by default) and resolves keep_blocks="auto" on it;
+`auto_summary` says, in one line that it logs and the dump prints, what auto
+chose. 1-D meshes and q == 1 run no SUMMA steps: nothing to choose there.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import Program, describe_schedules
 
-__all__ = ["Priced", "Resolved", "ScheduleChoice", "candidates", "choose_schedule", "compile_auto", "has_summa_steps",
-           "load_cluster", "resolve_auto"]
+__all__ = ["Priced", "Resolved", "ScheduleChoice", "auto_summary", "candidates", "choose_schedule",
+           "has_summa_steps", "load_cluster", "resolve_auto"]
 
 log = logging.getLogger("tess_compile")
 
@@ -175,19 +175,6 @@ def resolve_auto(model: nn.Module, mesh: Mesh, example_inputs, options: CompileO
     summary = f"keep_blocks=auto: chose {_summary(choice, mesh)} on {name}"
     log.info("%s", summary)
     return Resolved(choice.options, choice.program, summary, cluster, name)
-
-
-def compile_auto(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
-                 cluster: Cluster | str | os.PathLike | None = None, **boundary) -> tuple[Program, str]:
-    """The program of `options` (`compile_model` with `boundary`'s keywords), "auto" resolved on
-    `cluster` (`resolve_auto`, whose priced program is reused), and the line that says what auto
-    chose ("" if nothing was auto)."""
-    resolved = resolve_auto(model, mesh, example_inputs, options, cluster, **boundary)
-    program = resolved.program
-    if program is None:
-        program = compile_model(model, mesh, example_inputs, options=resolved.options, cluster=resolved.cluster,
-                                **boundary)
-    return program, auto_summary(resolved, program)
 
 
 def auto_summary(resolved: Resolved, program: Program) -> str:

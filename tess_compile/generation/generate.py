@@ -7,9 +7,10 @@ both `dynamic=True` in the batch, the new tokens and the cached length:
 - decode: one new token. transformers' attention takes another path for one
   query (no causal mask), so the length of the new tokens is fixed there.
 
-Each is compiled once, on the first `generate`, in eval mode, on the very
-shards of the module `shard` or `simulate` returned (their parameters must
-be laid out alike: checked). The cache is carried from step to step as each
+Each is compiled once (`compile_for`, with the module's options and cluster),
+on the first `generate`, in eval mode, on the very shards of the module
+`shard` or `simulate` returned (their parameters must be laid out alike:
+checked). The cache is carried from step to step as each
 rank's block (`compile_model(..., carried=...)`): batch over depth and row,
 heads over col, as the attention lays out its keys and values; only the
 last position's logits are gathered, for the next token. No program is
@@ -25,7 +26,8 @@ import logging
 import torch
 from torch import nn
 
-from passes.driver import mode_compiler
+from tess_compile.analysis.compile_entry import compile_for
+from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions
 from tess_compile.core.program import Program
@@ -49,8 +51,8 @@ _CACHED_DIM = 2  # [batch, kv heads, cached, head dim]
 class Generation:
     """`generate` for a module compiled from `model` (a transformers causal LM) with `dynamic=True`."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, options: CompileOptions):
-        self.model, self.mesh, self.options = model, mesh, options
+    def __init__(self, model: nn.Module, mesh: Mesh, options: CompileOptions, cluster: Cluster):
+        self.model, self.mesh, self.options, self.cluster = model, mesh, options, cluster
         self.programs: tuple[Program, Program] | None = None  # prefill and decode, on the module's shards
 
     def generate(self, module, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
@@ -124,9 +126,10 @@ class Generation:
             programs = []
             for length in (2, 1):
                 step_ids = torch.zeros(batch, length, dtype=ids.dtype, device=ids.device)
-                compile_in = mode_compiler(step, self.mesh, (step_ids, _example_past(example, batch)),
-                                           dataclasses.replace(self.options, dynamic=True), carried=carried)
-                programs.append(module.adopt(compile_in(False)))
+                compiled = compile_for(step, self.mesh, (step_ids, _example_past(example, batch)),
+                                       dataclasses.replace(self.options, dynamic=True), self.cluster, training=False,
+                                       carried=carried)
+                programs.append(module.adopt(compiled.program))
             _check_same_cache(*programs)
             log.info("generation: prefill and decode programs compiled for mesh %s; the cache is laid out as %s",
                      self.mesh, next(s.layout for s in programs[0].slots if s.role == "local input"))

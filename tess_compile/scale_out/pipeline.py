@@ -35,8 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
-from passes.driver import mode_compiler
-from tess_compile.analysis.schedule_choice import load_cluster
+from tess_compile.analysis.compile_entry import Compiled, compile_for
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
@@ -44,18 +43,17 @@ from tess_compile.core.program import split_example_inputs
 from tess_compile.runtime.sharded_module import shard_program
 from tess_compile.scale_out.stage_ports import Port, check_boundaries, stage_ports
 
-__all__ = ["PP", "pipeline_mesh", "pipeline_stage", "stage_compiler"]
+__all__ = ["PP", "compile_stage", "pipeline_mesh", "pipeline_stage"]
 
 PP = "pp"  # the pipeline dim of the DeviceMesh
 
 
-def stage_compiler(module: nn.Module, mesh: Mesh, example_inputs, stage_index: int, num_stages: int,
-                   options: CompileOptions, cluster: Cluster | None = None):
-    """`compile(training)` of stage `stage_index` of `num_stages` (see `passes.driver.mode_compiler`):
-    local inputs unless it is the first stage, local outputs unless it is the last; summa="auto"
-    priced on `cluster` (default `CALIBRATED_CLUSTER`)."""
-    return mode_compiler(module, mesh, example_inputs, options, local_inputs=stage_index > 0,
-                         local_outputs=stage_index < num_stages - 1, cluster=cluster)
+def compile_stage(module: nn.Module, mesh: Mesh, example_inputs, stage_index: int, num_stages: int,
+                  options: CompileOptions, cluster: Cluster | str | os.PathLike | None = None) -> Compiled:
+    """Stage `stage_index` of `num_stages` compiled (`compile_for`, "auto" priced on `cluster`): local
+    inputs unless it is the first stage, local outputs unless it is the last."""
+    return compile_for(module, mesh, example_inputs, options, cluster, local_inputs=stage_index > 0,
+                       local_outputs=stage_index < num_stages - 1)
 
 
 def pipeline_mesh(q: int, d: int, num_stages: int, *, mode: str = "2.5d", device_type: str | None = None):
@@ -156,9 +154,8 @@ def pipeline_stage(
             f"given stage_index={stage_index}: pass stage_index={coordinate} (mesh.get_local_rank('{PP}')), with "
             "that stage's module"
         )
-    compile_in = stage_compiler(module, tess_mesh, example_inputs, stage_index, num_stages, options,
-                                load_cluster(cluster)[0])
-    program = compile_in(module.training)
+    compiled = compile_stage(module, tess_mesh, example_inputs, stage_index, num_stages, options, cluster)
+    program = compiled.program
     ports = stage_ports(program, stage_index, num_stages)
     pp_group = root.get_group(PP)
     every_stage: list = [None] * num_stages
@@ -166,7 +163,7 @@ def pipeline_stage(
     check_boundaries(every_stage)
     is_last = stage_index == num_stages - 1
     stage_mesh = root[tuple(name for name in names if name != PP)]
-    sharded = shard_program(program, device=device, timeout=timeout, wrap_outputs=is_last, recompile=compile_in,
+    sharded = shard_program(program, device=device, timeout=timeout, wrap_outputs=is_last, recompile=compiled.recompile,
                             mesh=stage_mesh)
     # The blocks each rank sends and takes (static metadata: nothing to infer at the first step);
     # floating ones carry gradients back.

@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils import _pytree as pytree
 
-from tess_compile.analysis.schedule_choice import load_cluster
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
@@ -25,7 +24,7 @@ from tess_compile.ops.collectives import use_comm
 from tess_compile.runtime import state
 from tess_compile.runtime.simulator import SimulatedModule, run_lockstep
 from tess_compile.scale_out.data_parallel import SimulatedDataParallel, split_batch
-from tess_compile.scale_out.pipeline import stage_compiler
+from tess_compile.scale_out.pipeline import compile_stage
 from tess_compile.scale_out.stage_ports import BOUNDARY_FIX, check_boundaries, example_blocks, stage_ports
 
 __all__ = ["SimulatedPipeline", "simulate_pipeline"]
@@ -178,11 +177,9 @@ def simulate_pipeline(
     example_args, example_kwargs = _split_microbatches(tuple(args), dict(kwargs), microbatches, "example input")[0]
     example = example_kwargs if example_kwargs else example_args  # as example_inputs takes them
     compiled, ports = [], []
-    priced_on = load_cluster(cluster)[0]
     for index, module in enumerate(stages):
-        compile_in = stage_compiler(module, mesh, example, index, len(stages), options, priced_on)
         try:
-            program = compile_in(module.training)
+            stage = compile_stage(module, mesh, example, index, len(stages), options, cluster)
         except ValueError:
             raise
         except Exception as err:
@@ -195,9 +192,9 @@ def simulate_pipeline(
                 f"as its positional inputs ({type(err).__name__}: {_first_line(err)}): "
                 + BOUNDARY_FIX.format(a=index - 1, b=index)
             ) from err
-        ports.append(stage_ports(program, index, len(stages)))
+        ports.append(stage_ports(stage.program, index, len(stages)))
         check_boundaries(ports)
-        compiled.append((program, compile_in))
+        compiled.append((stage.program, stage.recompile))
         example = example_blocks(ports[-1])
     groups = []
     for _ in range(dp):
