@@ -1,8 +1,10 @@
 """Uneven sizes: a dim the mesh does not divide (GPT-2's vocabulary of 50257, an MLP width of
 37 over 2 or 3) is split unevenly and padded inside the per-rank program; the padding is
 never seen outside (outputs, losses, gradients, state dicts and parameters keep the model's
-true shapes), and where exactness needs the true size a ValueError says so. A Hugging Face
-config as shipped (`use_cache` left on) compiles with the cache off."""
+true shapes), and where exactness needs the true size a ValueError says so. A dim of size 1
+split over an axis (a projection to one feature) holds its element on one rank and padding on
+the others: the views and pointwise ops that meet it gather it (defects the fuzzer found). A
+Hugging Face config as shipped (`use_cache` left on) compiles with the cache off."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import logging
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_close_rel, null_gradients, trained_error
+from conftest import assert_close_rel, null_gradients, simulate_exact, trained_error
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -164,6 +166,41 @@ def test_padding_is_masked_where_it_would_count(q, d, mode):
     grads = sim.full_grads()
     for name, param in model.named_parameters():
         assert_close_rel(grads[name], param.grad, 1e-12, f"grad {name}")
+
+
+class TokenGate(nn.Module):
+    """One gate a token (`x @ w`, w of one column: its single feature split unevenly over col), broadcast
+    over the heads by a view that inserts size-1 dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.value, self.gate, self.out = nn.Linear(8, 8), nn.Parameter(torch.randn(8, 1)), nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        heads = self.value(x).view(b, t, 2, 4).transpose(1, 2)
+        gate = torch.sigmoid(x @ self.gate).view(b, 1, t, 1)
+        return self.out((heads * gate).transpose(1, 2).reshape(b, t, 8))
+
+
+class SplitBatch(nn.Module):
+    """A one-feature projection, then the batch unflattened: the view keeps each split on its own dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(1, 1), nn.Linear(1, 3)
+
+    def forward(self, x):
+        return self.second(self.first(x).unflatten(0, (2, 2)))
+
+
+@pytest.mark.parametrize("build, shape, q, d, mode", [
+    (TokenGate, (4, 6, 8), 2, 2, "2.5d"), (TokenGate, (4, 6, 8), 2, 1, "2.5d"), (TokenGate, (4, 6, 8), 2, 1, "1d"),
+    (SplitBatch, (4, 1, 1), 2, 2, "2.5d"),
+], ids=["gate-q2d2", "gate-q2d1", "gate-1d-p4", "unflatten-q2d2"])
+def test_a_dim_of_one_split_unevenly_is_gathered_where_needed(build, shape, q, d, mode):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    simulate_exact(build, (x,), q, d, mode, gathers=True, strict=False)
 
 
 @pytest.mark.slow

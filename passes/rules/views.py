@@ -148,8 +148,11 @@ def place_view(node: Node, ctx) -> Decision:
     cur_in, cur_out = list(shape_of(x)), list(shape_of(node))
     unit_map = _unit_dim_map(cur_in, cur_out)
     if unit_map is not None:
-        return Decision({x: layout}, Layout(*(Shard(unit_map[p.dim], p.groups) if isinstance(p, Shard) and p.dim in unit_map
-                                             else R if isinstance(p, Shard) else p for p in layout.placements)))
+        # A split of a size-1 dim holds the element on one rank and padding on the others: gathered first.
+        needed = Layout(*(R if isinstance(p, Shard) and p.dim not in unit_map and ctx.mesh.size(axis) > 1 else p
+                          for axis, p in zip(AXES, layout.placements)))
+        return Decision({x: needed}, Layout(*(Shard(unit_map[p.dim], p.groups) if isinstance(p, Shard) and p.dim in
+                                              unit_map else R if isinstance(p, Shard) else p for p in needed.placements)))
     head_dim_last = _feeds_attention(node, last=cur_out[-1]) if cur_out else False
     needed, out = [], []
     for axis, p in zip(AXES, layout.placements):
@@ -158,7 +161,8 @@ def place_view(node: Node, ctx) -> Decision:
             needed.append(p)
             out.append(p)
             continue
-        mapped = _kept_uneven(cur_in, cur_out, p, parts) or _map_view_split(cur_in, cur_out, p, parts, head_dim_last)
+        mapped = (_kept_uneven(cur_in[p.dim], shape_of(x), shape_of(node), p, parts)
+                  or _map_view_split(cur_in, cur_out, p, parts, head_dim_last))
         if mapped is None:
             if not _ask_groups(ctx, x, cur_in, cur_out, p, parts, head_dim_last):
                 problem = _view_problem(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
@@ -179,19 +183,21 @@ def place_view(node: Node, ctx) -> Decision:
     return Decision({x: Layout(*needed)}, Layout(*out))
 
 
-def _kept_uneven(in_shape, out_shape, p: Shard, parts: int):
-    """(out dim, 1) where an uneven plain split lands on its own dim, whole (padding stays at its end)."""
-    size = in_shape[p.dim]
-    if p.groups != 1 or size % parts == 0:
+def _kept_uneven(local_size, in_shape, out_shape, p: Shard, parts: int):
+    """(out dim, 1) where an uneven plain split (of a dim whose block here is `local_size`) lands on its own
+    dim, whole (padding stays at its end): the out dim of the view's segment around it (of the global
+    shapes) that has the dim's size after the same product of the segment's dims."""
+    if p.groups != 1 or local_size % parts == 0:
         return None
-    before = math.prod(in_shape[:p.dim])
-    kept = [o for o in range(len(out_shape)) if out_shape[o] == size and math.prod(out_shape[:o]) == before]
+    a, _, c, e = _segment(in_shape, out_shape, p.dim)
+    before = math.prod(in_shape[a:p.dim])
+    kept = [o for o in range(c, e) if out_shape[o] == in_shape[p.dim] and math.prod(out_shape[c:o]) == before]
     return (kept[0], 1) if kept else None
 
 
 def _unit_dim_map(in_shape, out_shape) -> dict[int, int] | None:
     """{in dim: out dim} of the dims of size > 1 of a view that only inserts or removes
-    size-1 dims (a split of a size-1 dim, on an axis of size 1, is dropped); else None."""
+    size-1 dims; else None."""
     kept_in = [d for d, size in enumerate(in_shape) if not is_one(size)]
     kept_out = [d for d, size in enumerate(out_shape) if not is_one(size)]
     if [in_shape[d] for d in kept_in] != [out_shape[d] for d in kept_out]:
