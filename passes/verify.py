@@ -23,8 +23,8 @@ from torch.fx import GraphModule, Interpreter, Node
 from passes.rules import family_of
 from passes.source_lines import source_line
 from tess_compile.core.fake_run import UNCHECKABLE, local_placeholder
-from tess_compile.core.layout import Layout, Shard, split_size
-from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.layout import Layout
+from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import COLLECTIVE_OPS, output_like
 
 __all__ = ["verify_placed", "verify_rewritten"]
@@ -51,17 +51,8 @@ def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
 
 
 def _check_fits(what: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> None:
-    local = list(shape)
-    for axis in AXES:
-        p = layout.on(axis)
-        if not isinstance(p, Shard):
-            continue
-        parts = mesh.size(axis)
-        uneven = p.dim < len(local) and local[p.dim] % (parts * p.groups)
-        if p.dim >= len(local) or (uneven and (p.groups > 1 or sum(q.dim == p.dim for q in layout.placements
-                                                                     if isinstance(q, Shard)) > 1)):
-            raise AssertionError(f"{what}: layout {layout} does not fit shape {list(shape)} on mesh {mesh}")
-        local[p.dim] = split_size(local[p.dim], parts)
+    if layout.unfit_axes(shape, mesh):
+        raise AssertionError(f"{what}: layout {layout} does not fit shape {list(shape)} on mesh {mesh}")
 
 
 def verify_rewritten(gm: GraphModule, mesh: Mesh, *, placed: GraphModule) -> GraphModule:

@@ -194,10 +194,21 @@ class SplitBatch(nn.Module):
         return self.second(self.first(x).unflatten(0, (2, 2)))
 
 
+class BatchLast(nn.Module):
+    """The batch moved last and a row of a table added: two inputs' splits meet on one dim of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(1, 4)
+
+    def forward(self, x):
+        return x.permute(1, 2, 0) + self.table(torch.arange(1, device=x.device))
+
+
 @pytest.mark.parametrize("build, shape, q, d, mode", [
     (TokenGate, (4, 6, 8), 2, 2, "2.5d"), (TokenGate, (4, 6, 8), 2, 1, "2.5d"), (TokenGate, (4, 6, 8), 2, 1, "1d"),
-    (SplitBatch, (4, 1, 1), 2, 2, "2.5d"),
-], ids=["gate-q2d2", "gate-q2d1", "gate-1d-p4", "unflatten-q2d2"])
+    (SplitBatch, (4, 1, 1), 2, 2, "2.5d"), (BatchLast, (4, 1, 1), 2, 2, "2.5d"),
+], ids=["gate-q2d2", "gate-q2d1", "gate-1d-p4", "unflatten-q2d2", "meet-q2d2"])
 def test_a_dim_of_one_split_unevenly_is_gathered_where_needed(build, shape, q, d, mode):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     simulate_exact(build, (x,), q, d, mode, gathers=True, strict=False)

@@ -116,6 +116,11 @@ def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=()) -> tuple[d
         for t in tensors:
             required[t].append(aligned(chosen, shape_of(t), out_shape))
         out.append(chosen or R)
+    for axis in Layout(*out).unfit_axes(out_shape, ctx.mesh):  # splits of one dim that do not fit it together
+        index = AXES.index(axis)
+        out[index] = R
+        for t in tensors:
+            required[t][index] = R
     return {t: Layout(*ps) for t, ps in required.items()}, out
 
 

@@ -126,6 +126,24 @@ class Layout:
                 local[placement.dim] = split_size(local[placement.dim], mesh.size(axis))
         return dims
 
+    def unfit_axes(self, shape: Sequence[int], mesh: Mesh) -> list[str]:
+        """The axes whose split does not fit a tensor of global `shape`: a split of a dim it lacks, or
+        an uneven one (its blocks padded) that is grouped or shares its dim with another split."""
+        local, unfit = list(shape), []
+        for axis in AXES:
+            placement = self.on(axis)
+            if not isinstance(placement, Shard):
+                continue
+            if placement.dim >= len(local):
+                unfit.append(axis)
+                continue
+            parts = mesh.size(axis)
+            stacked = sum(isinstance(p, Shard) and p.dim == placement.dim for p in self.placements) > 1
+            if local[placement.dim] % (parts * placement.groups) and (placement.groups > 1 or stacked):
+                unfit.append(axis)
+            local[placement.dim] = split_size(local[placement.dim], parts)
+        return unfit
+
     def chunk_shape(self, shape: Sequence[int], mesh: Mesh, rank: int) -> list[int]:
         """The shape of `rank`'s true block of a tensor of global `shape` (`local_block`'s)."""
         local = list(shape)
