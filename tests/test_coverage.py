@@ -43,11 +43,7 @@ MAX_REDUNDANT = 1.05
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 # (architecture, call, mode) -> why it fails: a strict xfail, so that a fix shows
-KNOWN_LIMITS: dict[tuple[str, str, str], str] = {
-    ("long-t5", call, mode): "LongT5's local attention: aten.einsum has no rule and runs whole on every rank "
-                             "(redundant work 1.20 at [2,2,2], 1.08 at 1-D p=4); exact"
-    for _, call, _, _, _, mode in coverage.cases(["long-t5"])
-}
+KNOWN_LIMITS: dict[tuple[str, str, str], str] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,6 +17,7 @@ from passes.rules import (
     attention,
     complex_numbers,
     convolutions,
+    einsum,
     embeddings,
     experts,
     factories,
@@ -36,7 +37,7 @@ __all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rules"]
 
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
-    complex_numbers, experts, pooling, indexing, sizes,
+    complex_numbers, experts, pooling, indexing, sizes, einsum,
 ))
 
 
