@@ -148,7 +148,7 @@ def test_replicated_ops_are_listed_with_their_cost():
     assert "aten.flip" in text and "output 96 bytes on every rank" in text
 
 
-class LinearThenEinsum(nn.Module):
+class LinearThenTensordot(nn.Module):
     """A linear (split over the ranks), then a product with no sharding rule (run whole on every rank)."""
 
     def __init__(self):
@@ -157,15 +157,15 @@ class LinearThenEinsum(nn.Module):
 
     def forward(self, x):
         y = self.fc(x)
-        return torch.einsum("bsh,bth->bst", y, y)
+        return torch.tensordot(y, y, dims=([2], [2]))
 
 
 def test_redundant_work_in_the_header():
-    """x [4, 3, 8] at [2, 2, 1]: the linear's 2*4*3*8*8 = 1536 FLOPs are split over the 4 ranks,
-    the einsum's 2*4*3*3*8 = 576 run on each: (1536 + 4 * 576) / (1536 + 576) = 1.82."""
+    """x [4, 3, 8] at [2, 2, 1]: the linear's 2*4*3*8*8 = 1536 FLOPs are split over the 4 ranks, the
+    tensordot's 2*12*12*8 = 2304 run on each: (1536 + 4 * 2304) / (1536 + 2304) = 2.80."""
     with pytest.warns(UserWarning, match="no sharding rule"):
-        text = dump(LinearThenEinsum(), 2, 1, example_inputs=(torch.randn(4, 3, 8),))
-    assert "# redundant work: 1.82 (forward FLOPs over all ranks / unsharded)" in text.splitlines(), text
+        text = dump(LinearThenTensordot(), 2, 1, example_inputs=(torch.randn(4, 3, 8),))
+    assert "# redundant work: 2.80 (forward FLOPs over all ranks / unsharded)" in text.splitlines(), text
 
 
 def test_dot_format_and_svg():

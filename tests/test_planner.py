@@ -38,7 +38,7 @@ def make_paper_block():
     return GPTBlock(3072, 64), torch.randn(16, 512, 3072)
 
 
-class LinearThenEinsum(nn.Module):
+class LinearThenTensordot(nn.Module):
     """A linear, then a product with no sharding rule (it runs whole on every rank)."""
 
     def __init__(self, hidden: int):
@@ -47,11 +47,11 @@ class LinearThenEinsum(nn.Module):
 
     def forward(self, x):
         y = self.fc(x)
-        return torch.einsum("bsh,bth->bst", y, y)
+        return torch.tensordot(y, y, dims=([2], [2]))
 
 
-def make_linear_then_einsum():
-    return LinearThenEinsum(64), torch.randn(16, 4, 64)
+def make_linear_then_tensordot():
+    return LinearThenTensordot(64), torch.randn(16, 4, 64)
 
 
 def make_odd_mlp():
@@ -117,12 +117,12 @@ def test_plan_prices_every_mesh_fastest_first(gpus, caplog):
 
 def test_redundant_work_of_each_mesh():
     """Forward FLOPs over all ranks / unsharded: 1 when every product is split; a product run
-    whole on each of 8 ranks counts 8 times: (linear + 8 * einsum) / (linear + einsum)."""
+    whole on each of 8 ranks counts 8 times: (linear + 8 * tensordot) / (linear + tensordot)."""
     assert [row.redundant_work for row in plan(make_mlp, 8)] == [pytest.approx(1.0)] * 2
-    linear, einsum = 2 * 16 * 4 * 64 * 64, 2 * 16 * 4 * 4 * 64
+    linear, tensordot = 2 * 16 * 4 * 64 * 64, 2 * (16 * 4) ** 2 * 64
     with pytest.warns(UserWarning, match="no sharding rule"):
-        rows = plan(make_linear_then_einsum, 8)
-    expected = (linear + 8 * einsum) / (linear + einsum)
+        rows = plan(make_linear_then_tensordot, 8)
+    expected = (linear + 8 * tensordot) / (linear + tensordot)
     assert [row.redundant_work for row in rows] == [pytest.approx(expected)] * 2, format_table(rows)
 
 
