@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, Block, compile_layer  # noqa: E402
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.accounting import bytes_by_phase, bytes_from_records, collective_costs, predict_bytes
 from tess_compile.analysis.cost_model import ring_wire_bytes
 from tess_compile.runtime.simulator import SimulatedModule

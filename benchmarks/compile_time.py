@@ -20,9 +20,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.paper_tables import Block  # noqa: E402
-from passes.capture import capture
-from passes.place import place
-from passes.rewrite import rewrite
+from tess_compile.passes.capture import capture
+from tess_compile.passes.place import place
+from tess_compile.passes.rewrite import rewrite
 from tess_compile.core.mesh import Mesh
 
 MESHES = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1)]

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.architectures import ARCHITECTURES, build, calls  # noqa: E402
-from passes.observers import PassResult, add_pass_observer, remove_pass_observer
+from tess_compile.passes.observers import PassResult, add_pass_observer, remove_pass_observer
 from tess_compile.analysis.accounting import captured_forward_flops, redundant_work
 from tess_compile.validation import model_facts
 

@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
 from benchmarks.memory import Stack
 from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, compile_layer
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.cost_model import profile_program
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.core.mesh import Mesh

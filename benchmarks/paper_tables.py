@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import Program
 

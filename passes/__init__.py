@@ -1,21 +1,19 @@
-"""The compiler: a model's graph in, one SPMD per-rank graph out, one pass a file.
+"""The compiler, `tess_compile.passes`: a model's graph in, one SPMD per-rank graph out, one pass a file.
 
     capture (writes through views made functional) -> place -> verify
     -> (recompute blocks) -> rewrite -> merge products -> (recompute selective)
     -> bucket gradients -> verify -> report repeated work
 
-`passes.driver.compile_model` calls the passes in that order and packs the
-result in a `Program` (`tess_compile.core.program`). The op families' rules
-are in `passes/rules/`, one file a family. The compiler builds on
-tess_compile's core (mesh, layouts, options, programs) and ops (what a
-per-rank graph calls), and on nothing else of it.
+`tess_compile.passes.driver.compile_model` calls the passes in that order and
+packs the result in a `Program` (`tess_compile.core.program`). The op
+families' rules are in `passes/rules/`, one file a family. The compiler builds
+on tess_compile's core (mesh, layouts, options, programs) and ops (what a
+per-rank graph calls), and on nothing else of it. Its folder is `passes/` at
+the top of the repository, installed as `tess_compile.passes` (pyproject.toml's
+package-dir).
 """
 
-# isort: off
-# First tess_compile: its face imports this package's driver, and must do so before any
-# module of this package is half imported (so that either package may be imported first).
 from tess_compile.core.program import Program
-from passes.driver import compile_model, mode_compiler
-# isort: on
+from tess_compile.passes.driver import compile_model, mode_compiler
 
 __all__ = ["Program", "compile_model", "mode_compiler"]

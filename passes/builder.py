@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 from torch.fx import Graph, Node
 
-from passes.product_schedule import ProductCase, cheapest_schedule
+from tess_compile.passes.product_schedule import ProductCase, cheapest_schedule
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO
@@ -19,11 +19,11 @@ class Builder:
     """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish.
 
     `summa` is the schedule of the matrix products' steps (`tess_compile.core.options.SCHEDULES`),
-    or "auto": each product's cheapest on `cluster` (`passes.product_schedule`); `schedules`
+    or "auto": each product's cheapest on `cluster` (`tess_compile.passes.product_schedule`); `schedules`
     counts the products of each schedule. `keep_blocks` keeps their fetched blocks for
     backward instead of fetching again.
     `shared` holds values that later products may read again instead of fetching them
-    once more (`passes.summa`); any in-place op empties it, as it may change a source.
+    once more (`tess_compile.passes.summa`); any in-place op empties it, as it may change a source.
     """
 
     def __init__(self, mesh: Mesh, summa: str = "broadcast", keep_blocks: bool = False,

@@ -24,7 +24,7 @@ device (a user input's, else the first lifted tensor's) becomes a
 `device_of(that input)` node, so the per-rank graph makes them on the device
 it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
 
-Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line (`passes.data_dependent`).
+Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line (`tess_compile.passes.data_dependent`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from torch.fx.node import map_aggregate
 from torch.fx.traceback import annotate, preserve_node_meta
 from torch.utils import _pytree as pytree
 
-from passes.data_dependent import explained_data_dependence, is_data_dependent, refuse_data_dependent_shapes
-from passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
+from tess_compile.passes.data_dependent import explained_data_dependence, is_data_dependent, refuse_data_dependent_shapes
+from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.ops.local import device_of
 
@@ -401,7 +401,7 @@ def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
 
 def _mutates_a_dead_temporary(node: torch.fx.Node) -> bool:
     """An in-place op on a whole tensor made by an op of the graph and read by nothing else. (A write
-    through a view is functional by now: `passes.view_mutations`.)"""
+    through a view is functional by now: `tess_compile.passes.view_mutations`.)"""
     target = node.args[0] if writes_in_place(node) else None
     return (isinstance(target, torch.fx.Node) and target.op == "call_function" and set(target.users) == {node}
             and may_alias_root(target) is target)

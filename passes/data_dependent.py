@@ -4,7 +4,7 @@ torch.export traces with fake tensors, which hold shapes but no values. A value 
 (`.item()`, `.tolist()`, `if mask.any():`, a loop over `nonzero()`) becomes a symbol (u0), and a
 branch or a loop on it fails inside export (`GuardOnDataDependentSymNode` and its kin):
 `explained_data_dependence` turns that failure into a ValueError that names the model's line (the
-innermost model frame of the error's traceback, `passes.source_lines.raised_at`), the expression torch
+innermost model frame of the error's traceback, `tess_compile.passes.source_lines.raised_at`), the expression torch
 could not decide and the ways out. An op whose output shape depends on the values (`x[mask]`,
 `nonzero`, `unique`) exports, but no layout splits a tensor of unknown size:
 `refuse_data_dependent_shapes` names the first such op of the captured graph. Reads and writes no meta
@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 from torch.utils import _pytree as pytree
 
-from passes.source_lines import raised_at, source_line, with_code
+from tess_compile.passes.source_lines import raised_at, source_line, with_code
 
 __all__ = ["explained_data_dependence", "is_data_dependent", "refuse_data_dependent_shapes"]
 

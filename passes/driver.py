@@ -5,7 +5,7 @@
 
 `compile_model` runs them as plain calls, one line a pass; a pass that fails
 with anything but a user's ValueError is named in a RuntimeError. After each
-pass the observers registered with `passes.observers.add_pass_observer` see its graph (a stage dump
+pass the observers registered with `tess_compile.passes.observers.add_pass_observer` see its graph (a stage dump
 registers itself so; `tess_compile.analysis.graph_dump`); the driver never
 imports an analysis. The result, a `Program`, is what both runtimes execute.
 """
@@ -20,17 +20,17 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from passes.bucket_gradients import bucket_gradients
-from passes.capture import capture, shape_env_of
-from passes.merge_products import merge_products
-from passes.observers import PassResult, notify
-from passes.place import place
-from passes.recompute_blocks import mark_blocks
-from passes.recompute_selective import mark_selective
-from passes.repeated_work import report_repeated_work
-from passes.rewrite import rewrite
-from passes.size_limits import lookup_limits
-from passes.verify import verify_placed, verify_rewritten
+from tess_compile.passes.bucket_gradients import bucket_gradients
+from tess_compile.passes.capture import capture, shape_env_of
+from tess_compile.passes.merge_products import merge_products
+from tess_compile.passes.observers import PassResult, notify
+from tess_compile.passes.place import place
+from tess_compile.passes.recompute_blocks import mark_blocks
+from tess_compile.passes.recompute_selective import mark_selective
+from tess_compile.passes.repeated_work import report_repeated_work
+from tess_compile.passes.rewrite import rewrite
+from tess_compile.passes.size_limits import lookup_limits
+from tess_compile.passes.verify import verify_placed, verify_rewritten
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.dynamic import DynamicShapes, concrete, local_value
 from tess_compile.core.layout import Layout
@@ -64,7 +64,7 @@ def compile_model(
     choose the schedule of the products, what backward keeps or recomputes, and the
     checks (docs/modes.md, docs/memory.md). With summa="auto" (the default) each
     product takes the schedule priced cheapest on `cluster` (default
-    `CALIBRATED_CLUSTER`; `passes.product_schedule`); keep_blocks="auto" must be
+    `CALIBRATED_CLUSTER`; `tess_compile.passes.product_schedule`); keep_blocks="auto" must be
     resolved first (`tess_compile.analysis.schedule_choice`).
 
     `weight_inputs` and `replicate_outputs` serve graphs whose weights are
@@ -78,7 +78,7 @@ def compile_model(
     `carried` (flat output index -> flat input index) serves state a caller feeds
     back (a KV cache, `tess_compile.generation`): each such output leaves as this
     rank's block in the layout it is computed in, and its input arrives as this
-    rank's block in that same layout (`passes.place`).
+    rank's block in that same layout (`tess_compile.passes.place`).
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.keep_blocks == AUTO:
@@ -133,7 +133,7 @@ def compile_model(
 class _Passes:
     """Runs the passes of one compile: checks that each gives a graph, names a pass that
     fails (`guarded`: anything but a user's ValueError becomes a RuntimeError naming it),
-    and reports each to the observers (`passes.observers`).
+    and reports each to the observers (`tess_compile.passes.observers`).
 
     In a dynamic compile the passes ask of symbolic sizes size-obliviously: a rule's `size == 1`
     of a symbolic sequence is False without a guard, the general case, which holds at 1 too."""

@@ -1,6 +1,6 @@
 """Observers of a compile: callables that see the graph after each pass.
 
-The driver (`passes.driver`) reports every pass it runs to the observers
+The driver (`tess_compile.passes.driver`) reports every pass it runs to the observers
 registered here and knows nothing else of them; whoever wants to look at the
 stages registers one (the stage dumps of `TESS_COMPILE_DUMP`,
 `tess_compile.analysis.graph_dump`, as inductor's `GraphTransformObserver`

@@ -16,11 +16,11 @@ last dim over col; whole in mode "1d"), and outputs of a pipeline stage
 one stage's output blocks are the next stage's input blocks. Parameters, buffers, constants and weights that arrive
 as inputs (`meta["weight_input"]`) are free until their first consumer
 fixes their layout. Ops are looked up in the rule table of the mesh's mode
-(`passes.rules.placement_rules`);
+(`tess_compile.passes.rules.placement_rules`);
 an op with no rule runs replicated (`strict=True`: a ValueError); the
-compile's one summary lists them (`passes.repeated_work`). A decision that
+compile's one summary lists them (`tess_compile.passes.repeated_work`). A decision that
 gives an op a padded block it cannot take (an uneven split) is a ValueError
-(`passes.rules.uneven`).
+(`tess_compile.passes.rules.uneven`).
 
 A rule may ask for a producer's output to be laid out with groups (a fused
 QKV projection feeding `split`); the pass then runs once more with that hint.
@@ -36,11 +36,11 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from passes.rules import family_of, placement_rules
-from passes.rules.common import place_replicated
-from passes.rules.family import Decision
-from passes.rules.uneven import check_uneven
-from passes.source_lines import source_line
+from tess_compile.passes.rules import family_of, placement_rules
+from tess_compile.passes.rules.common import place_replicated
+from tess_compile.passes.rules.family import Decision
+from tess_compile.passes.rules.uneven import check_uneven
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
 

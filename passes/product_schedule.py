@@ -1,11 +1,11 @@
 """The schedule of one matrix product under summa="auto": each schedule priced on a cluster.
 
-Part of stage 3 (rewrite): `passes.summa` asks `cheapest_schedule` for every product
+Part of stage 3 (rewrite): `tess_compile.passes.summa` asks `cheapest_schedule` for every product
 that takes SUMMA steps. A product's schedules differ only in that product's own
 kernels and collectives, so pricing them alone and keeping the cheapest gives the
 cheapest program under an additive cost, one product at a time (q, k and v of
 one layer may so take another schedule than its MLP). The prices follow
-`passes.summa`'s lowering and `tess_compile.ops.fetched_product`'s backward,
+`tess_compile.passes.summa`'s lowering and `tess_compile.ops.fetched_product`'s backward,
 forward and backward of one step on one rank:
 
 - a product of smallest dimension `m` at `flops * m / (m + matmul_half_size)`,

@@ -5,7 +5,7 @@ ModuleList or Sequential with two or more elements of one class (a
 transformer's layers), one recompute region: it writes
 `meta["recompute"] = "block <path>"` and changes nothing else; nodes already
 in a region (the model's own `torch.utils.checkpoint` calls, marked by
-`passes.capture`) keep theirs. Reads `meta["nn_module_stack"]`. The runtimes
+`tess_compile.passes.capture`) keep theirs. Reads `meta["nn_module_stack"]`. The runtimes
 run each region under `torch.utils.checkpoint` (`tess_compile.ops.recompute_region`).
 """
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch.fx import Node
 
-from passes.builder import Builder
+from tess_compile.passes.builder import Builder
 from tess_compile.core.layout import Layout, Partial, Replicate, Shard, split_size
 from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
-from passes.source_lines import source_line
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, local_placeholder, requires_grad
 from tess_compile.core.layout import Layout, Partial
 from tess_compile.core.mesh import Mesh

@@ -3,7 +3,7 @@
 Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["role"]`,
 `meta["val"]` and `meta["recompute"]`. Emits a new GraphModule whose placeholders are, in the
 captured order, the local shards of parameters, buffers and constants and
-the global user inputs; each op runs on local tensors (`passes.rules.lowering_rules`),
+the global user inputs; each op runs on local tensors (`tess_compile.passes.rules.lowering_rules`),
 with the collectives of `redistribute` wherever a value's layout differs
 from the layout its consumer needs. Writes `meta["layout"]`,
 `meta["global_shape"]` and `meta["replicated"]` on the node that holds each
@@ -34,10 +34,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from passes.builder import Builder
-from passes.redistribute import redistribute
-from passes.rules import lowering_rules
-from passes.rules.common import lower_default
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.redistribute import redistribute
+from tess_compile.passes.rules import lowering_rules
+from tess_compile.passes.rules.common import lower_default
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.dynamic import concrete, has_symbols, local_value
 from tess_compile.core.layout import Layout, Replicate
@@ -56,7 +56,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
 
     `summa` schedules the steps of the matrix products (`tess_compile.core.options.SCHEDULES`,
     or "auto": each product's cheapest on `cluster`); `keep_blocks` keeps their fetched blocks
-    for backward (see `passes.summa`). Writes `meta["schedules"]` on the result: how many
+    for backward (see `tess_compile.passes.summa`). Writes `meta["schedules"]` on the result: how many
     products took each schedule.
     """
     if summa not in (*SCHEDULES, AUTO):

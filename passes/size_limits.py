@@ -7,7 +7,7 @@ analysis finds such lookups on the captured (global) graph and gives, for
 each, the largest id as a formula in the symbols; `DynamicShapes.bind`
 refuses a call whose sizes take it past the table, naming the input dims and
 the table. Ids that come from data (a `position_ids` input) have no formula:
-the program's own id check (`passes.rules.index_checks`) covers them.
+the program's own id check (`tess_compile.passes.rules.index_checks`) covers them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from passes.rules.common import display_name
+from tess_compile.passes.rules.common import display_name
 from tess_compile.core.dynamic import Limit
 
 __all__ = ["lookup_limits"]

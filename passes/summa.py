@@ -18,7 +18,7 @@ A weight laid out the other way round (out features over row, in features
 over col, as when an earlier consumer fixed it) is used as it is by
 `C = A @ B^T` (Optimus Alg. 2) instead of being moved.
 
-With summa="auto" each product takes the schedule that `passes.product_schedule`
+With summa="auto" each product takes the schedule that `tess_compile.passes.product_schedule`
 prices cheapest on the builder's cluster; `Builder.schedules` counts the choices.
 
 Writes `meta["summa_step"] = t` on the collectives of step t of a loop, so
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.product_schedule import ProductCase
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.product_schedule import ProductCase
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.ops import collectives as c
 from tess_compile.ops.fetched_product import fetched_product

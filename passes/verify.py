@@ -2,7 +2,7 @@
 
 After place: every value has a layout, and every split fits its tensor
 (the dim exists and divides evenly, or is split unevenly by one axis, plainly:
-`passes.rules.uneven`). After rewrite: a forward run of the
+`tess_compile.passes.rules.uneven`). After rewrite: a forward run of the
 per-rank graph on fake tensors of the local shapes, in which every local
 kernel accepts its local inputs and gives every value the local shape its
 layout promises; otherwise a ValueError names the placement rule to blame.
@@ -20,8 +20,8 @@ import torch
 from torch._subclasses import fake_tensor
 from torch.fx import GraphModule, Interpreter, Node
 
-from passes.rules import family_of
-from passes.source_lines import source_line
+from tess_compile.passes.rules import family_of
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.fake_run import UNCHECKABLE, local_placeholder
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh

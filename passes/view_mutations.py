@@ -34,7 +34,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes.source_lines import source_line
+from tess_compile.passes.source_lines import source_line
 
 __all__ = ["functionalize_view_mutations", "may_alias_root", "writes_in_place"]
 

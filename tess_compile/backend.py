@@ -45,7 +45,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
-from passes.source_lines import source_line, with_code
+from tess_compile.passes.source_lines import source_line, with_code
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.analysis.schedule_choice import load_cluster
 from tess_compile.core.cluster import Cluster

@@ -27,7 +27,7 @@ MOVED = {
     "tess_compile.checkpoint": ("tess_compile.training.shard_loading",),
     "tess_compile.collectives": ("tess_compile.ops.collectives",),
     "tess_compile.compiled": ("tess_compile.runtime.inductor",),
-    "tess_compile.compiler": ("passes.driver", "tess_compile.core.program"),
+    "tess_compile.compiler": ("tess_compile.passes.driver", "tess_compile.core.program"),
     "tess_compile.cost_model": ("tess_compile.analysis.cost_model", "tess_compile.core.cluster",
                                 "tess_compile.analysis.memory"),
     "tess_compile.data_parallel": ("tess_compile.scale_out.data_parallel", "tess_compile.runtime.groups",
@@ -51,7 +51,7 @@ MOVED = {
     "tess_compile.simulator": ("tess_compile.runtime.simulator", "tess_compile.runtime.threaded"),
     "tess_compile.state": ("tess_compile.runtime.state",),
     "tess_compile.symbolic": ("tess_compile.analysis.symbolic", "tess_compile.analysis.symbolic_shapes"),
-    "tess_compile.train_eval": ("tess_compile.runtime.programs_by_mode", "passes.driver"),
+    "tess_compile.train_eval": ("tess_compile.runtime.programs_by_mode", "tess_compile.passes.driver"),
 }
 
 

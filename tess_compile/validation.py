@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
-from passes.capture import capture
+from tess_compile.passes.capture import capture
 from tess_compile.analysis.accounting import captured_forward_flops, redundant_work
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.core.cluster import Cluster

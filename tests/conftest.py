@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import MESHES  # noqa: F401  (re-exported for the tests)
 
 import tess_compile
-from passes.observers import add_pass_observer, remove_pass_observer
+from tess_compile.passes.observers import add_pass_observer, remove_pass_observer
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 
 

@@ -28,7 +28,7 @@ from models import TinyGPT
 from torch import nn
 from torch.ops import aten
 
-from passes.rules import lowering_rules
+from tess_compile.passes.rules import lowering_rules
 from tess_compile import check, cli
 from tess_compile.ops.split_norm import split_norm
 from tess_compile.validation import CheckMismatch, CheckReport

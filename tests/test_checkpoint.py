@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2LMHeadModel
 
 import tess_compile
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.core.layout import local_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.runtime import state

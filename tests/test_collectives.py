@@ -13,7 +13,7 @@ Expectations are derived from the algorithms, not read off the library:
 - A bias (R R S(0)) is replicated over row and depth: its gradient is
   all-reduced along row and depth.
 - The gradients of all replicated parameters are bucketed
-  (`passes.bucket_gradients`): one all-reduce per axis for the whole model here.
+  (`tess_compile.passes.bucket_gradients`): one all-reduce per axis for the whole model here.
 - LayerNorm over the col-split hidden dim: one all-gather along col of each
   rank's mean and centred sum of squares (two numbers a row); backward
   all-reduces its two sums along col together, once.
@@ -168,7 +168,7 @@ def test_block_counts(kind, q, d):
     Llama: 7 linears without bias (q, k, v, o, gate, up, down) and 2 RMSNorm
     weights (one written by hand: its mean over the split hidden dim is one
     all-reduce along col, like nn.RMSNorm's); the linears of one input are one
-    product (`passes.merge_products`): q/k/v, o, gate/up, down.
+    product (`tess_compile.passes.merge_products`): q/k/v, o, gate/up, down.
     """
     hidden = 4 * q
     sim = run(make_block(kind, hidden, q), q, d, hidden)

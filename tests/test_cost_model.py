@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.accounting import collective_costs, forward_flops, predict_bytes
 from tess_compile.analysis.cost_model import (
     PhaseProfile,

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
 
 import tess_compile
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.core.fake_run import local_placeholder
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.local import device_of

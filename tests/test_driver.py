@@ -8,9 +8,9 @@ import pytest
 import torch
 from models import GPTBlock
 
-import passes.driver as driver
-from passes.driver import compile_model
-from passes.observers import add_pass_observer, remove_pass_observer
+import tess_compile.passes.driver as driver
+from tess_compile.passes.driver import compile_model
+from tess_compile.passes.observers import add_pass_observer, remove_pass_observer
 from tess_compile.core.mesh import Mesh
 
 

@@ -20,7 +20,7 @@ from models import GPTStack, TinyGPT
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tess_compile
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.core.dynamic import DynamicShapes
 from tess_compile.core.mesh import Mesh
 from tess_compile.runtime.launch import run_local

@@ -10,7 +10,7 @@ import torch
 from conftest import simulate_exact
 from torch import nn
 
-from passes.rules.einsum import subscripts
+from tess_compile.passes.rules.einsum import subscripts
 
 MESHES = [(2, 2, "2.5d"), (2, 1, "1d")]
 MESH_IDS = ["2.5d-q2d2", "1d-p4"]

@@ -15,7 +15,7 @@ from models import GPTBlock, LlamaBlock
 from torch import nn
 
 import tess_compile
-from passes.rules import placement_rules
+from tess_compile.passes.rules import placement_rules
 
 
 def error_text(q, d, model, x, **kwargs) -> str:

@@ -18,7 +18,7 @@ from conftest import assert_matches_model
 from models import GPTBlock
 
 import tess_compile
-from passes import bucket_gradients
+from tess_compile.passes import bucket_gradients
 from tess_compile.ops.grad_bucket import grad_bucket
 
 Q, D, HIDDEN, HEADS = 2, 2, 8, 4

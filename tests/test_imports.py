@@ -1,9 +1,12 @@
-"""The import structure: no circles, layers that only import downwards, and every
-module importable first in a fresh interpreter."""
+"""The import structure: no circles between modules or between packages (each package's
+`__init__` included), layers that only import downwards, the packages pyproject.toml installs,
+and every module importable first in a fresh interpreter. The compiler's folder `passes/` is the
+package `tess_compile.passes` (pyproject.toml's package-dir)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +14,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tess_compile", "passes")
+# Each package folder of the repository, by the name it is installed under.
+FOLDERS = {"tess_compile": ROOT / "tess_compile", "tess_compile.passes": ROOT / "passes"}
 
 # tess_compile's layers, lowest first: a module imports only from its own layer and those
 # below it. The compiler (`passes`) sits on core and ops; the face on everything.
 LAYERS = (
     ("tess_compile.core",),
     ("tess_compile.ops",),
-    ("passes", "tess_compile.runtime"),
+    ("tess_compile.passes", "tess_compile.runtime"),
     ("tess_compile.analysis",),
     ("tess_compile.training", "tess_compile.scale_out", "tess_compile.generation"),
     ("tess_compile", "tess_compile.backend", "tess_compile.cli", "tess_compile.moved", "tess_compile.validation"),
@@ -26,13 +30,14 @@ LAYERS = (
 
 
 def _modules() -> dict[str, Path]:
+    """Every module of ours by its dotted name (a package by its own name: its `__init__.py`)."""
     found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for package, folder in FOLDERS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            found[".".join(parts)] = path
+            found[".".join([package, *parts])] = path
     return found
 
 
@@ -127,22 +132,64 @@ def test_layers_import_only_downwards(graph):
 
 
 def test_the_compiler_imports_only_core_and_ops(graph):
-    wrong = [f"{module} -> {target}" for module, targets in sorted(graph.items()) if module.startswith("passes")
-             for target in sorted(targets) if target.startswith("tess_compile")
-             and not target.startswith(("tess_compile.core", "tess_compile.ops"))]
+    wrong = [f"{module} -> {target}" for module, targets in sorted(graph.items())
+             if module.startswith("tess_compile.passes") for target in sorted(targets)
+             if not target.startswith(("tess_compile.core", "tess_compile.ops", "tess_compile.passes"))]
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_names_from_a_package_of_the_other(graph):
-    """A module takes names from the module that defines them, never from the other package's
-    `__init__`: so either package may be imported first (see `test_import_first`)."""
+def _package(module: str, modules) -> str:
+    """The package a module belongs to: the subpackage of tess_compile (`tess_compile.passes.rules`
+    counts as `tess_compile.passes`), or the face (`tess_compile`) for the modules at its top."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and ".".join(parts[:2]) in modules else parts[0]
+
+
+def test_no_circles_among_packages(graph):
+    """Packages, their `__init__` included, import one another without a circle: a package's
+    `__init__` runs before any of its modules, so a circle between packages is one at import time."""
+    modules = _modules()
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        own = _package(module, modules)
+        packages.setdefault(own, set()).update(_package(t, modules) for t in targets if _package(t, modules) != own)
+    cycle = _cycle(packages)
+    assert cycle is None, "package circle: " + " -> ".join(cycle)
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module defines itself (functions, classes, assignments at its top)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_names_come_from_the_modules_that_define_them(graph):
+    """A module imports a name from the module that defines it, never from a package's `__init__`
+    that imports it from elsewhere: so any module may be imported first (see `test_import_first`)."""
     modules = _modules()
     wrong = []
     for module, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module in PACKAGES and node.module != module.split(".")[0]:
-                wrong.append(f"{module}: from {node.module} import ...")
+            if isinstance(node, ast.ImportFrom) and node.module in modules and modules[node.module].name == "__init__.py":
+                defined = _defined(modules[node.module])
+                names = [a.name for a in node.names if f"{node.module}.{a.name}" not in modules and a.name not in defined]
+                if names and not module.startswith(node.module):
+                    wrong.append(f"{module}: from {node.module} import {', '.join(names)}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_pyproject_installs_every_package():
+    """pyproject.toml's package list names every package folder, under the name it has here."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(tess_compile[\w.]*)"', text.split("[tool.setuptools.package-dir]")[0]))
+    found = {module for module, path in _modules().items() if path.name == "__init__.py"}
+    assert listed == found, f"missing from pyproject.toml: {sorted(found - listed)}; not a package: {sorted(listed - found)}"
 
 
 # Each module imported first, in one interpreter: our modules are dropped from `sys.modules`
@@ -151,7 +198,7 @@ _IMPORT_EACH_FIRST = """
 import importlib, sys
 failed = []
 for name in sys.argv[1:]:
-    for loaded in [m for m in sys.modules if m.split(".")[0] in ("tess_compile", "passes")]:
+    for loaded in [m for m in sys.modules if m.split(".")[0] == "tess_compile"]:
         del sys.modules[loaded]
     try:
         importlib.import_module(name)

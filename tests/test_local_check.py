@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from passes.driver import compile_model
-from passes.rules import lowering_rules, placement_rules
-from passes.rules.family import Decision
+from tess_compile.passes.driver import compile_model
+from tess_compile.passes.rules import lowering_rules, placement_rules
+from tess_compile.passes.rules.family import Decision
 from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import COLLECTIVE_OPS

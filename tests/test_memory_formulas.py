@@ -19,7 +19,7 @@ from models import make_block
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.accounting import forward_flops
 from tess_compile.analysis.memory import activation_bytes
 from tess_compile.analysis.symbolic import symbolic_parameter_bytes, symbolic_shapes

@@ -1,4 +1,4 @@
-"""Horizontal fusion (`passes.merge_products`): the products that read one input run as one.
+"""Horizontal fusion (`tess_compile.passes.merge_products`): the products that read one input run as one.
 
 q, k and v of one normed input, and a gated MLP's gate and up, become one
 product over their concatenated weights, split after; in the broadcast and
@@ -23,9 +23,9 @@ from conftest import assert_close_rel, assert_matches_model
 from models import SwiGLU
 from torch import nn
 
-import passes.driver
+import tess_compile.passes.driver
 import tess_compile
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.accounting import bytes_from_records, predict_bytes
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.core.mesh import Mesh
@@ -141,7 +141,7 @@ def gather_sims():
     model = _model(False, False)
     x = _input(2, 2, "2.5d")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(passes.driver, "merge_products", _unmerged)
+        patch.setattr(tess_compile.passes.driver, "merge_products", _unmerged)
         before = _simulate(model, x, 2, 2, "2.5d", "gather", False)
     after = _simulate(model, x, 2, 2, "2.5d", "gather", False)
     for sim in (before, after):
@@ -175,7 +175,7 @@ def test_merged_products_keep_no_more_for_backward(mode, summa):
     model, (q, d) = _model(False, False), ((1, 4) if mode == "1d" else (2, 2))
     x = _input(q, d, mode)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(passes.driver, "merge_products", _unmerged)
+        patch.setattr(tess_compile.passes.driver, "merge_products", _unmerged)
         before = compile_model(model, Mesh(q, d, mode), (x,), summa=summa)
     after = compile_model(model, Mesh(q, d, mode), (x,), summa=summa)
     assert after.graph.meta["schedules"] == before.graph.meta["schedules"]

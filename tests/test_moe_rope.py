@@ -106,7 +106,7 @@ def test_top2_experts_are_sharded_and_exact(q, d, mode):
 def test_view_as_complex_keeps_the_pair_dim_whole():
     """A split of the real/imaginary pair dim is gathered before `view_as_complex`;
     other splits carry over, and `view_as_real` gives them back."""
-    from passes.rules.complex_numbers import place_view_as_complex, place_view_as_real
+    from tess_compile.passes.rules.complex_numbers import place_view_as_complex, place_view_as_real
     from tess_compile.core.layout import Layout, Replicate, Shard
     from tess_compile.core.mesh import Mesh
 

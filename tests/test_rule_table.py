@@ -8,7 +8,7 @@ import importlib
 
 import torch
 
-from passes.rules import FAMILIES, family_of, lowering_rules, placement_rules
+from tess_compile.passes.rules import FAMILIES, family_of, lowering_rules, placement_rules
 
 aten = torch.ops.aten
 
@@ -48,6 +48,6 @@ def test_an_op_is_found_by_its_family():
 
 def test_each_family_is_its_own_documented_module():
     for family in FAMILIES:
-        module = importlib.import_module(f"passes.rules.{family.name}")
+        module = importlib.import_module(f"tess_compile.passes.rules.{family.name}")
         assert module.__doc__ and module.__doc__.isascii(), family.name
         assert module.FAMILY is family, family.name

@@ -85,7 +85,7 @@ def test_unknown_schedule():
 
 def test_gather_shares_one_input_across_its_products():
     """Llama: q, k and v read one all-gather of the normed input, gate and up another; the
-    products of one input are one product (`passes.merge_products`), which gathers the
+    products of one input are one product (`tess_compile.passes.merge_products`), which gathers the
     input again in its backward. Exact in float64."""
     torch.manual_seed(0)
     model = LlamaBlock(8, 2).to(torch.float64)

@@ -18,7 +18,7 @@ from models import make_block
 from torch import nn
 
 import tess_compile
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.accounting import bytes_from_records, predict_bytes
 from tess_compile.analysis.graph_dump import dump
 from tess_compile.analysis.symbolic import evaluate_bytes, format_symbolic, symbolic_bytes

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tess_compile
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.core.mesh import Mesh
 

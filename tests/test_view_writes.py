@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import simulate_exact
 from torch import nn
 
-from passes.capture import capture
+from tess_compile.passes.capture import capture
 
 MESHES = [(2, 2, "2.5d"), (2, 1, "1d")]
 MESH_IDS = ["2.5d-q2d2", "1d-p4"]

@@ -13,7 +13,7 @@ an op (for the verifier's messages).
 
 from __future__ import annotations
 
-from passes.rules import (
+from tess_compile.passes.rules import (
     attention,
     complex_numbers,
     convolutions,
@@ -31,7 +31,7 @@ from passes.rules import (
     sizes,
     views,
 )
-from passes.rules.family import Family
+from tess_compile.passes.rules.family import Family
 
 __all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rules"]
 

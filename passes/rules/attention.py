@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import R, aten, get_arg, lower_default, shape_of, tensor_inputs
-from passes.rules.family import Decision, Family
-from passes.rules.pointwise import align, aligned
-from passes.source_lines import source_line
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import R, aten, get_arg, lower_default, shape_of, tensor_inputs
+from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.rules.pointwise import align, aligned
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.ops.dropout import block_spec, sharded_attention

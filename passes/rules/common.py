@@ -8,8 +8,8 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
-from passes.builder import Builder
-from passes.rules.family import Decision
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.family import Decision
 from tess_compile.core.layout import Layout, Partial, Replicate, Shard, split_size
 from tess_compile.ops import collectives as c
 from tess_compile.ops.local import arange_like

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import R, aten, shape_of
-from passes.rules.family import Decision, Family
-from passes.rules.pointwise import place_pointwise
+from tess_compile.passes.rules.common import R, aten, shape_of
+from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.rules.pointwise import place_pointwise
 from tess_compile.core.layout import Layout, Shard
 
 __all__ = ["FAMILY", "PLACEMENT", "place_view_as_complex", "place_view_as_real"]

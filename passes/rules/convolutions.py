@@ -30,8 +30,8 @@ import warnings
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     P,
     R,
     aten,
@@ -43,7 +43,7 @@ from passes.rules.common import (
     split_axes,
     without_partial,
 )
-from passes.rules.family import Decision, Family
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Partial, Shard
 from tess_compile.ops import collectives as c
 

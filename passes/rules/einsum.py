@@ -20,8 +20,8 @@ import string
 
 from torch.fx import Node
 
-from passes.rules.common import P, R, aten, layout_of, shape_of, without_partial
-from passes.rules.family import Decision, Family
+from tess_compile.passes.rules.common import P, R, aten, layout_of, shape_of, without_partial
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 

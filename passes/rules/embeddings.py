@@ -4,7 +4,7 @@ the ids of each row group, or tables split over hidden only.
 A vocab-parallel lookup gathers the row group's ids, looks up those in this
 rank's vocab block (`masked_lookup`; other ids give zeros) and reduce-scatters
 the rows along row back to their owners. Every lookup checks its ids first,
-as torch's embedding does (`passes.rules.index_checks`). In mode "1d" a free
+as torch's embedding does (`tess_compile.passes.rules.index_checks`). In mode "1d" a free
 table is split by vocab over col; each rank looks up the ids inside its
 block, and the partial sums are all-reduced by the consumer.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     WHOLE,
     P,
     R,
@@ -26,8 +26,8 @@ from passes.rules.common import (
     shape_of,
     without_partial,
 )
-from passes.rules.family import Decision, Family
-from passes.rules.index_checks import check_lookup_ids
+from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.rules.index_checks import check_lookup_ids
 from tess_compile.core.layout import Layout, Shard, split_size
 from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import aten, place_replicated
-from passes.rules.family import Decision, Family
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import aten, place_replicated
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout
 from tess_compile.ops.local import device_of
 

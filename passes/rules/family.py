@@ -29,7 +29,7 @@ __all__ = ["Decision", "Family"]
 @dataclass(frozen=True)
 class Family:
     """One op family's rules, by op: how each is placed and lowered, and the rules of mode
-    "1d" (Megatron-LM) where they differ from the others'. `passes.rules` assembles the
+    "1d" (Megatron-LM) where they differ from the others'. `tess_compile.passes.rules` assembles the
     families' tables; no op is in two families."""
 
     name: str

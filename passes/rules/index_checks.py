@@ -16,8 +16,8 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from passes.builder import Builder
-from passes.rules.common import display_name
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import display_name
 from tess_compile.core.layout import Layout, Partial, Shard
 from tess_compile.ops.local import check_in_range, device_of
 

@@ -12,7 +12,7 @@ whole values. In-place forms follow the same rules: the captured graph's later
 uses read the op's result, not the tensor it was given.
 
 slice_scatter and select_scatter (a write into a slice or a row, made functional by
-`passes.view_mutations`) keep the written dim whole in the values; the other dims
+`tess_compile.passes.view_mutations`) keep the written dim whole in the values; the other dims
 are split alike in the values and the source.
 
 masked_scatter fills the mask's positions, in row-major order, with the
@@ -35,8 +35,8 @@ import warnings
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     R,
     aten,
     display_name,
@@ -49,7 +49,7 @@ from passes.rules.common import (
     split_axes,
     without_partial,
 )
-from passes.rules.family import Decision, Family
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c

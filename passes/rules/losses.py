@@ -2,15 +2,15 @@
 gathered whole (Optimus 3.2): per-rank log-sum-exps are gathered (q numbers a
 row) and combined, the target logit is a one-hot sum, all-reduced, and rows
 split over other axes are summed by all-reduce. Targets are range-checked
-as torch checks them (`passes.rules.index_checks`).
+as torch checks them (`tess_compile.passes.rules.index_checks`).
 """
 
 from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     R,
     aten,
     block_indices,
@@ -22,8 +22,8 @@ from passes.rules.common import (
     shape_of,
     without_partial,
 )
-from passes.rules.family import Decision, Family
-from passes.rules.index_checks import check_targets
+from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.rules.index_checks import check_targets
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.ops import collectives as c
 

@@ -33,11 +33,11 @@ import warnings
 import torch
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules import convolutions, products
-from passes.rules.common import R, aten, get_arg, layout_of, lower_default, shape_of, split_axes, without_partial
-from passes.rules.convolutions import batch_placements, channels_layout
-from passes.rules.family import Decision, Family
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules import convolutions, products
+from tess_compile.passes.rules.common import R, aten, get_arg, layout_of, lower_default, shape_of, split_axes, without_partial
+from tess_compile.passes.rules.convolutions import batch_placements, channels_layout
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c

@@ -20,8 +20,8 @@ import math
 import torch
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     P,
     R,
     aten,
@@ -33,7 +33,7 @@ from passes.rules.common import (
     tensor_inputs,
     without_partial,
 )
-from passes.rules.family import Decision, Family
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Partial, Placement, Replicate, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.ops.dropout import block_spec, replicated_draw, sharded_dropout, sharded_native_dropout

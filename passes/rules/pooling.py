@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from passes.rules.common import R, aten, shape_of
-from passes.rules.convolutions import batch_placements, channels_layout
-from passes.rules.family import Decision, Family
+from tess_compile.passes.rules.common import R, aten, shape_of
+from tess_compile.passes.rules.convolutions import batch_placements, channels_layout
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 
 __all__ = ["FAMILY", "PLACEMENT", "pooling"]

@@ -7,7 +7,7 @@ features over row and out features over col, replicated over depth. A weight
 already laid out the other way round runs as `A @ B^T`. A narrow projection
 whose out features do not divide by q (grouped-query key/value heads) keeps
 its output whole over col. The lowering runs `x @ W` by the algorithm its
-weight's layout calls for, in the builder's schedule (`passes.summa`).
+weight's layout calls for, in the builder's schedule (`tess_compile.passes.summa`).
 
 Mode "1d" (Megatron-LM): all `p` ranks lie on the col axis. A linear whose
 input is whole is column-parallel: its weight's out features are split over
@@ -28,8 +28,8 @@ import warnings
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     WHOLE,
     P,
     R,
@@ -44,9 +44,9 @@ from passes.rules.common import (
     shape_of,
     without_partial,
 )
-from passes.rules.family import Decision, Family
-from passes.rules.pointwise import align, aligned
-from passes.summa import matmul
+from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.rules.pointwise import align, aligned
+from tess_compile.passes.summa import matmul
 from tess_compile.core.dynamic import concrete
 from tess_compile.core.layout import Layout, Partial, Placement, Shard
 from tess_compile.core.mesh import AXES
@@ -309,7 +309,7 @@ def _weight_layout(node: Node, index: int) -> Layout:
 
 def _local_shapes(b: Builder, node: Node, x_index: int, w_index: int) -> tuple:
     """This rank's blocks of a product's input and weight (their example sizes where symbolic)
-    and the input's item size, which summa="auto" prices (`passes.summa.matmul`)."""
+    and the input's item size, which summa="auto" prices (`tess_compile.passes.summa.matmul`)."""
     x, w = node.args[x_index], node.args[w_index]
     needed = node.meta["arg_layouts"]
     x_val, w_val = x.meta["val"], w.meta["val"]

@@ -16,8 +16,8 @@ import math
 
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     WHOLE,
     P,
     R,
@@ -33,7 +33,7 @@ from passes.rules.common import (
     split_axes,
     without_partial,
 )
-from passes.rules.family import Decision, Family
+from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c

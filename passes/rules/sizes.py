@@ -16,10 +16,10 @@ import operator
 import torch
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import aten
-from passes.rules.factories import place_nothing
-from passes.rules.family import Family
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import aten
+from tess_compile.passes.rules.factories import place_nothing
+from tess_compile.passes.rules.family import Family
 
 __all__ = ["FAMILY"]
 

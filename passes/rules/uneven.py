@@ -7,9 +7,9 @@ seen outside, because the rules that take such blocks handle it: elementwise
 ops leave it where it is; a product's padded weight rows and columns are
 zeros, so a padded output holds zeros and a padded contraction adds nothing;
 a sum or mean over the dim and a cross-entropy over padded classes mask it
-(`passes.rules.common.masked_padding`); a lookup in a padded vocabulary never
+(`tess_compile.passes.rules.common.masked_padding`); a lookup in a padded vocabulary never
 reaches it; a view that keeps the dim whole keeps the padding at its end; a
-gather cuts it off (`passes.redistribute`). Any other op that would take an
+gather cuts it off (`tess_compile.passes.redistribute`). Any other op that would take an
 uneven block, a norm over a padded hidden size, or a view that cuts the dim
 into heads, is refused here with a ValueError: exactness would need the true
 size there.
@@ -22,10 +22,10 @@ import operator
 
 from torch.fx import Node
 
-from passes.rules.common import aten, shape_of
-from passes.rules.family import Decision
-from passes.rules.products import uses_summa
-from passes.source_lines import source_line
+from tess_compile.passes.rules.common import aten, shape_of
+from tess_compile.passes.rules.family import Decision
+from tess_compile.passes.rules.products import uses_summa
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 

@@ -18,8 +18,8 @@ import warnings
 import torch
 from torch.fx import Node
 
-from passes.builder import Builder
-from passes.rules.common import (
+from tess_compile.passes.builder import Builder
+from tess_compile.passes.rules.common import (
     P, R,
     all_same,
     aten,
@@ -35,9 +35,9 @@ from passes.rules.common import (
     shape_of,
     without_partial,
 )
-from passes.rules.family import Decision, Family
-from passes.rules.pointwise import align
-from passes.rules.products import is_narrow_projection, uses_summa
+from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.rules.pointwise import align
+from tess_compile.passes.rules.products import is_narrow_projection, uses_summa
 from tess_compile.core.layout import Layout, Partial, Shard, split_size
 from tess_compile.core.mesh import AXES
 

@@ -45,7 +45,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from passes.capture import capture
+from tess_compile.passes.capture import capture
 from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs

@@ -6,10 +6,10 @@ compile through `compile_for`. It loads the cluster (`schedule_choice.load_clust
 resolves keep_blocks="auto" on it (`schedule_choice.resolve_auto`, whose priced
 program is reused rather than compiled again), and returns the program with
 what auto chose and a `recompile(training)` for the other mode of the model
-(`passes.driver.mode_compiler` with the resolved options), which
+(`tess_compile.passes.driver.mode_compiler` with the resolved options), which
 `tess_compile.runtime.programs_by_mode` calls when the model changes mode.
 summa="auto" stays "auto": each compile prices every product on the cluster.
-`boundary` holds the keywords of `passes.driver.compile_model` that say how a
+`boundary` holds the keywords of `tess_compile.passes.driver.compile_model` that say how a
 program meets its caller (weight inputs, local inputs and outputs, carried state).
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from passes.driver import mode_compiler
+from tess_compile.passes.driver import mode_compiler
 from tess_compile.analysis.schedule_choice import auto_summary, resolve_auto
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh

@@ -2,10 +2,10 @@
 
 Not a pass: it reads what the passes leave and changes nothing. Stages:
 
-- "captured": the ATen graph of `passes.capture`, global shapes;
-- "placed": the same with `meta["layout"]` of `passes.place`, each value's
+- "captured": the ATen graph of `tess_compile.passes.capture`, global shapes;
+- "placed": the same with `meta["layout"]` of `tess_compile.passes.place`, each value's
   local shape, and the conversion each argument needs (`meta["arg_layouts"]`);
-- "rewritten": one rank's per-rank graph of `passes.rewrite`, local shapes
+- "rewritten": one rank's per-rank graph of `tess_compile.passes.rewrite`, local shapes
   from a fake run, collectives with their axis, peers and bytes, and a
   header with the rank's parameter bytes, memory, redundant work (forward
   FLOPs over all ranks / the unsharded model's) and bytes moved
@@ -19,9 +19,9 @@ are the header and, in "placed", the conversions before the node needing
 them. docs/dump.md says how to read one. Output is deterministic and ASCII.
 
 The debug switch `TESS_COMPILE_DUMP=folder` writes every compile's stages
-there, pass by pass (rank 0's view), with node counts in `passes.txt`: this
+there, pass by pass (rank 0's view), with node counts in `tess_compile.passes.txt`: this
 module registers the observer that does it with the compile driver
-(`passes.observers`).
+(`tess_compile.passes.observers`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from collections.abc import Sequence
 import torch
 from torch.fx import GraphModule
 
-from passes.capture import capture
-from passes.observers import PassResult, add_pass_observer
-from passes.place import place
+from tess_compile.passes.capture import capture
+from tess_compile.passes.observers import PassResult, add_pass_observer
+from tess_compile.passes.place import place
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.analysis.graph_views import (

@@ -6,7 +6,7 @@ prices each program with `tess_compile.analysis.cost_model`, and returns one `Pl
 per mesh: those that fit the memory budget first, fastest first, then those
 over the budget, then those that did not compile, each with the reason.
 With `summa="auto"` each product of a 2-D/2.5-D/3-D mesh takes the schedule
-priced cheapest for it (`passes.product_schedule`); with `keep_blocks="auto"`
+priced cheapest for it (`tess_compile.passes.product_schedule`); with `keep_blocks="auto"`
 each mesh is priced with and without keeping the fetched blocks and keeps the
 fastest that fits (`schedule_choice.choose_schedule`). Each row also
 gives the redundant work of its program (forward FLOPs over all ranks / the

@@ -1,7 +1,7 @@
 """Choosing how the matrix products run: "auto" options priced on a cluster.
 
 summa="auto" is resolved inside each compile: every product takes the schedule
-priced cheapest for it on the cluster (`passes.product_schedule`; the compile
+priced cheapest for it on the cluster (`tess_compile.passes.product_schedule`; the compile
 takes `cluster=`). keep_blocks="auto" needs whole programs: `choose_schedule`
 compiles a model for one mesh with and without keeping the fetched blocks,
 prices each program on a `Cluster` (`cost_model.predict_time`,
@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from passes.driver import compile_model
+from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.cost_model import StepTime, predict_time
 from tess_compile.analysis.memory import MemoryEstimate, predict_memory
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster

@@ -15,7 +15,7 @@ sympy expression in those names and the mesh symbols `q`, `d`, `p`:
 - a mesh axis has size `d` (depth) or `q` (row, col); in mode "1d" the col
   axis has size `p = q*q*d` and the others size 1 (`AXIS_SYMBOLS`);
 - the q steps of a SUMMA loop (`meta["summa_step"]`, written by
-  `passes.summa`) move equal bytes: step 0 counts q times, the others not.
+  `tess_compile.passes.summa`) move equal bytes: step 0 counts q times, the others not.
 
 Each node's formula is checked against its numeric cost at the compiled
 sizes and mesh, and the totals against `bytes_by_phase`, so evaluated there

@@ -1,12 +1,12 @@
 """Symbolic batch and sequence: what a program compiled with `dynamic=True` accepts.
 
 A dynamic compile captures the model with `torch.export` dynamic dims
-(`passes.capture`): the batch dim is `f * batch` (f the ranks that split the
+(`tess_compile.passes.capture`): the batch dim is `f * batch` (f the ranks that split the
 batch, so every batch the program takes splits evenly) and every other dim
 of an input is left for export to decide (`Dim.AUTO`): a dim that meets a
 weight (hidden, features) becomes a constant, a dim that does not (sequence,
 the batch of a mask) stays a symbol. The per-rank graph computes its local
-sizes from the inputs' sizes at run time (`passes.builder`).
+sizes from the inputs' sizes at run time (`tess_compile.passes.builder`).
 
 `DynamicShapes` is what the runtime needs of that: each input dim and each
 output dim as a formula in the symbols, the symbols' ranges, and the
@@ -99,7 +99,7 @@ def _expr(size) -> sympy.Expr:
 
 @dataclass(frozen=True)
 class Limit:
-    """A lookup whose ids are computed from symbolic sizes (`passes.size_limits`): their largest
+    """A lookup whose ids are computed from symbolic sizes (`tess_compile.passes.size_limits`): their largest
     value, a formula in the symbols, must be less than the table's rows."""
 
     largest: sympy.Expr
@@ -137,7 +137,7 @@ class DynamicShapes:
             for e in dims:
                 if len(e.free_symbols) == 1 and e.is_Mul:
                     # export keeps the root of a derived dim (the batch, f * batch) at 2 or more; the capture is
-                    # size-oblivious (`passes.capture`), so one block per rank holds as well
+                    # size-oblivious (`tess_compile.passes.capture`), so one block per rank holds as well
                     symbol = next(iter(e.free_symbols))
                     ranges[symbol] = (1, ranges[symbol][1])
         names = {}

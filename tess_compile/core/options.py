@@ -10,13 +10,13 @@ from the fields; the command line builds its flags from them), so no copy
 can drift. Each field's metadata holds its choices and help text.
 
 `summa` also takes "auto", the default: each matrix product takes the schedule
-priced cheapest for it on a cluster (`passes.product_schedule`; `cluster=` of
+priced cheapest for it on a cluster (`tess_compile.passes.product_schedule`; `cluster=` of
 `shard`, `simulate`, `dump`, the backend and `compile_model`, by default
 `CALIBRATED_CLUSTER`). `keep_blocks` takes "auto" too: `shard`, `simulate`,
 `dump` and the backend compile with and without keeping the fetched blocks and
 take the faster that fits the cluster's memory
 (`tess_compile.analysis.schedule_choice`); a compile itself
-(`passes.driver.compile_model`) takes True or False.
+(`tess_compile.passes.driver.compile_model`) takes True or False.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = ["AUTO", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renam
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
 # "gather": one all-gather of each operand and one product.
 SCHEDULES = ("broadcast", "overlap", "gather")
-# `summa` besides the schedules: each product's cheapest on a cluster (`passes.product_schedule`);
+# `summa` besides the schedules: each product's cheapest on a cluster (`tess_compile.passes.product_schedule`);
 # `keep_blocks` besides True and False: the faster program that fits the cluster's memory
 # (`tess_compile.analysis.schedule_choice`).
 AUTO = "auto"

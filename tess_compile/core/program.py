@@ -1,6 +1,6 @@
 """A compiled model, `Program`: the per-rank graph and how to feed and read it.
 
-What the compiler (`passes.driver`) produces and every runtime, analysis and
+What the compiler (`tess_compile.passes.driver`) produces and every runtime, analysis and
 scale-out wrapper reads: the per-rank graph, one `Slot` per placeholder (a
 parameter, buffer, constant or input and its layout), the output layouts,
 the pytree specs of the model's inputs and outputs, and the model's tensors.
@@ -71,7 +71,7 @@ class Program:
 
     @property
     def schedules(self) -> dict[str, int]:
-        """How many matrix products run each schedule (`passes.rewrite`'s `meta["schedules"]`)."""
+        """How many matrix products run each schedule (`tess_compile.passes.rewrite`'s `meta["schedules"]`)."""
         return self.graph.meta.get("schedules", {})
 
     def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:

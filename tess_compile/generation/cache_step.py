@@ -4,7 +4,7 @@ transformers keeps the cache in a `DynamicCache` object that the model
 updates in place. `CacheStep` builds that object from tensors, runs the
 model on it, and returns the cache's tensors with the new tokens appended:
 an input and an output that a compiled program carries from one step to the
-next (`passes.driver.compile_model(..., carried=...)`).
+next (`tess_compile.passes.driver.compile_model(..., carried=...)`).
 """
 
 from __future__ import annotations

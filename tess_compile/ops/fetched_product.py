@@ -13,7 +13,7 @@ tensors, one per rank the communicator speaks for (one on a distributed
 rank, p in the simulator).
 
 The own block of the weight may come in pieces (a tuple): the weights of
-products merged into one (`passes.merge_products`), which backward
+products merged into one (`tess_compile.passes.merge_products`), which backward
 concatenates along the out dim before fetching again. So a merged product
 keeps the parameters themselves for backward, not a copy of them.
 """

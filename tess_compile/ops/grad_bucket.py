@@ -3,7 +3,7 @@
 A parameter replicated over a mesh axis gets on each rank the gradient of
 that rank's share of the work; the sum over the axis is its gradient. One
 all-reduce per parameter and axis pays one collective's latency per
-parameter. `grad_bucket` (a graph target, placed by `passes.grad_buckets`)
+parameter. `grad_bucket` (a graph target, placed by `tess_compile.passes.grad_buckets`)
 is the identity on a list of parameters; its backward, which autograd runs
 once the gradients of all of them are known, concatenates them and runs one
 all-reduce per axis and dtype (the members replicated over that axis), as

@@ -6,7 +6,7 @@ captured on (a CUDA run of a CPU capture, a fake run on the meta device), so
 the graph reads the device of an input at run time (`device_of`) and makes
 index vectors there (`arange_like`). `check_in_range` raises torch's own
 IndexError for an index outside a table, which a sharded lookup would
-otherwise turn into zeros (`passes.rules.index_checks` places the checks).
+otherwise turn into zeros (`tess_compile.passes.rules.index_checks` places the checks).
 """
 
 from __future__ import annotations

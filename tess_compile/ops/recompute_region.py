@@ -2,7 +2,7 @@
 into a module that runs it under `torch.utils.checkpoint` (non-reentrant).
 
 A region (consecutive nodes with the same `meta["recompute"]`, marked by
-`passes.capture` and `passes.recompute_blocks` / `passes.recompute_selective`) saves only its inputs for
+`tess_compile.passes.capture` and `tess_compile.passes.recompute_blocks` / `tess_compile.passes.recompute_selective`) saves only its inputs for
 backward; backward runs it again, its collectives included, with the
 forward's communicator, recorded as backward. Every rank recomputes the same
 regions at the same point of backward, so the collectives meet in order.

@@ -5,7 +5,7 @@ batch statistics against its running ones, any `if self.training:`. The graph
 captured is that of the mode the model was in. `ProgramsByMode` gives a
 runtime the program of the mode the runtime module is in at call time, and
 compiles the other mode's the first time it is asked (with the callback the
-face passes, `passes.driver.mode_compiler`), as torch.compile recompiles when
+face passes, `tess_compile.passes.driver.mode_compiler`), as torch.compile recompiles when
 `training` changes. Both programs run on the same shards, so their
 parameters and buffers must be laid out alike. `ModeModule` is the base of the
 runtime modules: it holds the programs, and each program's inductor compile
