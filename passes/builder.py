@@ -1,4 +1,4 @@
-"""The graph builder that the rewrite pass and its lowering rules emit into."""
+"""The graph builder that the rewrite pass (stage 3) and its lowering rules emit into."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ from collections import Counter
 import torch
 from torch.fx import Graph, Node
 
-from tess_compile.passes.product_schedule import ProductCase, cheapest_schedule
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
-from tess_compile.core.options import AUTO
 
 __all__ = ["Builder"]
 
@@ -19,8 +17,8 @@ class Builder:
     """Appends nodes to a new per-rank graph; collectives on axes of size 1 vanish.
 
     `summa` is the schedule of the matrix products' steps (`tess_compile.core.options.SCHEDULES`),
-    or "auto": each product's cheapest on `cluster` (`tess_compile.passes.product_schedule`); `schedules`
-    counts the products of each schedule. `keep_blocks` keeps their fetched blocks for
+    or "auto": each product's cheapest on `cluster` (`tess_compile.passes.summa.cheapest_schedule`);
+    `schedules` counts the products of each schedule. `keep_blocks` keeps their fetched blocks for
     backward instead of fetching again.
     `shared` holds values that later products may read again instead of fetching them
     once more (`tess_compile.passes.summa`); any in-place op empties it, as it may change a source.
@@ -36,15 +34,6 @@ class Builder:
         self.graph = Graph()
         self.shared: dict[tuple, Node] = {}
         self._sizes: dict[object, Node | int] = {}  # a symbolic size's formula -> the node computing it
-
-    def schedule_for(self, case: ProductCase) -> str:
-        """The schedule of one product: the builder's, or with "auto" the cheapest for `case`;
-        with q == 1 there are no steps to schedule (none is counted)."""
-        if self.mesh.q == 1:
-            return "broadcast" if self.summa == AUTO else self.summa
-        schedule = cheapest_schedule(case, self.mesh, self.cluster) if self.summa == AUTO else self.summa
-        self.schedules[schedule] += 1
-        return schedule
 
     def call(self, target, *args, **kwargs) -> Node:
         if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:

@@ -1,22 +1,26 @@
-"""The schedule of one matrix product under summa="auto": each schedule priced on a cluster.
+"""The price of one matrix product in each schedule, for summa="auto".
 
-Part of stage 3 (rewrite): `tess_compile.passes.summa` asks `cheapest_schedule` for every product
-that takes SUMMA steps. A product's schedules differ only in that product's own
-kernels and collectives, so pricing them alone and keeping the cheapest gives the
-cheapest program under an additive cost, one product at a time (q, k and v of
-one layer may so take another schedule than its MLP). The prices follow
-`tess_compile.passes.summa`'s lowering and `tess_compile.ops.fetched_product`'s backward,
-forward and backward of one step on one rank:
+Part of stage 3 (rewrite): each record of `tess_compile.passes.summa.SCHEDULE_TABLE`
+names its price function here, and `summa.cheapest_schedule` gives every product
+that takes SUMMA steps the schedule of least price. A product's schedules differ
+only in that product's own kernels and collectives, so pricing them alone and
+keeping the cheapest gives the cheapest program under an additive cost, one
+product at a time (q, k and v of one layer may so take another schedule than
+its MLP). The prices follow `tess_compile.passes.summa`'s lowering and
+`tess_compile.ops.fetched_product`'s backward, forward and backward of one step
+on one rank:
 
-- a product of smallest dimension `m` at `flops * m / (m + matmul_half_size)`,
-  an accumulation's bytes at `memory_bandwidth`, `kernel_overhead` per kernel;
+- each kernel by `Cluster.compute_seconds`, the price the cost model uses too:
+  a product of smallest dimension `m` (`product_terms`) at `flops * m / (m +
+  matmul_half_size)`, an accumulation's bytes at `memory_bandwidth`,
+  `kernel_overhead` per kernel;
 - each collective by `Cluster.collective_seconds` (a profiled line where the
   cluster has one) on the link of its axis;
 - "overlap": each step's broadcasts in flight behind the previous step's
   product (forward only; backward runs as "broadcast").
 
-The choice reads only the local shapes, the mesh and the cluster, so every rank
-makes the same one. Ties go to the earlier of `SCHEDULES`.
+The prices read only the local shapes, the mesh and the cluster, so every rank
+makes the same choice.
 """
 
 from __future__ import annotations
@@ -24,11 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tess_compile.core.cluster import Cluster
+from tess_compile.core.cluster import Cluster, product_terms
 from tess_compile.core.mesh import AXES, Mesh
-from tess_compile.core.options import SCHEDULES
 
-__all__ = ["ProductCase", "cheapest_schedule", "schedule_prices"]
+__all__ = ["ProductCase", "ProductPrices", "broadcast_seconds", "gather_seconds", "overlap_seconds"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,13 @@ class ProductCase:
     def w_in_out(self) -> tuple[int, int]:
         return (self.w_shape[1], self.w_shape[0]) if self.product == "linear" else self.w_shape
 
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """`(m, k, n, itemsize)`: A's rows and in features (this rank's block), the weight block's out features."""
+        return self.rows, self.a_shape[-1], self.w_in_out[1], self.itemsize
 
-class _Prices:
+
+class ProductPrices:
     """Seconds of one kernel or collective of a product on `cluster`, on one rank of `mesh`."""
 
     def __init__(self, mesh: Mesh, cluster: Cluster):
@@ -61,28 +69,33 @@ class _Prices:
         self.intra = {axis: cluster.is_intra_node(mesh, axis) for axis in AXES}
 
     def product(self, m: int, k: int, n: int) -> float:
-        flops = 2 * m * k * n
-        rate = self.cluster.flops * self.cluster.matmul_efficiency(max(min(m, k, n), 1))
-        return flops / rate + self.cluster.kernel_overhead
+        return self.cluster.compute_seconds({**product_terms(2 * m * k * n, min(m, k, n)), "kernels": 1})
 
     def add(self, elements: int, itemsize: int) -> float:
-        return 3 * elements * itemsize / self.cluster.memory_bandwidth + self.cluster.kernel_overhead
+        return self.cluster.compute_seconds({"memory_bytes": 3 * elements * itemsize, "kernels": 1})
 
     def comm(self, op: str, axis: str, num_bytes: int) -> float:
         return self.cluster.collective_seconds(op, self.mesh.size(axis), num_bytes, self.intra[axis])
 
 
-def schedule_prices(case: ProductCase, mesh: Mesh, cluster: Cluster) -> dict[str, float]:
-    """Seconds of the product's forward and backward on one rank, per schedule of `SCHEDULES`."""
-    price = _Prices(mesh, cluster)
-    step = _transposed_steps if case.transposed else _steps
-    return {schedule: step(case, price, mesh.q, schedule) for schedule in SCHEDULES}
+def broadcast_seconds(case: ProductCase, price: ProductPrices, q: int) -> float:
+    """The broadcast schedule: q steps, each fetching its blocks after the step before."""
+    return (_stepped_abt if case.transposed else _stepped_ab)(case, price, q, _in_turn)
 
 
-def cheapest_schedule(case: ProductCase, mesh: Mesh, cluster: Cluster) -> str:
-    """The schedule of least `schedule_prices` (the earlier of `SCHEDULES` on a tie)."""
-    prices = schedule_prices(case, mesh, cluster)
-    return min(SCHEDULES, key=lambda schedule: prices[schedule])
+def overlap_seconds(case: ProductCase, price: ProductPrices, q: int) -> float:
+    """The overlap schedule: q steps, step t+1's broadcasts behind step t's work (forward only)."""
+    return (_stepped_abt if case.transposed else _stepped_ab)(case, price, q, _overlapped)
+
+
+def gather_seconds(case: ProductCase, price: ProductPrices, q: int) -> float:
+    """The gather schedule: one all-gather of each operand, one product."""
+    return (_gathered_abt if case.transposed else _gathered_ab)(case, price, q)
+
+
+def _in_turn(fetch: float, work: float, q: int) -> float:
+    """q steps, each fetch after the step before."""
+    return q * (fetch + work)
 
 
 def _overlapped(fetch: float, work: float, q: int) -> float:
@@ -91,46 +104,51 @@ def _overlapped(fetch: float, work: float, q: int) -> float:
     return fetch + (q - 1) * max(work, fetch) + work
 
 
-def _steps(case: ProductCase, price: _Prices, q: int, schedule: str) -> float:
-    """`C = A @ B`: A's in features over col, B's in features over row, out features over col."""
-    size = case.itemsize
-    m, k = case.rows, case.a_shape[-1]
-    n = case.w_in_out[1]
+def _stepped_ab(case: ProductCase, price: ProductPrices, q: int, forward_of) -> float:
+    """`C = A @ B` in q steps: A's in features over col, B's in features over row, out features over
+    col; `forward_of(fetch, work, q)` the forward of the steps."""
+    m, k, n, size = case.dims
     a_bytes, w_bytes = m * k * size, k * n * size
-    if schedule == "gather":
-        forward = (0.0 if case.a_shared else price.comm("all_gather", "col", a_bytes))
-        forward += price.comm("all_gather", "row", w_bytes) + price.product(m, q * k, n)
-        refetch = 0.0 if case.keep_blocks else (price.comm("all_gather", "row", w_bytes)
-                                                + price.comm("all_gather", "col", a_bytes))
-        grad_a = price.add(m * q * k, size) if case.a_shared else price.comm("reduce_scatter", "col", q * a_bytes)
-        backward = refetch + price.product(m, n, q * k) + price.product(q * k, m, n) + grad_a
-        return forward + backward + price.comm("reduce_scatter", "row", q * w_bytes)
     fetch = price.comm("broadcast", "col", a_bytes) + price.comm("broadcast", "row", w_bytes)
     work = price.product(m, k, n) + price.add(m * n, size)
-    forward = _overlapped(fetch, work, q) if schedule == "overlap" else q * (fetch + work)
     refetch = 0.0 if case.keep_blocks else fetch
     reduces = price.comm("reduce", "col", a_bytes) + price.comm("reduce", "row", w_bytes)
     grads = price.product(m, n, k) + price.product(k, m, n) + price.add(m * k, size) + price.add(k * n, size)
-    return forward + q * (refetch + reduces + grads)
+    return forward_of(fetch, work, q) + q * (refetch + reduces + grads)
 
 
-def _transposed_steps(case: ProductCase, price: _Prices, q: int, schedule: str) -> float:
-    """`C = A @ B^T`: A's in features over col, B's out features over row, in features over col;
-    the partial products are reduced along col."""
-    size = case.itemsize
-    m, k = case.rows, case.a_shape[-1]
-    n = case.w_in_out[1]
+def _stepped_abt(case: ProductCase, price: ProductPrices, q: int, forward_of) -> float:
+    """`C = A @ B^T` in q steps: A's in features over col, B's out features over row, in features
+    over col; each step's partial product reduced along col."""
+    m, k, n, size = case.dims
     out_bytes, w_bytes = m * n * size, k * n * size
-    refetch = 0.0 if case.keep_blocks else price.comm("all_gather" if schedule == "gather" else "broadcast", "row",
-                                                      w_bytes)
-    if schedule == "gather":
-        forward = price.comm("all_gather", "row", w_bytes) + price.product(m, k, q * n)
-        forward += price.comm("reduce_scatter", "col", q * out_bytes)
-        backward = price.comm("all_gather", "col", out_bytes) + refetch + price.product(m, q * n, k)
-        return forward + backward + price.product(q * n, m, k) + price.comm("reduce_scatter", "row", q * w_bytes)
     fetch = price.comm("broadcast", "row", w_bytes)
     work = price.product(m, k, n) + price.comm("reduce", "col", out_bytes) + price.add(m * n, size)
-    forward = _overlapped(fetch, work, q) if schedule == "overlap" else q * (fetch + work)
+    refetch = 0.0 if case.keep_blocks else fetch
     backward = price.comm("broadcast", "col", out_bytes) + refetch + price.comm("reduce", "row", w_bytes)
     backward += price.product(m, n, k) + price.product(n, m, k) + price.add(m * k, size) + price.add(n * k, size)
-    return forward + q * backward
+    return forward_of(fetch, work, q) + q * backward
+
+
+def _gathered_ab(case: ProductCase, price: ProductPrices, q: int) -> float:
+    """`C = A @ B` gathered: A along col (unless an earlier product's gather is shared), B along row."""
+    m, k, n, size = case.dims
+    a_bytes, w_bytes = m * k * size, k * n * size
+    forward = (0.0 if case.a_shared else price.comm("all_gather", "col", a_bytes))
+    forward += price.comm("all_gather", "row", w_bytes) + price.product(m, q * k, n)
+    refetch = 0.0 if case.keep_blocks else (price.comm("all_gather", "row", w_bytes)
+                                            + price.comm("all_gather", "col", a_bytes))
+    grad_a = price.add(m * q * k, size) if case.a_shared else price.comm("reduce_scatter", "col", q * a_bytes)
+    backward = refetch + price.product(m, n, q * k) + price.product(q * k, m, n) + grad_a
+    return forward + backward + price.comm("reduce_scatter", "row", q * w_bytes)
+
+
+def _gathered_abt(case: ProductCase, price: ProductPrices, q: int) -> float:
+    """`C = A @ B^T` gathered: B along row, the partial products reduce-scattered along col."""
+    m, k, n, size = case.dims
+    out_bytes, w_bytes = m * n * size, k * n * size
+    refetch = 0.0 if case.keep_blocks else price.comm("all_gather", "row", w_bytes)
+    forward = price.comm("all_gather", "row", w_bytes) + price.product(m, k, q * n)
+    forward += price.comm("reduce_scatter", "col", q * out_bytes)
+    backward = price.comm("all_gather", "col", out_bytes) + refetch + price.product(m, q * n, k)
+    return forward + backward + price.product(q * n, m, k) + price.comm("reduce_scatter", "row", q * w_bytes)

@@ -17,7 +17,8 @@ from torch import nn
 
 import tess_compile
 from tess_compile.passes.driver import compile_model
-from tess_compile.passes.product_schedule import ProductCase, cheapest_schedule, schedule_prices
+from tess_compile.passes.product_schedule import ProductCase
+from tess_compile.passes.summa import cheapest_schedule, schedule_prices
 from tess_compile import CompileOptions, cli
 from tess_compile.analysis import schedule_choice
 from tess_compile.analysis.cost_model import predict_time

@@ -27,11 +27,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tess_compile
+from tess_compile.core.collective_table import in_rank_order
 from tess_compile.core.layout import put_blocks, take_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import Comm
 from tess_compile.runtime import state
-from tess_compile.runtime.dist_comm import DistComm, in_rank_order
+from tess_compile.runtime.dist_comm import DistComm
 from tess_compile.runtime.dtensors import local_tensors
 from tess_compile.runtime.launch import run_local
 

@@ -6,7 +6,8 @@ value its shape, dtype and, through autograd itself, whether it requires
 grad. Then, per collective that sends bytes:
 
 - forward: the bytes of its input tensor on this rank;
-- backward: its adjoint (`collectives.ADJOINT`) runs if autograd reaches the
+- backward: its adjoint (its record's `adjoint` in
+  `tess_compile.core.collective_table`) runs if autograd reaches the
   node from the outputs, that is if its input requires grad and its output
   feeds a graph output through differentiable ops; it sends the gradient of
   the node's output, so its bytes are the output tensor's bytes.
@@ -46,10 +47,11 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from tess_compile.passes.capture import capture
+from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs
-from tess_compile.ops.collectives import ADJOINT, COLLECTIVE_OPS, COMMUNICATING, CommRecord
+from tess_compile.ops.collectives import COLLECTIVE_OPS, CommRecord
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.grad_bucket import bucket_groups, grad_bucket
 from tess_compile.ops.recompute_region import region_runs
@@ -173,9 +175,9 @@ def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool =
         op = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
         if op is None:
             continue
-        adjoint = ADJOINT[op]
-        forward = tensor_bytes(values[node.args[0]]) if op in COMMUNICATING else None
-        runs = adjoint in COMMUNICATING and values[node].grad_fn in reached
+        adjoint = COLLECTIVES[op].adjoint
+        forward = tensor_bytes(values[node.args[0]]) if COLLECTIVES[op].sends else None
+        runs = COLLECTIVES[adjoint].sends and values[node].grad_fn in reached
         backward = tensor_bytes(values[node]) if runs else None
         costs.append(CollectiveCost(node, op, node.args[1], forward, adjoint, backward))
     return costs + _recompute_costs(gm, values, reached, costs)

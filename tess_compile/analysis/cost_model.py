@@ -9,7 +9,9 @@ both. Per phase (forward, backward):
 
 - matrix products (mm, addmm, bmm, baddbmm, fused attention): FLOPs at the
   achieved rate `flops * m / (m + matmul_half_size)`, `m` the smallest
-  dimension of the product (small shards run below peak);
+  dimension of the product (small shards run below peak), by the price of a
+  product that the schedule choice uses too (`core.cluster.product_terms`,
+  `Cluster.compute_seconds`);
 - every other kernel (elementwise ops, norms, softmax, copies): the bytes it
   reads and writes at `memory_bandwidth`; on a cluster whose products copy
   their bias term (`Cluster.bias_copy`: CPU BLAS), a product with one
@@ -44,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, collective_costs, transfers
 from tess_compile.analysis.memory import param_shards
-from tess_compile.core.cluster import COLLECTIVE_RULES, Cluster, collective_rule
+from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule, product_terms
 from tess_compile.core.fake_run import local_placeholder, requires_grad, tensor_bytes
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
@@ -78,7 +80,7 @@ def ring_wire_bytes(costs: Iterable[CollectiveCost], mesh: Mesh) -> dict[str, fl
     wire = dict.fromkeys(PHASES, 0.0)
     for phase, op, axis, num_bytes in transfers(costs):
         if mesh.size(axis) > 1:
-            wire[phase] += COLLECTIVE_RULES[("ring", op)](mesh.size(axis))[1] * num_bytes
+            wire[phase] += collective_rule("ring", op)(mesh.size(axis))[1] * num_bytes
     return wire
 
 
@@ -228,8 +230,8 @@ class _KernelRecorder(TorchDispatchMode):
     @staticmethod
     def _product(totals: dict, flops: int, size: int) -> None:
         totals["num_matmuls"] += 1
-        totals["matmul_flops"] += flops
-        totals["matmul_flops_per_size"] += flops / max(size, 1)
+        for name, amount in product_terms(flops, size).items():
+            totals[name] += amount
 
 
 def kernel_profile(fn) -> PhaseProfile:
@@ -282,10 +284,7 @@ def profile_program(program: Program, *, inputs_require_grad: bool = False) -> P
 
 
 # The terms of a phase's time, each priced by one constant of the cluster (`coefficients`):
-# time = sum over terms of coefficient * term.
-COMPUTE_TERMS = ("matmul_flops", "matmul_flops_per_size", "memory_bytes", "kernels")
-
-
+# time = sum over terms of coefficient * term. The compute terms are `core.cluster.COMPUTE_TERMS`.
 COMM_TERMS = ("intra_steps", "inter_steps", "intra_wire_bytes", "inter_wire_bytes")
 
 
@@ -296,10 +295,7 @@ def coefficients(cluster: Cluster) -> dict[str, float]:
     """Seconds per unit of each of `TERMS` on `cluster`. A product of `f` FLOPs and smallest
     dimension `m` takes `f / (flops * m / (m + h))` = `f / flops + (f / m) * h / flops`."""
     return {
-        "matmul_flops": 1 / cluster.flops,
-        "matmul_flops_per_size": cluster.matmul_half_size / cluster.flops,
-        "memory_bytes": 1 / cluster.memory_bandwidth,
-        "kernels": cluster.kernel_overhead,
+        **cluster.compute_coefficients(),
         "intra_steps": cluster.intra_latency,
         "inter_steps": cluster.inter_latency,
         "intra_wire_bytes": 1 / cluster.intra_bandwidth,
@@ -340,11 +336,10 @@ def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str 
     """Forward and backward seconds of `profile` on `cluster` (see the module docstring),
     `optimizer_s` for the optimizer step, over `grad_tensors` parameter shards."""
     terms = time_terms(profile, cluster, grad_sync=grad_sync)
-    price = coefficients(cluster)
 
     def compute(phase: str) -> float:
         copies = profile.phase(phase).bias_bytes / cluster.memory_bandwidth if cluster.bias_copy else 0.0
-        return sum(price[name] * terms[phase][name] for name in COMPUTE_TERMS) + copies
+        return cluster.compute_seconds(terms[phase]) + copies
 
     costs = _priced_costs(profile, grad_sync)
     comm = comm_seconds(costs, profile.mesh, cluster)

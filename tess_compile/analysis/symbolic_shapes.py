@@ -7,9 +7,11 @@ one of the model's values carries its global shape and layout
 (`meta["global_shape"]`, `meta["layout"]`, written by the rewrite), so each
 local dim is a global dim over the sizes of the mesh axes that split it;
 other nodes (the inner nodes of a lowering) take their shape from their
-arguments' by `SHAPE_RULES`. A mesh axis has size `d` (depth) or `q` (row,
-col); in mode "1d" the col axis has size `p = q*q*d` (`AXIS_SYMBOLS`). Every
-derived shape is checked against a fake run.
+arguments': a collective by its record's `scale`
+(`tess_compile.core.collective_table`), any other op by `SHAPE_RULES`. A
+mesh axis has size `d` (depth) or `q` (row, col); in mode "1d" the col axis
+has size `p = q*q*d` (`AXIS_SYMBOLS`). Every derived shape is checked
+against a fake run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.ops.collectives import COLLECTIVE_OPS
@@ -209,8 +212,7 @@ class SymbolicShapes:
             raise ValueError(self._no_rule(node, "it is not one tensor computed by a call"))
         if self._numeric(node) == ():
             return ()
-        name = COLLECTIVE_OPS.get(node.target)
-        rule = SHAPE_RULES.get(name) if name is not None else SHAPE_RULES.get(node.target, _broadcast)
+        rule = _collective if node.target in COLLECTIVE_OPS else SHAPE_RULES.get(node.target, _broadcast)
         shape = rule(self, node)
         if not self._matches(node, shape):
             raise ValueError(self._no_rule(node, f"its rule gives {shape}"))
@@ -226,20 +228,16 @@ class SymbolicShapes:
         return [a for a in node.all_input_nodes if isinstance(self.values.get(a), torch.Tensor)]
 
 
-def _same(shapes: SymbolicShapes, node: Node) -> Shape:
-    return shapes.of(node.args[0])
-
-
-def _scale_dim(factor_of):
-    """A split-op rule: dim `node.args[3]` times `factor_of(axis size)`."""
-
-    def rule(shapes: SymbolicShapes, node: Node) -> Shape:
-        dims = list(shapes.of(node.args[0]))
-        axis, dim = node.args[1], node.args[3]
-        dims[dim] = dims[dim] * factor_of(shapes.axis_sizes[axis])
-        return tuple(dims)
-
-    return rule
+def _collective(shapes: SymbolicShapes, node: Node) -> Shape:
+    """A collective `op(x, axis, ...)`: x's shape, or for a split op `op(x, axis, parts, dim, groups)`
+    x's with `dim` times the axis size to the power of the op's `scale`."""
+    scale = COLLECTIVES[COLLECTIVE_OPS[node.target]].scale
+    if scale == 0:
+        return shapes.of(node.args[0])
+    dims = list(shapes.of(node.args[0]))
+    axis, dim = node.args[1], node.args[3]
+    dims[dim] = dims[dim] * shapes.axis_sizes[axis] ** scale
+    return tuple(dims)
 
 
 def _reduced(shapes: SymbolicShapes, node: Node) -> Shape:
@@ -349,18 +347,8 @@ def _broadcast(shapes: SymbolicShapes, node: Node) -> Shape | None:
 aten = torch.ops.aten
 
 
-# By collective name (`COLLECTIVE_OPS`) or by graph target; anything else broadcasts.
+# By graph target, besides the collectives (`_collective`); anything else broadcasts.
 SHAPE_RULES = {
-    "broadcast": _same,
-    "reduce": _same,
-    "all_reduce": _same,
-    "keep_first": _same,
-    "grad_sync": _same,
-    "seed_once": _same,
-    "all_gather": _scale_dim(lambda size: size),
-    "shard_pad": _scale_dim(lambda size: size),
-    "reduce_scatter": _scale_dim(lambda size: 1 / size),
-    "shard_slice": _scale_dim(lambda size: 1 / size),
     aten.sum.dim_IntList: _reduced,
     aten.mean.dim: _reduced,
     aten.logsumexp.default: _reduced,

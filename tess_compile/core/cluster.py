@@ -1,13 +1,17 @@
 """The machine a cost is for: a `Cluster` of nodes, two links, one GPU's figures.
 
-A collective of `n` bytes over a group of `g` ranks on a link of latency
-`alpha` (seconds) and bandwidth `B` (bytes/s) takes `steps(g) * alpha +
-factor(g) * n / B`, with `steps` and `factor` from `COLLECTIVE_RULES`. A
-group is on the intra-node link if all its ranks share a node (ranks
+Layer: core. A collective of `n` bytes over a group of `g` ranks on a link
+of latency `alpha` (seconds) and bandwidth `B` (bytes/s) takes `steps(g) *
+alpha + factor(g) * n / B`, with `steps` and `factor` from the collective's
+`price` for the cluster's algorithm (`tess_compile.core.collective_table`).
+A group is on the intra-node link if all its ranks share a node (ranks
 packed onto nodes in order: `node = rank // gpus_per_node`), else on the
 inter-node link. The compute constants: a matrix product whose smallest
 dimension is `m` runs at `flops * m / (m + matmul_half_size)`; other kernels
 move their bytes at `memory_bandwidth`; each launch costs `kernel_overhead`.
+`Cluster.compute_seconds` prices kernels so, from their `COMPUTE_TERMS`
+(a product's from `product_terms`): the one price of a matrix product that
+the cost model and the schedule choice share.
 
 `Cluster`'s defaults for the three compute constants (every matmul at
 `flops`, memory-bound kernels and launches free) give the plain alpha-beta
@@ -23,61 +27,44 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from tess_compile.core.collective_table import COLLECTIVES, PriceRule
 from tess_compile.core.mesh import Mesh
 
 __all__ = [
     "ALGORITHMS",
     "CALIBRATED_CLUSTER",
     "COLLECTIVE_RULES",
+    "COMPUTE_TERMS",
     "PAPER_CLUSTER",
     "Cluster",
     "Link",
     "collective_rule",
     "collective_time",
+    "product_terms",
     "seconds_at",
 ]
 
 ALGORITHMS = ("ring", "tree")
 
 
-def _log2(g: int) -> int:
-    """Rounds of a binomial tree (recursive doubling) over `g` ranks: ceil(log2 g)."""
-    return math.ceil(math.log2(g))
+# (algorithm, op) -> g -> (latency steps, bandwidth factor): a view of the collectives' `price`
+# (`tess_compile.core.collective_table`, which gives the formulas; docs/planner.md their table).
+COLLECTIVE_RULES: dict[tuple[str, str], PriceRule] = {
+    (algorithm, name): rule for name, record in COLLECTIVES.items() for algorithm, rule in record.price.items()}
 
 
-# (algorithm, op) -> g -> (latency steps, bandwidth factor): the collective of `n`
-# bytes over `g` ranks takes `steps * alpha + factor * n / B`. `n` is the bytes
-# each rank passes to the op (as `accounting` reports them): broadcast, reduce
-# and all_reduce: the whole tensor; all_gather: the local input (the output is
-# g * n); reduce_scatter: the full input (the output is n / g).
-#
-# ring (NCCL's default for large messages; broadcast and reduce pipelined along a
-# chain in many chunks, so one message time, as NCCL's bus bandwidth says):
-#   broadcast, reduce   (g-1) alpha + n/B
-#   all_reduce          2(g-1) alpha + 2(g-1)/g n/B   (reduce-scatter + all-gather)
-#   all_gather          (g-1) alpha + (g-1) n/B
-#   reduce_scatter      (g-1) alpha + (g-1)/g n/B
-# tree (binomial tree and recursive doubling/halving; Thakur, Rabenseifner and
-# Gropp 2005; L = ceil(log2 g); exact for g a power of two):
-#   broadcast, reduce   L alpha + L n/B
-#   all_reduce          L alpha + L n/B               (recursive doubling)
-#   all_gather          L alpha + (g-1) n/B           (recursive doubling)
-#   reduce_scatter      L alpha + (g-1)/g n/B         (recursive halving)
-COLLECTIVE_RULES: dict[tuple[str, str], Callable[[int], tuple[float, float]]] = {
-    ("ring", "broadcast"): lambda g: (g - 1, 1),
-    ("ring", "reduce"): lambda g: (g - 1, 1),
-    ("ring", "all_reduce"): lambda g: (2 * (g - 1), 2 * (g - 1) / g),
-    ("ring", "all_gather"): lambda g: (g - 1, g - 1),
-    ("ring", "reduce_scatter"): lambda g: (g - 1, (g - 1) / g),
-    ("tree", "broadcast"): lambda g: (_log2(g), _log2(g)),
-    ("tree", "reduce"): lambda g: (_log2(g), _log2(g)),
-    ("tree", "all_reduce"): lambda g: (_log2(g), _log2(g)),
-    ("tree", "all_gather"): lambda g: (_log2(g), g - 1),
-    ("tree", "reduce_scatter"): lambda g: (_log2(g), (g - 1) / g),
-}
+# The terms a kernel's time is priced by, each times one constant of the cluster
+# (`Cluster.compute_coefficients`).
+COMPUTE_TERMS = ("matmul_flops", "matmul_flops_per_size", "memory_bytes", "kernels")
+
+
+def product_terms(flops: float, size: int) -> dict[str, float]:
+    """The matmul terms of one matrix product of `flops` FLOPs whose smallest dimension is `size`
+    (its launch, a `kernels` term, aside): at `flops * m / (m + matmul_half_size)` it takes
+    `f / flops + (f / m) * matmul_half_size / flops`."""
+    return {"matmul_flops": flops, "matmul_flops_per_size": flops / max(size, 1)}
 
 
 @dataclass(frozen=True)
@@ -197,6 +184,21 @@ class Cluster:
         """The fraction of `flops` a matrix product whose smallest dimension is `size` reaches."""
         return size / (size + self.matmul_half_size)
 
+    def compute_coefficients(self) -> dict[str, float]:
+        """Seconds per unit of each of `COMPUTE_TERMS`."""
+        return {
+            "matmul_flops": 1 / self.flops,
+            "matmul_flops_per_size": self.matmul_half_size / self.flops,
+            "memory_bytes": 1 / self.memory_bandwidth,
+            "kernels": self.kernel_overhead,
+        }
+
+    def compute_seconds(self, terms: dict[str, float]) -> float:
+        """Seconds of kernels of `terms` (amounts of `COMPUTE_TERMS`; a missing one is 0): the
+        products' FLOPs at their rate, the other kernels' bytes, the launches."""
+        price = self.compute_coefficients()
+        return sum(price[name] * terms.get(name, 0) for name in COMPUTE_TERMS)
+
     def to_dict(self) -> dict:
         """The fields as a dict of JSON values (an infinite bandwidth as the string "inf")."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -314,7 +316,8 @@ CALIBRATED_CLUSTER = dataclasses.replace(
 )
 
 
-def collective_rule(algorithm: str, op: str) -> Callable[[int], tuple[float, float]]:
+def collective_rule(algorithm: str, op: str) -> PriceRule:
+    """The `PriceRule` of `op` with `algorithm` (its record's `price`); a ValueError if it has none."""
     rule = COLLECTIVE_RULES.get((algorithm, op))
     if rule is None:
         known = list(dict.fromkeys(name for _, name in COLLECTIVE_RULES))

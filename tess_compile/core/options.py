@@ -35,7 +35,8 @@ __all__ = ["AUTO", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renam
 
 # How the q steps of a matrix product run: "broadcast" one after another (the papers'
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
-# "gather": one all-gather of each operand and one product.
+# "gather": one all-gather of each operand and one product. The names of the records of
+# `tess_compile.passes.summa.SCHEDULE_TABLE` (their lowering and price), in its order: summa checks it.
 SCHEDULES = ("broadcast", "overlap", "gather")
 # `summa` besides the schedules: each product's cheapest on a cluster (`tess_compile.passes.product_schedule`);
 # `keep_blocks` besides True and False: the faster program that fits the cluster's memory

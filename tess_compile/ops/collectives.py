@@ -1,15 +1,18 @@
 """Collectives of the per-rank graph: custom ops, their adjoints, the communicator.
 
-Every op names the mesh axis it spans. The per-rank graph calls these ops;
-a communicator (`Comm`) does the work: `DistComm` over torch.distributed,
-or the simulator over all ranks at once.
+Layer: ops. Every op names the mesh axis it spans. The ops are defined from
+their records in `tess_compile.core.collective_table.COLLECTIVES` (schema,
+fake kernel, adjoint); the per-rank graph calls them, and a communicator
+(`Comm`) does the work: `DistComm` over torch.distributed, or the simulator
+over all ranks at once.
 
 Gradients are exact adjoints (see docs/gradients.md): each op's backward is
-the op in `ADJOINT`. `broadcast_start` is a broadcast that a communicator
-may leave running until `wait` is called on its output (double-buffered
-SUMMA steps); the simulator and the accounting treat it as a broadcast. Two ops are the identity in forward and exist for their
-backward: `grad_sync` (all-reduce of a replicated parameter's gradient over
-its replica axis) and `seed_once` (a replicated output seeds its gradient
+the op its record names as `adjoint`. `broadcast_start` is a broadcast that a
+communicator may leave running until `wait` is called on its output
+(double-buffered SUMMA steps); the simulator and the accounting treat it as a
+broadcast (its `counts_as`). Two ops are the identity in forward and exist for
+their backward: `grad_sync` (all-reduce of a replicated parameter's gradient
+over its replica axis) and `seed_once` (a replicated output seeds its gradient
 from the replica at coordinate 0 only, so a loss held by every rank counts
 once).
 """
@@ -22,9 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tess_compile.core.collective_table import COLLECTIVES
+
 __all__ = [
     "ADJOINT",
-    "ASYNC_OF",
     "COLLECTIVE_OPS",
     "COMMUNICATING",
     "Comm",
@@ -48,28 +52,13 @@ __all__ = [
     "wait",
 ]
 
+# Views of `COLLECTIVES` for callers that want one field of every op (docs/gradients.md shows ADJOINT).
 # op name -> the op that is its adjoint, taking the same trailing arguments.
-ADJOINT = {
-    "broadcast": "reduce",
-    "broadcast_start": "reduce",
-    "reduce": "broadcast",
-    "all_reduce": "all_reduce",
-    "all_gather": "reduce_scatter",
-    "reduce_scatter": "all_gather",
-    "shard_slice": "shard_pad",
-    "shard_pad": "shard_slice",
-    "keep_first": "keep_first",
-    "grad_sync": "all_reduce",
-    "seed_once": "keep_first",
-}
+ADJOINT = {name: record.adjoint for name, record in COLLECTIVES.items()}
 
 
-# Ops that send bytes between ranks (the others are rank-local).
-COMMUNICATING = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
-
-
-# Asynchronous ops, by the op they record and count as.
-ASYNC_OF = {"broadcast_start": "broadcast"}
+# Ops that send bytes between ranks, each counted as itself (the others are rank-local).
+COMMUNICATING = tuple(name for name, record in COLLECTIVES.items() if record.sends and record.counts_as == name)
 
 
 @dataclass(frozen=True)
@@ -97,11 +86,11 @@ class Comm:
     max_records: int = 1 << 17
 
     def record(self, op: str, axis: str, x: torch.Tensor) -> None:
-        op = ASYNC_OF.get(op, op)
-        if op in COMMUNICATING:
+        collective = COLLECTIVES[op]
+        if collective.sends:
             if len(self.records) >= self.max_records:
                 del self.records[: len(self.records) - 3 * self.max_records // 4]
-            self.records.append(CommRecord(op, axis, x.numel() * x.element_size(), current_phase()))
+            self.records.append(CommRecord(collective.counts_as, axis, x.numel() * x.element_size(), current_phase()))
 
     def counts(self, phase: str | None = None) -> dict[tuple[str, str], int]:
         """Number of collectives per (op, axis), in one phase or all."""
@@ -173,83 +162,63 @@ def _backward_through(op: str):
 
     def backward(ctx, grad):
         with use_comm(ctx.comm or current_comm(), phase="backward"):
-            out = _run(ADJOINT[op], grad.contiguous(), *ctx.args)
+            out = _run(COLLECTIVES[op].adjoint, grad.contiguous(), *ctx.args)
         return (out,) + (None,) * len(ctx.args)
 
     return backward, setup_context
 
 
-# op name -> its fake kernel: an empty tensor of its output's shape, from its arguments.
-_FAKES = {}
-
-
 def output_like(op: str, x: torch.Tensor, *args) -> torch.Tensor:
     """An empty tensor of the shape that `op` gives for input `x` and its other arguments
     (axis, then the op's own), without communicating: for runs on fake tensors."""
-    return _FAKES[op](x, *args)
+    return COLLECTIVES[op].output_like(x, *args)
 
 
-def _define(name: str, schema: str, fake):
-    lib_name = f"tess::{name}"
-    _FAKES[name] = fake
+# Collective name -> its graph target (the custom op, or for an identity its autograd function).
+_TARGETS: dict[str, object] = {}
+
+
+def _define(name: str):
+    """The custom op `tess::<name>` of the collective's record: its schema, its fake kernel,
+    its adjoint as its backward; its work done by the running communicator."""
+    collective = COLLECTIVES[name]
 
     def impl(x, *args):
         return _run(name, x, *args)
 
-    op = torch.library.custom_op(lib_name, impl, mutates_args=(), schema=schema)
-    op.register_fake(fake)
+    op = torch.library.custom_op(f"tess::{name}", impl, mutates_args=(), schema=collective.schema)
+    op.register_fake(collective.output_like)
     backward, setup_context = _backward_through(name)
     op.register_autograd(backward, setup_context=setup_context)
-    return getattr(torch.ops.tess, name).default
+    _TARGETS[name] = getattr(torch.ops.tess, name).default
+    return _TARGETS[name]
 
 
-def _same_shape(x, *args):
-    return torch.empty_like(x)
+broadcast = _define("broadcast")
 
 
-def _gathered(x, axis, parts, dim, groups):
-    shape = list(x.shape)
-    shape[dim] *= parts
-    return x.new_empty(shape)
+broadcast_start = _define("broadcast_start")
 
 
-def _scattered(x, axis, parts, dim, groups):
-    shape = list(x.shape)
-    shape[dim] //= parts
-    return x.new_empty(shape)
+reduce = _define("reduce")
 
 
-broadcast = _define("broadcast", "(Tensor x, str axis, int src) -> Tensor", _same_shape)
+all_reduce = _define("all_reduce")
 
 
-broadcast_start = _define("broadcast_start", "(Tensor x, str axis, int src) -> Tensor", _same_shape)
+keep_first = _define("keep_first")
 
 
-reduce = _define("reduce", "(Tensor x, str axis, int dst) -> Tensor", _same_shape)
+all_gather = _define("all_gather")
 
 
-all_reduce = _define("all_reduce", "(Tensor x, str axis) -> Tensor", _same_shape)
+reduce_scatter = _define("reduce_scatter")
 
 
-keep_first = _define("keep_first", "(Tensor x, str axis) -> Tensor", _same_shape)
+shard_slice = _define("shard_slice")
 
 
-_SPLIT_SCHEMA = "(Tensor x, str axis, int parts, int dim, int groups) -> Tensor"
-
-
-all_gather = _define("all_gather", _SPLIT_SCHEMA, _gathered)
-
-
-reduce_scatter = _define("reduce_scatter", _SPLIT_SCHEMA, _scattered)
-
-
-shard_slice = _define("shard_slice", _SPLIT_SCHEMA, _scattered)
-
-
-shard_pad = _define("shard_pad", _SPLIT_SCHEMA, _gathered)
-
-
-_FAKES.update(grad_sync=_same_shape, seed_once=_same_shape)  # identities (autograd functions below)
+shard_pad = _define("shard_pad")
 
 
 class _IdentityWithAdjoint(torch.autograd.Function):
@@ -263,7 +232,7 @@ class _IdentityWithAdjoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with use_comm(ctx.comm or current_comm(), phase="backward"):
-            return _run(ADJOINT[ctx.op], grad.contiguous(), ctx.axis), None, None
+            return _run(COLLECTIVES[ctx.op].adjoint, grad.contiguous(), ctx.axis), None, None
 
 
 class _Wait(torch.autograd.Function):
@@ -292,7 +261,7 @@ def _wait_op(x: torch.Tensor) -> torch.Tensor:
     return current_comm().wait(x).clone()
 
 
-_wait_op.register_fake(_same_shape)
+_wait_op.register_fake(lambda x: torch.empty_like(x))
 
 
 def grad_sync(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -305,17 +274,8 @@ def seed_once(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _IdentityWithAdjoint.apply(x, "seed_once", axis)
 
 
-# Graph targets that the runtimes treat as collectives, by op name.
-COLLECTIVE_OPS = {
-    broadcast: "broadcast",
-    broadcast_start: "broadcast",
-    reduce: "reduce",
-    all_reduce: "all_reduce",
-    keep_first: "keep_first",
-    all_gather: "all_gather",
-    reduce_scatter: "reduce_scatter",
-    shard_slice: "shard_slice",
-    shard_pad: "shard_pad",
-    grad_sync: "grad_sync",
-    seed_once: "seed_once",
-}
+_TARGETS.update(grad_sync=grad_sync, seed_once=seed_once)
+
+
+# Graph targets that the runtimes treat as collectives, by the op they count as (`broadcast_start`: broadcast).
+COLLECTIVE_OPS = {target: COLLECTIVES[name].counts_as for name, target in _TARGETS.items()}

@@ -2,8 +2,9 @@
 
 The graph runs in lockstep, node by node, on a list of p local values.
 Local ops run once per rank; collectives combine the list exactly. Each
-collective is one autograd node over all ranks whose backward is its
-adjoint from `collectives.ADJOINT`, the same table the distributed runtime
+collective is one autograd node over all ranks: its result is its record's
+`group_results` and its backward its `adjoint`, from
+`tess_compile.core.collective_table`, the same table the distributed runtime
 uses, so a backward through the simulator checks those formulas.
 
 With `compile=True` the simulator runs the very program the distributed
@@ -18,17 +19,17 @@ from torch.fx import GraphModule
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
+from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.layout import assemble
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import ADJOINT, COLLECTIVE_OPS, Comm, current_comm, use_comm
+from tess_compile.ops.collectives import COLLECTIVE_OPS, Comm, current_comm, use_comm
 from tess_compile.ops.dropout import LOCKSTEP as RANDOM_LOCKSTEP
 from tess_compile.ops.fetched_product import fetched_product, lockstep_product
 from tess_compile.ops.grad_bucket import grad_bucket, lockstep_bucket
 from tess_compile.ops.recompute_region import checkpointed
 from tess_compile.ops.split_norm import lockstep_norm, split_norm
 from tess_compile.runtime import state
-from tess_compile.runtime.group_results import GROUP_RESULTS
 from tess_compile.runtime.programs_by_mode import ModeModule, ProgramsByMode
 from tess_compile.runtime.threaded import run_compiled
 
@@ -48,7 +49,7 @@ class SimComm(Comm):
         out: list = [None] * len(xs)
         for group in self._groups[axis]:
             members = [xs[r] for r in group]
-            for index, value in enumerate(GROUP_RESULTS[op](members, *args)):
+            for index, value in enumerate(COLLECTIVES[op].group_results(members, *args)):
                 out[group[index]] = value
         return out
 
@@ -64,7 +65,7 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         with use_comm(ctx.comm, phase="backward"):
-            out = ctx.comm.run_all(ADJOINT[ctx.op], [g.contiguous() for g in grads], *ctx.args)
+            out = ctx.comm.run_all(COLLECTIVES[ctx.op].adjoint, [g.contiguous() for g in grads], *ctx.args)
         return (None, None, None, *out)
 
 

@@ -4,12 +4,13 @@ With `simulate(..., compile=True)` the simulator runs the very program the
 distributed runtime compiles (`tess_compile.runtime.inductor`: one inductor
 compile, forward and backward, shared by all ranks): each rank calls it in its
 own thread, and its collectives meet the other threads of their group
-(`ThreadComm`), which combine the group's tensors with the simulator's
-lockstep functions, so the results are those of the eager simulator. Backward
-runs every rank's compiled backward in its thread likewise. Lockstep
-execution cannot run a compiled graph (its collectives are inside the
-compiled code), and compiling the local kernels between collectives one
-piece at a time would compile dozens of pieces.
+(`ThreadComm`), which combine the group's tensors as the simulator does (each
+collective's `group_results` in `tess_compile.core.collective_table`), so the
+results are those of the eager simulator. Backward runs every rank's
+compiled backward in its thread likewise. Lockstep execution cannot run a
+compiled graph (its collectives are inside the compiled code), and compiling
+the local kernels between collectives one piece at a time would compile
+dozens of pieces.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.mesh import Mesh
-from tess_compile.ops.collectives import ASYNC_OF, Comm, use_comm
-from tess_compile.runtime.group_results import GROUP_RESULTS
+from tess_compile.ops.collectives import Comm, use_comm
 
 __all__ = ["ThreadComm", "run_compiled"]
 
@@ -47,7 +48,8 @@ class _Meeting:
 
 class ThreadComm(Comm):
     """The collectives of one rank whose program runs in its own thread: the group's
-    threads meet and combine their tensors as the simulator does (`GROUP_RESULTS`). Rank 0 records into `shared`."""
+    threads meet and combine their tensors as the simulator does (`Collective.group_results`). Rank 0 records
+    into `shared`."""
 
     def __init__(self, mesh: Mesh, rank: int, meetings: dict, shared: Comm):
         super().__init__()
@@ -58,7 +60,7 @@ class ThreadComm(Comm):
             self.shared.record(op, axis, x)
         group = self.mesh.group(self.rank, axis)
         meeting = self.meetings[(axis, tuple(group))]
-        combine = GROUP_RESULTS[ASYNC_OF.get(op, op)]  # broadcast_start arrives at once
+        combine = COLLECTIVES[op].group_results  # broadcast_start arrives at once
         out = meeting.exchange(group.index(self.rank), x.contiguous(), lambda xs: combine(xs, *args))
         return out.clone()  # the ops' own blocks may be views of x, which a custom op may not return
 

@@ -1,0 +1,298 @@
+"""The collectives of the per-rank graph: one record each, everything about it in one place.
+
+A `Collective` holds a collective's name and custom-op schema, its adjoint
+(its backward, docs/gradients.md), whether it sends bytes and which op it
+counts as, the shape of its result, its exact result on one group's tensors,
+its implementation over torch.distributed, and its price per algorithm.
+Every consumer reads `COLLECTIVES`:
+
+- `tess_compile.ops.collectives` defines the custom ops (`tess::<name>`) from
+  the schemas, their fake kernels from `output_like` and their autograd
+  formulas from the adjoints; its `Comm.record` counts `sends`, by `counts_as`;
+- `tess_compile.runtime.dist_comm.DistComm` runs `on_process_group`; the
+  simulator and the threaded runs of compiled programs run `group_results`;
+- `tess_compile.analysis.accounting` counts bytes by `sends` and `adjoint`,
+  `tess_compile.analysis.symbolic_shapes` scales a dim by `scale`;
+- `tess_compile.core.cluster` prices a collective by its `price`, and so the
+  cost model and the schedule choice do.
+
+Layer: core. The cluster (core) prices from this table, and everything
+else that reads it (ops, passes, runtime, analysis) sits above core, so
+no layer imports upwards. The implementations over torch.distributed take
+the communicator as their first argument (`groups[axis]`, `coord(axis)`,
+`pending`: a `DistComm`), so this module imports nothing above core.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tess_compile.core.layout import put_blocks, take_block
+
+__all__ = ["COLLECTIVES", "Collective", "PriceRule", "in_rank_order"]
+
+# g -> (latency steps, bandwidth factor): a collective of `n` bytes over `g` ranks takes
+# `steps * alpha + factor * n / B` (`tess_compile.core.cluster.collective_time`).
+PriceRule = Callable[[int], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective: what it is, what it gives, what it costs.
+
+    `group_results(xs, *own)` takes one group's tensors by coordinate along the
+    axis and the op's own arguments (after the axis), and gives each member's
+    result. `on_process_group(comm, x, axis, *own)` gives this rank's result
+    over torch.distributed. `scale`: the result's size along the op's `dim`
+    argument is the input's times `parts ** scale` (0: the input's shape).
+    `price` maps an algorithm ("ring", "tree") to its `PriceRule` for the bytes
+    a rank passes in (as `accounting` counts them); an op counted as another
+    (`counts_as`) is priced as that one.
+    """
+
+    name: str
+    schema: str | None  # of the custom op `tess::<name>`; None: an identity whose backward is `adjoint`
+    adjoint: str
+    group_results: Callable[..., list[torch.Tensor]]
+    on_process_group: Callable[..., torch.Tensor]
+    sends: bool = False  # sends bytes between ranks (the others are rank-local)
+    counts_as: str = ""  # the op it is recorded, counted and priced as; "" for itself
+    scale: int = 0
+    price: dict[str, PriceRule] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.counts_as:
+            object.__setattr__(self, "counts_as", self.name)
+
+    def output_like(self, x: torch.Tensor, *args) -> torch.Tensor:
+        """An empty tensor of the result's shape for input `x` and the other arguments
+        (axis, then the op's own): the fake kernel."""
+        if self.scale == 0:
+            return torch.empty_like(x)
+        _, parts, dim, _ = args
+        shape = list(x.shape)
+        shape[dim] = shape[dim] * parts if self.scale > 0 else shape[dim] // parts
+        return x.new_empty(shape)
+
+
+def _sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    return functools.reduce(torch.add, xs)
+
+
+def _log2(g: int) -> int:
+    """Rounds of a binomial tree (recursive doubling) over `g` ranks: ceil(log2 g)."""
+    return math.ceil(math.log2(g))
+
+
+# Prices (the bytes `n` each rank passes to the op: broadcast, reduce and all_reduce the whole
+# tensor; all_gather the local input, its output g * n; reduce_scatter the full input, its
+# output n / g).
+# ring: NCCL's default for large messages; broadcast and reduce pipelined along a chain in
+# many chunks, so one message time, as NCCL's bus bandwidth says. all_reduce is a
+# reduce-scatter and an all-gather.
+# tree: binomial tree and recursive doubling/halving (Thakur, Rabenseifner and Gropp 2005;
+# L = ceil(log2 g); exact for g a power of two).
+_PIPELINED = {"ring": lambda g: (g - 1, 1), "tree": lambda g: (_log2(g), _log2(g))}
+
+
+# broadcast(x, axis, src): every member gets the copy of coordinate `src`; adjoint reduce.
+
+
+def _broadcast_group(xs, src):
+    return [xs[src].clone() for _ in xs]
+
+
+def _broadcast(comm, x, axis, src):
+    out = x.clone()
+    dist.broadcast(out, group=comm.groups[axis], group_src=src)
+    return out
+
+
+def _broadcast_start(comm, x, axis, src):
+    """A broadcast left running until `comm.wait(out)` (the overlap schedule's)."""
+    out = x.clone()
+    work = dist.broadcast(out, group=comm.groups[axis], group_src=src, async_op=True)
+    comm.pending[out.untyped_storage().data_ptr()] = (work, axis)
+    return out
+
+
+# reduce(x, axis, dst): the sum at coordinate `dst`, zeros elsewhere; adjoint broadcast.
+
+
+def _reduce_group(xs, dst):
+    total = _sum(xs)
+    return [total if t == dst else torch.zeros_like(x) for t, x in enumerate(xs)]
+
+
+def _reduce(comm, x, axis, dst):
+    out = x.clone()
+    dist.reduce(out, group=comm.groups[axis], group_dst=dst)
+    return out if comm.coord(axis) == dst else torch.zeros_like(x)
+
+
+# all_reduce(x, axis): the sum on every member; its own adjoint.
+
+
+def _all_reduce_group(xs):
+    total = _sum(xs)
+    return [total.clone() for _ in xs]
+
+
+def _all_reduce(comm, x, axis):
+    out = x.clone()
+    dist.all_reduce(out, group=comm.groups[axis])
+    return out
+
+
+# keep_first(x, axis): coordinate 0 keeps its tensor, the others get zeros; its own adjoint.
+
+
+def _keep_first_group(xs):
+    return [x.clone() if t == 0 else torch.zeros_like(x) for t, x in enumerate(xs)]
+
+
+def _keep_first(comm, x, axis):
+    return x.clone() if comm.coord(axis) == 0 else torch.zeros_like(x)
+
+
+# all_gather(x, axis, parts, dim, groups): every member's block along `dim` joined
+# (`put_blocks`); adjoint reduce_scatter.
+
+
+def _all_gather_group(xs, parts, dim, groups):
+    full = put_blocks(xs, dim, groups)
+    return [full.clone() for _ in xs]
+
+
+def _all_gather(comm, x, axis, parts, dim, groups):
+    """One `all_gather_single` of the flattened blocks (NCCL's native all-gather into
+    one tensor; gloo takes only the concatenated form), put in place by one copy."""
+    flat = x.reshape(-1)
+    gathered = flat.new_empty(parts * flat.numel())
+    _all_gather_single(gathered, flat, group=comm.groups[axis])
+    shape = _split_dim(x.shape, dim, parts * x.shape[dim])
+    if in_rank_order(x.shape, dim, groups):
+        return gathered.view(shape)
+    # Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..], as `put_blocks` puts it;
+    # contiguous, as the op's fake kernel says (where the reshape is a view, it is not).
+    blocks = gathered.view(parts, *_split_dim(x.shape, dim, groups, x.shape[dim] // groups))
+    return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
+
+
+# reduce_scatter(x, axis, parts, dim, groups): member t's block t (`take_block`) of the sum;
+# adjoint all_gather.
+
+
+def _reduce_scatter_group(xs, parts, dim, groups):
+    total = _sum(xs)
+    return [take_block(total, dim, groups, parts, t).contiguous() for t in range(parts)]
+
+
+def _reduce_scatter(comm, x, axis, parts, dim, groups):
+    """One `reduce_scatter_single` of the blocks (`take_block`'s) flattened in rank order (NCCL's
+    native call): one copy puts them in that order, none if they are in it already."""
+    shape = _split_dim(x.shape, dim, x.shape[dim] // parts)
+    if in_rank_order(x.shape, dim, groups):
+        blocks = x.reshape(-1)
+    else:
+        split = _split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
+        blocks = x.view(split).movedim(dim + 1, 0).reshape(-1)
+    out = x.new_empty(blocks.numel() // parts)
+    _reduce_scatter_single(out, blocks, group=comm.groups[axis])
+    return out.view(shape)
+
+
+# shard_slice(x, axis, parts, dim, groups): member t keeps its block t, no traffic; adjoint
+# shard_pad (its block in place, zeros elsewhere).
+
+
+def _shard_slice_group(xs, parts, dim, groups):
+    return [take_block(x, dim, groups, parts, t).contiguous() for t, x in enumerate(xs)]
+
+
+def _shard_slice(comm, x, axis, parts, dim, groups):
+    return take_block(x, dim, groups, parts, comm.coord(axis)).clone()
+
+
+def _shard_pad_group(xs, parts, dim, groups):
+    return [_padded(x, t, parts, dim, groups) for t, x in enumerate(xs)]
+
+
+def _shard_pad(comm, x, axis, parts, dim, groups):
+    return _padded(x, comm.coord(axis), parts, dim, groups)
+
+
+def _padded(x, coord, parts, dim, groups):
+    return put_blocks([x if t == coord else torch.zeros_like(x) for t in range(parts)], dim, groups)
+
+
+# grad_sync and seed_once: identities in forward, for their backward (all_reduce of a
+# replicated parameter's gradient; keep_first of a replicated output's).
+
+
+def _identity_group(xs):
+    return [x.view_as(x) for x in xs]
+
+
+def _identity(comm, x, axis):
+    return x.view_as(x)
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """torch 2.13's `all_gather_single`; the GPU machines' older torch has it only as
+    `all_gather_into_tensor` (its deprecated name in 2.13)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """torch 2.13's `reduce_scatter_single` (`reduce_scatter_tensor` before)."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+def in_rank_order(shape: torch.Size, dim: int, groups: int) -> bool:
+    """Whether a contiguous tensor of `shape` is its blocks along `dim` (`take_block`) concatenated in
+    index order: no groups, and every dim before `dim` of size 1. Then the flat buffer of an
+    all-gather is its result and a reduce-scatter sends the tensor as it is."""
+    return groups == 1 and math.prod(shape[:dim]) == 1
+
+
+def _split_dim(shape: torch.Size, dim: int, *sizes: int) -> list[int]:
+    """`shape` with `sizes` in place of its size along `dim`."""
+    return [*shape[:dim], *sizes, *shape[dim + 1:]]
+
+
+_ROOTED = "(Tensor x, str axis, int {}) -> Tensor"
+
+
+_SPLIT = "(Tensor x, str axis, int parts, int dim, int groups) -> Tensor"
+
+
+_RECORDS = (
+    Collective("broadcast", _ROOTED.format("src"), "reduce", _broadcast_group, _broadcast, sends=True,
+               price=_PIPELINED),
+    Collective("broadcast_start", _ROOTED.format("src"), "reduce", _broadcast_group, _broadcast_start, sends=True,
+               counts_as="broadcast"),
+    Collective("reduce", _ROOTED.format("dst"), "broadcast", _reduce_group, _reduce, sends=True, price=_PIPELINED),
+    Collective("all_reduce", "(Tensor x, str axis) -> Tensor", "all_reduce", _all_reduce_group, _all_reduce,
+               sends=True, price={"ring": lambda g: (2 * (g - 1), 2 * (g - 1) / g),
+                                  "tree": lambda g: (_log2(g), _log2(g))}),
+    Collective("keep_first", "(Tensor x, str axis) -> Tensor", "keep_first", _keep_first_group, _keep_first),
+    Collective("all_gather", _SPLIT, "reduce_scatter", _all_gather_group, _all_gather, sends=True, scale=1,
+               price={"ring": lambda g: (g - 1, g - 1), "tree": lambda g: (_log2(g), g - 1)}),
+    Collective("reduce_scatter", _SPLIT, "all_gather", _reduce_scatter_group, _reduce_scatter, sends=True, scale=-1,
+               price={"ring": lambda g: (g - 1, (g - 1) / g), "tree": lambda g: (_log2(g), (g - 1) / g)}),
+    Collective("shard_slice", _SPLIT, "shard_pad", _shard_slice_group, _shard_slice, scale=-1),
+    Collective("shard_pad", _SPLIT, "shard_slice", _shard_pad_group, _shard_pad, scale=1),
+    Collective("grad_sync", None, "all_reduce", _identity_group, _identity),
+    Collective("seed_once", None, "keep_first", _identity_group, _identity),
+)
+
+
+# name -> its record, in the order the custom ops are defined.
+COLLECTIVES: dict[str, Collective] = {record.name: record for record in _RECORDS}
