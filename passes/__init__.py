@@ -1,11 +1,12 @@
 """The compiler, `tess_compile.passes`: a model's graph in, one SPMD per-rank graph out, one pass a file.
 
-    capture (writes through views made functional) -> place -> verify
+    capture (writes through views made functional) -> boundary -> place -> verify
     -> (recompute blocks) -> rewrite -> merge products -> (recompute selective)
     -> bucket gradients -> verify -> report repeated work
 
 `tess_compile.passes.driver.compile_model` calls the passes in that order and
-packs the result in a `Program` (`tess_compile.core.program`). The op
+packs the result in a `Program` (`tess_compile.core.program`). The passes hand
+each other their results in `meta`, through the keys of `tess_compile.core.meta_keys`. The op
 families' rules are in `passes/rules/`, one file a family. The compiler builds
 on tess_compile's core (mesh, layouts, options, programs) and ops (what a
 per-rank graph calls), and on nothing else of it. Its folder is `passes/` at

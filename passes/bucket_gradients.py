@@ -8,8 +8,8 @@ axis in backward. This pass replaces the chains by `grad_bucket` nodes
 the reverse order of first use, so that the bucket of the last layers is
 complete, and reduced, first in backward. The buckets go where the chains
 were, before any kernel; each parameter's uses read the bucket's output
-instead, which takes over the chain's `meta`. Reads `meta["role"]`; writes
-`meta["global_node"]` on the bucket.
+instead, which takes over the chain's `meta`. Reads `ROLE`; writes `GLOBAL_NODE` on the
+bucket (`tess_compile.core.meta_keys`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 
 from tess_compile.core.fake_run import local_bytes
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import GLOBAL_NODE, ROLE
 from tess_compile.ops import collectives as c
 from tess_compile.ops.grad_bucket import grad_bucket
 
@@ -51,7 +52,7 @@ def bucket_gradients(gm: GraphModule, mesh: Mesh, *, bucket_bytes: int | None = 
 def _chain(node: Node) -> list[Node]:
     """A parameter's placeholder and its `grad_sync` nodes, in order ([] for other nodes
     and for parameters without any)."""
-    if node.op != "placeholder" or node.meta.get("role", ("",))[0] != "param":
+    if node.op != "placeholder" or ROLE.get(node, ("",))[0] != "param":
         return []
     chain = [node]
     while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target is c.grad_sync:
@@ -77,7 +78,7 @@ def _emit(gm: GraphModule, bucket: list[list[Node]]) -> None:
     """One `grad_bucket` node over the bucket's parameters; their uses read its outputs."""
     axes = tuple(tuple(sync.args[1] for sync in chain[1:]) for chain in bucket)
     node = gm.graph.call_function(grad_bucket, ([chain[0] for chain in bucket], axes))
-    node.meta["global_node"] = "gradient bucket"
+    GLOBAL_NODE.set(node, "gradient bucket")
     for index, chain in enumerate(bucket):
         member = gm.graph.create_node("call_function", operator.getitem, (node, index), name=f"{chain[0].name}_synced")
         member.meta.update(chain[-1].meta)

@@ -5,17 +5,13 @@ scaled_dot_product_attention, embedding) and lifts parameters, buffers and
 tensor constants to placeholders.
 
 Calls of `torch.utils.checkpoint.checkpoint` in the model (reentrant or
-not) are traced as plain ops, each call's nodes marked
-`meta["recompute"] = "checkpoint N"`: the runtimes recompute that region in
-backward (`tess_compile.ops.recompute_region`).
+not) are traced as plain ops, each call's nodes one recompute region
+(`tess_compile.passes.checkpoint_regions`).
 
-Writes `node.meta["role"]` on every placeholder: `("param", fqn)`,
-`("buffer", fqn)` (persistent buffers), `("constant", name)` (tensor
-constants and non-persistent buffers), `("alias", fqn)` (a second name of a
-tied weight) or `("input", index)`, and
-`gm.meta["in_spec"]` / `gm.meta["out_spec"]` (pytree specs of the model's
-inputs and outputs), `gm.meta["tensors"]` (the lifted tensors by name) and
-`gm.meta["state_keys"]` (the model's state-dict keys, in order).
+Writes (`tess_compile.core.meta_keys`) `ROLE` on every placeholder, `WEIGHT_INPUT` on the weights
+given as inputs, `ALIAS_OF` on a tied weight's second name, `RECOMPUTE_REGION` on the ops of a
+checkpoint call, and on the graph `IN_SPEC`, `OUT_SPEC`, `TENSORS`, `STATE_KEYS` and, in a
+dynamic capture, `GUARDS`.
 
 Device constants: tensors made inside forward (`torch.ones(..., device=x.device)`,
 `torch.arange(s, device=ids.device)`, `.to(x.device)`) would keep the capture
@@ -24,28 +20,41 @@ device (a user input's, else the first lifted tensor's) becomes a
 `device_of(that input)` node, so the per-rank graph makes them on the device
 it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
 
-Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line (`tess_compile.passes.data_dependent`).
+Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line
+(`tess_compile.passes.data_dependent`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import itertools
 import logging
 import time
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.node import map_aggregate
-from torch.fx.traceback import annotate, preserve_node_meta
+from torch.fx.traceback import preserve_node_meta
 from torch.utils import _pytree as pytree
 
-from tess_compile.passes.data_dependent import explained_data_dependence, is_data_dependent, refuse_data_dependent_shapes
+from tess_compile.passes.checkpoint_regions import mark_checkpoints, traced_checkpoints
+from tess_compile.passes.data_dependent import (
+    explained_data_dependence,
+    is_data_dependent,
+    refuse_data_dependent_shapes,
+)
 from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
+from tess_compile.core.meta_keys import (
+    ALIAS_OF,
+    GUARDS,
+    IN_SPEC,
+    OUT_SPEC,
+    ROLE,
+    STATE_KEYS,
+    TENSORS,
+    WEIGHT_INPUT,
+)
 from tess_compile.ops.local import device_of
 
 __all__ = ["capture", "shape_env_of"]
@@ -60,17 +69,17 @@ _ROLE = {
 }
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, weight_inputs: dict[int, str] | None = None,
-            batch_factor: int | None = None) -> torch.fx.GraphModule:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+            weight_inputs: dict[int, str] | None = None, batch_factor: int | None = None) -> torch.fx.GraphModule:
     """Export `model` on example inputs and tag each placeholder with its role.
 
     `weight_inputs` maps user-input positions that are really weights (as in
     Dynamo's graphs, where parameters arrive as inputs) to their names; those
-    placeholders get `meta["weight_input"] = name`. `batch_factor` (a dynamic
+    placeholders get `WEIGHT_INPUT` = name. `batch_factor` (a dynamic
     compile's) captures the batch as a symbolic multiple of it and the other
     dims of the inputs symbolic where the model allows (`tess_compile.core.dynamic`),
     except the weight inputs' dims and those marked `torch._dynamo.mark_static`;
-    `gm.meta["guards"]` is then the number of guards the capture left, so
+    `GUARDS` is then the number of guards the capture left, so
     that the driver can tell those the later passes add.
     """
     start = time.perf_counter()
@@ -93,29 +102,29 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
             continue
         spec = specs[node.name]
         if spec.kind == InputKind.USER_INPUT:
-            node.meta["role"] = ("input", num_inputs)
+            ROLE.set(node, ("input", num_inputs))
             if weight_inputs and num_inputs in weight_inputs:
-                node.meta["weight_input"] = weight_inputs[num_inputs]
+                WEIGHT_INPUT.set(node, weight_inputs[num_inputs])
             num_inputs += 1
         elif spec.kind == InputKind.BUFFER and spec.persistent is False:
-            node.meta["role"] = ("constant", spec.target)  # not in the state dict
+            ROLE.set(node, ("constant", spec.target))  # not in the state dict
         elif spec.kind in _ROLE:
-            node.meta["role"] = (_ROLE[spec.kind], spec.target)
+            ROLE.set(node, (_ROLE[spec.kind], spec.target))
         else:
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
     _merge_tied(gm, tensors)
     _inline_grad_mode_wrappers(gm)
     functionalize_view_mutations(gm)
     _drop_dead_code(gm)
-    _mark_checkpoints(gm)
+    mark_checkpoints(gm)
     _devices_at_run_time(gm)
     if batch_factor is not None:
         shape_env = shape_env_of(gm)
-        gm.meta["guards"] = len(shape_env.guards) if shape_env is not None else 0
-    gm.meta["in_spec"] = ep.call_spec.in_spec
-    gm.meta["out_spec"] = ep.call_spec.out_spec
-    gm.meta["tensors"] = tensors
-    gm.meta["state_keys"] = list(model.state_dict(keep_vars=True))
+        GUARDS.set(gm, len(shape_env.guards) if shape_env is not None else 0)
+    IN_SPEC.set(gm, ep.call_spec.in_spec)
+    OUT_SPEC.set(gm, ep.call_spec.out_spec)
+    TENSORS.set(gm, tensors)
+    STATE_KEYS.set(gm, list(model.state_dict(keep_vars=True)))
     log.info("capture: %d nodes in %.2fs", len(gm.graph.nodes), time.perf_counter() - start)
     return gm
 
@@ -174,7 +183,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tuple | Non
     return ep
 
 
-def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: list[str], fixed: dict, dims: tuple | None):
+def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: list[str], fixed: dict,
+                 dims: tuple | None):
     """Export with the model's forward called with the keywords `fixed` added and its outputs made
     exportable (the caches among them noted in `dropped`); the model's own forward afterwards."""
     own = model.__dict__.get("forward")  # an instance attribute, if the model has one
@@ -187,7 +197,7 @@ def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: lis
 
     model.forward = forward
     try:
-        with preserve_node_meta(), _traced_checkpoints():
+        with preserve_node_meta(), traced_checkpoints():
             if dims is None:
                 return torch.export.export(model, args, kwargs, strict=False)
             return _export_dynamic(model, args, kwargs, dims)
@@ -265,75 +275,23 @@ def _exportable(dropped: list[str], path, value):
     )
 
 
-_REGION_KEY = "tess_recompute"
-
-
-@contextlib.contextmanager
-def _traced_checkpoints():
-    """Trace `torch.utils.checkpoint.checkpoint` calls as their plain ops, each call's
-    nodes annotated with its number (the outermost call's, when nested).
-
-    Both of checkpoint's paths are replaced while tracing: the non-reentrant one's
-    context generator, and the reentrant one's autograd function, whose forward
-    would run without grad (its outputs traced detached). The per-rank program
-    recomputes the region the same way whichever path the model asked for.
-    """
-    numbers, depth = itertools.count(), [0]
-
-    @contextlib.contextmanager
-    def region():
-        if depth[0]:
-            yield
-            return
-        depth[0] += 1
-        try:
-            with annotate({_REGION_KEY: next(numbers)}):
-                yield
-        finally:
-            depth[0] -= 1
-
-    def without_reentrant(function, preserve_rng_state, context_fn, *args, **kwargs):
-        with region():
-            yield
-
-    class Reentrant:
-        @staticmethod
-        def apply(function, preserve_rng_state, *args):
-            with region():
-                return function(*args)
-
-    saved = torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction
-    torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction = without_reentrant, Reentrant
-    try:
-        yield
-    finally:
-        torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction = saved
-
-
-def _mark_checkpoints(gm: torch.fx.GraphModule) -> None:
-    for node in gm.graph.nodes:
-        number = (node.meta.get("custom") or {}).get(_REGION_KEY)
-        if number is not None and node.op == "call_function":
-            node.meta["recompute"] = f"checkpoint {number}"
-
-
 def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
     """Tied weights (one tensor, several names) become one placeholder.
 
     Every use moves to the first placeholder of the tensor; the others keep
-    the role `("alias", name)` and `meta["alias_of"]`, so the sharded module
+    the role `("alias", name)` and `ALIAS_OF`, so the sharded module
     ties the same names as the model does.
     """
     first_of: dict[int, torch.fx.Node] = {}
     for node in gm.graph.nodes:
-        role = node.meta.get("role", ("",))
+        role = ROLE.get(node, ("",))
         if node.op != "placeholder" or role[0] not in ("param", "buffer"):
             continue
         first = first_of.setdefault(id(tensors[role[1]]), node)
         if first is not node:
             node.replace_all_uses_with(first)
-            node.meta["role"] = ("alias", role[1])
-            node.meta["alias_of"] = first.meta["role"][1]
+            ROLE.set(node, ("alias", role[1]))
+            ALIAS_OF.set(node, ROLE.of(first)[1])
 
 
 def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:
@@ -420,7 +378,7 @@ def _devices_at_run_time(gm: torch.fx.GraphModule) -> None:
     tensors = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
     if not tensors:
         return
-    source = next((n for n in tensors if n.meta["role"][0] == "input"), tensors[0])
+    source = next((n for n in tensors if ROLE.of(n)[0] == "input"), tensors[0])
     captured = source.meta["val"].device
     with gm.graph.inserting_after(placeholders[-1]):
         device = gm.graph.call_function(device_of, (source,))

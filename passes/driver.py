@@ -1,13 +1,15 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
-    capture -> place -> (verify placed) -> (recompute blocks) -> rewrite -> merge products
+    capture (+ boundary) -> place -> (verify placed) -> (recompute blocks) -> rewrite -> merge products
             -> (recompute selective) -> bucket gradients -> verify rewritten -> report repeated work
 
 `compile_model` runs them as plain calls, one line a pass; a pass that fails
 with anything but a user's ValueError is named in a RuntimeError. After each
 pass the observers registered with `tess_compile.passes.observers.add_pass_observer` see its graph (a stage dump
 registers itself so; `tess_compile.analysis.graph_dump`); the driver never
-imports an analysis. The result, a `Program`, is what both runtimes execute.
+imports an analysis. The boundary pass belongs to capture's stage: the observers see capture's
+graph, which it only annotates. The result, a `Program`, is what both runtimes execute; it is
+assembled from what the passes left in `meta` (`tess_compile.core.meta_keys`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from tess_compile.passes.boundary import mark_boundary
 from tess_compile.passes.bucket_gradients import bucket_gradients
 from tess_compile.passes.capture import capture, shape_env_of
 from tess_compile.passes.merge_products import merge_products
@@ -35,6 +38,20 @@ from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.dynamic import DynamicShapes, concrete, local_value
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import (
+    ALIAS_OF,
+    ARG_LAYOUTS,
+    GUARDS,
+    IN_SPEC,
+    LAYOUT,
+    LOCAL_INPUT,
+    OUT_SPEC,
+    ROLE,
+    SCHEDULE_COUNTS,
+    STATE_KEYS,
+    TENSORS,
+    WEIGHT_INPUT,
+)
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import Program, Slot, describe_schedules, input_names, split_example_inputs
 from tess_compile.ops.recompute_region import outline_regions
@@ -94,8 +111,8 @@ def compile_model(
     batch_factor = mesh.size("depth") * mesh.size("row") if options.dynamic else None
     gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
              guarded=False)
-    _mark_local_boundary(gm, local_inputs, local_outputs)
-    _mark_carried(gm, carried or {})
+    # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
+    gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
     placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)
@@ -104,8 +121,8 @@ def compile_model(
     cluster = CALIBRATED_CLUSTER if cluster is None else cluster
     gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks, cluster=cluster)
     gm = run("merge products", merge_products, gm, mesh)
-    if options.summa == AUTO and gm.meta["schedules"]:
-        log.info("summa=auto on mesh %s: %s (priced on %s)", mesh, describe_schedules(gm.meta["schedules"]),
+    if options.summa == AUTO and SCHEDULE_COUNTS.of(gm):
+        log.info("summa=auto on mesh %s: %s (priced on %s)", mesh, describe_schedules(SCHEDULE_COUNTS.of(gm)),
                  "CALIBRATED_CLUSTER" if cluster == CALIBRATED_CLUSTER else "the given cluster")
     if options.recompute == "selective":
         gm = run("recompute selective", mark_selective, gm, mesh)
@@ -120,10 +137,10 @@ def compile_model(
         slots=_slots(placed),
         output_layouts=_output_layouts(placed),
         output_shapes=_output_shapes(placed),
-        in_spec=gm.meta["in_spec"],
-        out_spec=gm.meta["out_spec"],
-        tensors=gm.meta["tensors"],
-        state_keys=gm.meta["state_keys"],
+        in_spec=IN_SPEC.of(gm),
+        out_spec=OUT_SPEC.of(gm),
+        tensors=TENSORS.of(gm),
+        state_keys=STATE_KEYS.of(gm),
         training=model.training,
         runnable=outline_regions(gm),
         dynamic=_dynamic_shapes(placed, mesh) if options.dynamic else None,
@@ -162,76 +179,51 @@ class _Passes:
         return gm
 
 
-def _mark_local_boundary(gm: GraphModule, local_inputs: bool, local_outputs: bool) -> None:
-    """`meta["local_input"]` on the positional tensor inputs and `meta["local_outputs"]` on the
-    output node, which place and rewrite read (see `compile_model`). Keyword inputs stay whole
-    (a pipeline schedule gives them to a stage as the microbatch's global values)."""
-    num_positional = gm.meta["in_spec"].child(0).num_leaves
-    for node in gm.graph.nodes:
-        if local_inputs and node.op == "placeholder" and node.meta["role"][0] == "input":
-            positional = node.meta["role"][1] < num_positional
-            if positional and "weight_input" not in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
-                node.meta["local_input"] = True
-        if local_outputs and node.op == "output":
-            node.meta["local_outputs"] = True
-
-
-def _mark_carried(gm: GraphModule, carried: dict[int, int]) -> None:
-    """`meta["carried"]` on the placeholders of carried inputs (local: this rank's block) and, on
-    the output node, `{output index: that placeholder}`."""
-    if not carried:
-        return
-    inputs = {n.meta["role"][1]: n for n in gm.graph.nodes if n.op == "placeholder" and n.meta["role"][0] == "input"}
-    for index in carried.values():
-        inputs[index].meta.update(local_input=True, carried=True)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    output.meta["carried"] = {out: inputs[index] for out, index in carried.items()}
-
-
 def _dynamic_shapes(placed: GraphModule, mesh: Mesh) -> DynamicShapes | None:
     """The symbolic shapes of a dynamic compile's inputs and outputs, and the conditions on the
     symbols that the passes after capture assumed (the guards they added), if any dim is symbolic."""
     placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
-    inputs = {n.meta["role"][1]: _as_received(n, mesh) for n in placeholders
-              if n.meta["role"][0] == "input" and isinstance(n.meta["val"], torch.Tensor)}
-    names = input_names(placed.meta["in_spec"])
+    inputs = {ROLE.of(n)[1]: _as_received(n, mesh) for n in placeholders
+              if ROLE.of(n)[0] == "input" and isinstance(n.meta["val"], torch.Tensor)}
+    names = input_names(IN_SPEC.of(placed))
     output = next(n for n in placed.graph.nodes if n.op == "output")
     outputs = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
     shape_env = shape_env_of(placed)
     if shape_env is None:
         log.info("dynamic shapes: none (every input dim is fixed)")
         return None
-    added = shape_env.guards[placed.meta["guards"]:]
+    added = shape_env.guards[GUARDS.of(placed):]
     conditions = [guard.expr for guard in added if guard.expr.free_symbols]
     for guard in added:
         log.debug("dynamic shapes: the compile assumed %s at %s", guard.expr, guard.sloc)
     dynamic = DynamicShapes.of(inputs, outputs, shape_env, conditions, names, lookup_limits(placed))
-    log.info("dynamic shapes: %s", dynamic.describe(names) if dynamic is not None else "none (every input dim is fixed)")
+    log.info("dynamic shapes: %s",
+             dynamic.describe(names) if dynamic is not None else "none (every input dim is fixed)")
     return dynamic
 
 
 def _as_received(node: torch.fx.Node, mesh: Mesh) -> torch.Tensor:
     """An input's captured value as a call passes it: whole, or a local input's block."""
     val = node.meta["val"]
-    return local_value(val, node.meta["layout"], mesh) if "local_input" in node.meta else val
+    return local_value(val, LAYOUT.of(node), mesh) if LOCAL_INPUT.has(node) else val
 
 
 def _slots(placed: GraphModule) -> list[Slot]:
     placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
     slots = []
     for node in placeholders:
-        role, name = node.meta["role"]
+        role, name = ROLE.of(node)
         val = node.meta["val"]
         if not isinstance(val, torch.Tensor):
             slots.append(Slot(role, str(name), None, (), None))
             continue
-        layout = node.meta["layout"]
-        if role == "input" and "local_input" in node.meta:
+        layout = LAYOUT.of(node)
+        if role == "input" and LOCAL_INPUT.has(node):
             role = "local input"  # this rank's block, in the layout placement gave it
         elif role == "input":
-            role = "weight" if "weight_input" in node.meta else "input"
+            role = "weight" if WEIGHT_INPUT.has(node) else "input"
             layout = Layout.replicated()  # inputs arrive whole
-        slots.append(Slot(role, str(name), layout, concrete(val.shape), val.dtype, node.meta.get("alias_of")))
+        slots.append(Slot(role, str(name), layout, concrete(val.shape), val.dtype, ALIAS_OF.get(node)))
     return slots
 
 
@@ -243,7 +235,7 @@ def _output_shapes(placed: GraphModule) -> list[tuple[int, ...] | None]:
 
 def _output_layouts(placed: GraphModule) -> list[Layout | None]:
     output = next(n for n in placed.graph.nodes if n.op == "output")
-    needed = output.meta["arg_layouts"]
+    needed = ARG_LAYOUTS.of(output)
     return [needed.get(n) if isinstance(n, torch.fx.Node) else None for n in pytree.tree_leaves(output.args[0])]
 
 

@@ -39,13 +39,12 @@ weights (1-D) becomes such a `fetched_product` that fetches nothing, its
 biases added after. With kept blocks (`keep_blocks`), the merged product
 keeps the fetched concatenation, as its products kept their fetched blocks.
 
-Reads `meta["role"]`, `meta["weight_input"]` and `meta["dtype"]` of the
-weights' placeholders and `meta["layout"]` and `meta["global_shape"]` of the
-weights, and `meta["recompute"]` (products merge only within one region).
-Writes: each piece takes its product's `meta` whole (`val`, `layout`,
-`global_shape`, `global_node`, `recompute`, `summa_step`, ...); the new nodes
-take the first product's `recompute` and `summa_step` (the concatenated
-weights, read by every step, no `summa_step`) and, in `global_node`, the
+Reads (`tess_compile.core.meta_keys`) `ROLE`, `WEIGHT_INPUT` and `DTYPE` of the
+weights' placeholders and `LAYOUT` and `GLOBAL_SHAPE` of the weights, `GLOBAL_NODE`, and
+`RECOMPUTE_REGION` (products merge only within one region). Writes: each piece takes its
+product's `meta` whole (`val`, `LAYOUT`, `GLOBAL_SHAPE`, `GLOBAL_NODE`, `RECOMPUTE_REGION`,
+`SUMMA_STEP`, ...); the new nodes take the first product's `RECOMPUTE_REGION` and `SUMMA_STEP`
+(the concatenated weights, read by every step, no `SUMMA_STEP`) and, in `GLOBAL_NODE`, the
 names of all.
 """
 
@@ -60,6 +59,17 @@ from torch.utils import _pytree as pytree
 
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import (
+    DTYPE,
+    GLOBAL_NODE,
+    GLOBAL_SHAPE,
+    LAYOUT,
+    RECOMPUTE_REGION,
+    REPLICATED,
+    ROLE,
+    SUMMA_STEP,
+    WEIGHT_INPUT,
+)
 from tess_compile.ops import collectives as c
 from tess_compile.ops.fetched_product import fetched_product
 
@@ -83,7 +93,7 @@ _SINKS = (aten.add.Tensor, c.broadcast, c.reduce, c.all_reduce)
 _WEIGHT_STEPS = (c.grad_sync, c.shard_slice)
 
 # Meta keys that only the node holding an original value carries.
-_VALUE_KEYS = ("val", "layout", "global_shape", "replicated")
+_VALUE_KEYS = ("val", LAYOUT.name, GLOBAL_SHAPE.name, REPLICATED.name)
 
 
 def merge_products(gm: GraphModule, mesh: Mesh) -> GraphModule:
@@ -132,7 +142,7 @@ class _Product:
         other_dims = tuple(size for dim, size in enumerate(self.w_shape) if dim != self.out_dim)
         bias_dtype = None if self.bias is None else _dtype(self.bias)
         return (node.target, refetches, self.a_chain[0], _signature(self.a_chain[1:]), _signature(self.w_chain[1:]),
-                _dtype(self.w_source), other_dims, self.bias is None, bias_dtype, node.meta.get("recompute"))
+                _dtype(self.w_source), other_dims, self.bias is None, bias_dtype, RECOMPUTE_REGION.get(node))
 
 
 def _groups(graph: Graph, mesh: Mesh) -> list[list[_Product]]:
@@ -219,8 +229,8 @@ def _weight_shape(node, mesh: Mesh) -> tuple[int, ...] | None:
     root = node
     while root.op == "call_function" and root.target in _WEIGHT_STEPS:
         root = root.args[0]
-    weight = root.op == "placeholder" and (root.meta.get("role", ("",))[0] == "param" or "weight_input" in root.meta)
-    layout, shape = node.meta.get("layout"), node.meta.get("global_shape")
+    weight = root.op == "placeholder" and (ROLE.get(root, ("",))[0] == "param" or WEIGHT_INPUT.has(root))
+    layout, shape = LAYOUT.get(node), GLOBAL_SHAPE.get(node)
     if not weight or not isinstance(layout, Layout) or shape is None:
         return None
     return tuple(layout.local_shape(shape, mesh))
@@ -230,7 +240,7 @@ def _dtype(node: Node) -> torch.dtype:
     """The dtype of a weight (`_weight_shape`): its placeholder's."""
     while node.op != "placeholder":
         node = node.args[0]
-    return node.meta["dtype"]
+    return DTYPE.of(node)
 
 
 def _signature(chain: tuple[Node, ...]) -> tuple:
@@ -248,12 +258,12 @@ def _merge(graph: Graph, group: list[_Product], cats: dict) -> Node:
     """One product of the group's concatenated weights where the first was; its pieces replace
     the products. Returns the split."""
     first = group[0]
-    names = ", ".join(p.node.meta.get("global_node", p.node.name) for p in group)
-    merged_meta = {k: v for k, v in first.node.meta.items() if k not in _VALUE_KEYS} | {"global_node": names}
+    names = ", ".join(GLOBAL_NODE.get(p.node, p.node.name) for p in group)
+    merged_meta = _merged_meta(first.node, names)
     w = w_cat = _weights_cat(graph, group, cats, merged_meta)
     for link in first.w_chain[1:]:
         with graph.inserting_before(link):
-            w = _call(graph, link.target, w, *link.args[1:], meta={**link.meta, "global_node": names})
+            w = _call(graph, link.target, w, *link.args[1:], meta={**link.meta, GLOBAL_NODE.name: names})
     pieces = tuple(p.w_source for p in group)  # what backward keeps: the weights, not their concatenation
     with graph.inserting_before(first.node):
         a_used = first.a_chain[-1]
@@ -277,15 +287,23 @@ def _weights_cat(graph: Graph, group: list[_Product], cats: dict, meta: dict) ->
     """The group's weights concatenated along their out dim, before the first fetch of the first;
     one node for all the groups of the same weights (a SUMMA loop's steps)."""
     at, weights = group[0].fetched_at, [p.w_source for p in group]
-    key = (tuple(weights), group[0].out_dim, meta.get("recompute"))
+    key = (tuple(weights), group[0].out_dim, RECOMPUTE_REGION.get(meta))
     cat = cats.get(key)
     if cat is None:
         with graph.inserting_before(at):
             cat = cats[key] = _call(graph, aten.cat.default, weights, group[0].out_dim,
-                                    meta={k: v for k, v in meta.items() if k != "summa_step"})
+                                    meta={k: v for k, v in meta.items() if k != SUMMA_STEP.name})
     elif at < cat:
         at.prepend(cat)
     return cat
+
+
+def _merged_meta(first: Node, names: str) -> dict:
+    """The meta of the nodes that replace a group of nodes (`first` the first of them): the first's,
+    but for the keys of its value, with `GLOBAL_NODE` the names of all."""
+    meta = {k: v for k, v in first.meta.items() if k not in _VALUE_KEYS}
+    GLOBAL_NODE.set(meta, names)
+    return meta
 
 
 def _call(graph: Graph, target, *args, meta: dict) -> Node:
@@ -346,8 +364,7 @@ def _sink(graph: Graph, split: Node, mine: set[Node]) -> Node | None:
         return None
     whole_args, others = like
     first = min(ops)
-    names = ", ".join(op.meta.get("global_node", op.name) for op in ops)
-    meta = {k: v for k, v in first.meta.items() if k not in _VALUE_KEYS} | {"global_node": names}
+    meta = _merged_meta(first, ", ".join(GLOBAL_NODE.get(op, op.name) for op in ops))
     with graph.inserting_before(first):
         whole = _call(graph, first.target, *whole_args, meta=meta)
         moved = _split(graph, whole, split.args[1], ops, meta)
@@ -369,7 +386,7 @@ def _like(ops: list[Node], pieces: list[Node], split: Node, mine: set[Node]) -> 
     first = ops[0]
     if first.target not in _SINKS or any(op.kwargs for op in ops):
         return None
-    if any(op.target is not first.target or op.meta.get("recompute") != first.meta.get("recompute") for op in ops):
+    if any(op.target is not first.target or RECOMPUTE_REGION.get(op) != RECOMPUTE_REGION.get(first) for op in ops):
         return None
     place = first.args.index(pieces[0])
     if any(len(op.args) != len(first.args) or op.args[place] is not piece for op, piece in zip(ops, pieces)):

@@ -1,22 +1,22 @@
 """Stage 2, place: decide a layout for every value (an analysis; edits nothing else).
 
-Reads `node.meta["val"]` (global fake tensors from capture),
-`node.meta["role"]` and, on the output node, `node.meta["local_outputs"]` and
-`node.meta["carried"]` (outputs fed back as inputs: each such input takes
-the layout its output is computed in, found in one more round).
-Writes `node.meta["layout"]` (the value's layout, a tuple for ops that
-return several tensors) and `node.meta["arg_layouts"]`
-(`{input node: layout the op needs it in}`); the rewrite inserts the
-collectives that convert one into the other. Ops that run replicated get
-`node.meta["replicated"]` (the op's own line of model code, `source_line`).
+Reads torch's `meta["val"]` (global fake tensors from capture) and, of
+`tess_compile.core.meta_keys`, `ROLE`, `WEIGHT_INPUT`, `ALIAS_OF` and `CARRIED` on the
+placeholders and, on the output node, `LOCAL_OUTPUTS` and `CARRIED_OUTPUTS` (outputs fed back
+as inputs: each such input takes the layout its output is computed in, found in one more round).
+Writes `LAYOUT` (the value's layout, a tuple for ops that return several tensors) and
+`ARG_LAYOUTS` (`{input node: layout the op needs it in}`) on every node; the rewrite inserts
+the collectives that convert one into the other. Ops that run replicated get `REPLICATED`
+(the op's own line of model code, `source_line`).
 
 User inputs start in their home layout (batch split over depth and row,
 last dim over col; whole in mode "1d"), and outputs of a pipeline stage
-(`meta["local_outputs"]`) leave in the home layout of their shape, so that
-one stage's output blocks are the next stage's input blocks. Parameters, buffers, constants and weights that arrive
-as inputs (`meta["weight_input"]`) are free until their first consumer
+(`LOCAL_OUTPUTS`) leave in the home layout of their shape, so that one stage's output blocks
+are the next stage's input blocks. Parameters, buffers, constants and weights that arrive
+as inputs (`WEIGHT_INPUT`) are free until their first consumer
 fixes their layout. Ops are looked up in the rule table of the mesh's mode
-(`tess_compile.passes.rules.placement_rules`);
+(`tess_compile.passes.rules.placement_rules`); a rule that needs another family's rule asks the
+context for it (`PlacementContext.rule`), never the other family's file;
 an op with no rule runs replicated (`strict=True`: a ValueError); the
 compile's one summary lists them (`tess_compile.passes.repeated_work`). A decision that
 gives an op a padded block it cannot take (an uneven split) is a ValueError
@@ -36,13 +36,24 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from tess_compile.passes.rules import family_of, placement_rules
+from tess_compile.passes.rules import family_of, placement_rule, placement_rules
 from tess_compile.passes.rules.common import place_replicated
 from tess_compile.passes.rules.family import Decision
 from tess_compile.passes.rules.uneven import check_uneven
 from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import (
+    ALIAS_OF,
+    ARG_LAYOUTS,
+    CARRIED,
+    CARRIED_OUTPUTS,
+    LAYOUT,
+    LOCAL_OUTPUTS,
+    REPLICATED,
+    ROLE,
+    WEIGHT_INPUT,
+)
 
 __all__ = ["PlacementContext", "home_layout", "place"]
 
@@ -57,7 +68,7 @@ def _last_dim(node: Node) -> int:
 
 
 class PlacementContext:
-    """What a placement rule may ask: layouts, shapes, the mesh, hints."""
+    """What a placement rule may ask: layouts, shapes, the mesh, hints, other families' rules."""
 
     def __init__(self, mesh: Mesh, hints: dict[Node, int], carried: dict[Node, Layout] | None = None):
         self.mesh = mesh
@@ -74,6 +85,11 @@ class PlacementContext:
     @staticmethod
     def shape(node: Node) -> tuple[int, ...]:
         return tuple(node.meta["val"].shape)
+
+    def rule(self, op, families: tuple[str, ...]):
+        """The placement rule of `op` in the mesh's mode if a family of `families` holds it, else
+        None: how one family's rule asks another's, through the table, not the other's file."""
+        return placement_rule(self.mesh.mode, op, families)
 
     def permute_free(self, node: Node, source: Node, order: list[int]) -> Decision:
         """`node` permutes the free tensor `source` by `order`: both stay free (see `fix`)."""
@@ -138,30 +154,30 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun and not _carry_layouts(gm, ctx, carried):
             break
-    by_name = {n.meta["role"][1]: n for n in decisions if n.op == "placeholder"}
+    by_name = {ROLE.of(n)[1]: n for n in decisions if n.op == "placeholder"}
     for node, decision in decisions.items():
-        node.meta["arg_layouts"] = decision.args
+        ARG_LAYOUTS.set(node, decision.args)
         layout = ctx.layouts.get(node) or decision.out
-        if "alias_of" in node.meta:  # a tied weight's second name: the tensor's layout
-            layout = ctx.layouts.get(by_name[node.meta["alias_of"]])
+        if ALIAS_OF.has(node):  # a tied weight's second name: the tensor's layout
+            layout = ctx.layouts.get(by_name[ALIAS_OF.of(node)])
         if layout is None and node.op == "placeholder" and isinstance(node.meta["val"], torch.Tensor):
             layout = Layout.replicated()  # an unused parameter or buffer
         if node in ctx.free_permutations:  # the source, converted to this layout permuted back
             source, order = ctx.free_permutations[node]
             layout = layout or Layout.replicated()
-            node.meta["arg_layouts"] = {source: _permuted_back(layout, order)}
-        node.meta["layout"] = layout
+            ARG_LAYOUTS.set(node, {source: _permuted_back(layout, order)})
+        LAYOUT.set(node, layout)
     return gm
 
 
 def _carry_layouts(gm: GraphModule, ctx: PlacementContext, carried: dict[Node, Layout]) -> bool:
-    """Give each carried input (`meta["carried"]` on the output node) the layout its output was
+    """Give each carried input (`CARRIED_OUTPUTS` of the output node) the layout its output was
     computed in, without partial sums or groups, so that a step's output block is the next step's
     input block as it is; True if any changed (the pass then runs again)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = pytree.tree_leaves(output.args[0])
     changed = False
-    for index, source in output.meta.get("carried", {}).items():
+    for index, source in CARRIED_OUTPUTS.get(output, {}).items():
         computed = ctx.layouts.get(leaves[index]) or Layout.replicated()
         layout = Layout(*(_plain(p) for p in computed.placements))
         if carried.get(source) != layout:
@@ -176,10 +192,10 @@ def _permuted_back(layout: Layout, order: list[int]) -> Layout:
 
 def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: bool) -> Decision:
     if node.op == "placeholder":
-        role = node.meta["role"][0]
-        if "carried" in node.meta:  # free in the first round, then its output's layout (`_carry_layouts`)
+        role = ROLE.of(node)[0]
+        if CARRIED.has(node):  # free in the first round, then its output's layout (`_carry_layouts`)
             ctx.layouts[node] = ctx.carried.get(node)
-        elif role == "input" and "weight_input" not in node.meta:
+        elif role == "input" and not WEIGHT_INPUT.has(node):
             ctx.layouts[node] = home_layout(node, ctx.mesh)
         return Decision({}, ctx.layouts.get(node))
     if node.op == "output":
@@ -192,10 +208,10 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
     else:
         rule = placement_rules(ctx.mesh.mode).get(node.target)
         if rule is None:
-            node.meta["replicated"] = source_line(node)
+            REPLICATED.set(node, source_line(node))
             if strict:
                 raise ValueError(
-                    f"op {node.target} at {node.meta['replicated']} has no sharding rule, so it would run "
+                    f"op {node.target} at {REPLICATED.of(node)} has no sharding rule, so it would run "
                     "replicated; strict=True forbids this: add a rule or pass strict=False"
                 )
             rule = place_replicated
@@ -210,17 +226,17 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
 
 def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decision:
     """Outputs leave as DTensor-expressible layouts (no partials, no groups), or whole;
-    with `meta["local_outputs"]` (a pipeline stage's), in the home layout of their shape;
-    a carried output (`meta["carried"]`) in the layout of the input it is fed back to
+    with `LOCAL_OUTPUTS` (a pipeline stage's), in the home layout of their shape;
+    a carried output (`CARRIED_OUTPUTS`) in the layout of the input it is fed back to
     (its own, once `_carry_layouts` has run)."""
     args = {}
     for out in node.all_input_nodes:
         layout = ctx.layouts.get(out) or Layout.replicated()
-        if "local_outputs" in node.meta:
+        if LOCAL_OUTPUTS.has(node):
             layout = home_layout(out, ctx.mesh) or Layout.replicated()
         args[out] = Layout.replicated() if replicate else Layout(*(_plain(p) for p in layout.placements))
     leaves = pytree.tree_leaves(node.args[0])
-    for index, source in node.meta.get("carried", {}).items():
+    for index, source in CARRIED_OUTPUTS.get(node, {}).items():
         args[leaves[index]] = ctx.layouts.get(source) or Layout.replicated()
     return Decision(args, None)
 

@@ -3,9 +3,9 @@
 `mark_blocks` makes each repeated block of the model, an element of a
 ModuleList or Sequential with two or more elements of one class (a
 transformer's layers), one recompute region: it writes
-`meta["recompute"] = "block <path>"` and changes nothing else; nodes already
-in a region (the model's own `torch.utils.checkpoint` calls, marked by
-`tess_compile.passes.capture`) keep theirs. Reads `meta["nn_module_stack"]`. The runtimes
+`RECOMPUTE_REGION` = "block <path>" (`tess_compile.core.meta_keys`) and changes nothing else;
+nodes already in a region (the model's own `torch.utils.checkpoint` calls, marked by
+`tess_compile.passes.capture`) keep theirs. Reads torch's `meta["nn_module_stack"]`. The runtimes
 run each region under `torch.utils.checkpoint` (`tess_compile.ops.recompute_region`).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import RECOMPUTE_REGION
 
 __all__ = ["mark_blocks"]
 
@@ -22,12 +23,12 @@ def mark_blocks(gm: GraphModule, mesh: Mesh) -> GraphModule:
     """Each repeated block of the model becomes a recompute region (see the module docstring)."""
     blocks = _repeated_blocks(gm)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or "recompute" in node.meta:
+        if node.op != "call_function" or RECOMPUTE_REGION.has(node):
             continue
         paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
         block = next((path for path in paths if path in blocks), None)
         if block is not None:
-            node.meta["recompute"] = f"block {block}"
+            RECOMPUTE_REGION.set(node, f"block {block}")
     return gm
 
 

@@ -2,7 +2,7 @@
 
 `mark_selective` makes each run of two or more consecutive cheap local ops
 (pointwise, views, the local parts of norms, softmax) one recompute region
-(`meta["recompute"] = "selective N"`) where that saves memory; matrix
+(`RECOMPUTE_REGION` = "selective N") where that saves memory; matrix
 products, attention and collectives are saved, as torch's selective
 activation checkpointing policies save matmul outputs, so a region
 recomputes without communicating. A region saves its inputs and frees what
@@ -10,7 +10,8 @@ its own ops would save inside it; a fake run of the graph prices both, a run
 is kept only where it frees more than it adds, and the runs kept are dropped
 again if together they do not lower the bytes saved. (With the memory-lean
 products and norms a transformer block keeps little that such runs free.)
-Nodes already in a region keep theirs.
+Nodes already in a region keep theirs. Reads `RECOMPUTE_REGION` and `SUMMA_STEP` (a product's
+steps are saved); writes `RECOMPUTE_REGION` (`tess_compile.core.meta_keys`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from tess_compile.core.fake_run import local_placeholder, requires_grad
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import RECOMPUTE_REGION, SUMMA_STEP
 from tess_compile.ops.collectives import COLLECTIVE_OPS, wait
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.recompute_region import outline_regions
@@ -44,8 +46,8 @@ _SAVED_OPS = (
 def _recomputable(node: Node) -> bool:
     return (
         node.op == "call_function"
-        and "recompute" not in node.meta
-        and "summa_step" not in node.meta  # a product's steps and their sum
+        and not RECOMPUTE_REGION.has(node)
+        and not SUMMA_STEP.has(node)  # a product's steps and their sum
         and node.target not in COLLECTIVE_OPS
         and node.target not in _SAVED_OPS
     )
@@ -64,10 +66,10 @@ def mark_selective(gm: GraphModule, mesh: Mesh) -> GraphModule:
     chosen = [run for run in runs if len(run) > 1 and saves.frees_more_than_it_adds(run)]
     for number, run in enumerate(chosen):
         for node in run:
-            node.meta["recompute"] = f"selective {number}"
+            RECOMPUTE_REGION.set(node, f"selective {number}")
     if chosen and _SavedBy.of(outline_regions(gm), mesh).total() >= saves.total():
         for node in (n for run in chosen for n in run):  # together they free nothing: keep the graph as it was
-            del node.meta["recompute"]
+            RECOMPUTE_REGION.pop(node)
     return gm
 
 

@@ -3,15 +3,16 @@ FLOPs repeat across ranks.
 
 An analysis of the per-rank graph beside the placed graph it came from; it
 writes nothing. An op with no rule runs replicated (the place pass marks it,
-`meta["replicated"]`). An op with a rule may still repeat work: a product of
+`REPLICATED` of `tess_compile.core.meta_keys`). An op with a rule may still repeat work: a product of
 a tensor replicated over an axis, experts computed for every token. So every
 compile counts, per op of the model, the matmul-like FLOPs of the unsharded
 op (a fake run of the placed graph, global shapes) and of the per-rank nodes
-made for it (a fake run of the per-rank graph, `meta["global_node"]`), and
+made for it (a fake run of the per-rank graph, `GLOBAL_NODE`), and
 names each op whose FLOPs over all ranks exceed the unsharded op's by more
 than `REPEATED_SHARE` of the model's FLOPs, with its source line and the
 repeated FLOPs. One warning lists both kinds; `strict=True` makes repeated
 work an error (ops without a rule are refused already by the place pass).
+Reads `REPLICATED`, `GLOBAL_NODE` and `LAYOUT` (the bytes a replicated op gathers).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tess_compile.passes.source_lines import source_line
 from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, local_placeholder, requires_grad
 from tess_compile.core.layout import Layout, Partial
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import GLOBAL_NODE, LAYOUT, REPLICATED
 
 __all__ = ["REPEATED_SHARE", "report_repeated_work"]
 
@@ -75,13 +77,13 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
         return []
     per_rank: dict[str, int] = {}
     for node, flops in local.items():
-        name = node.meta.get("global_node")
+        name = GLOBAL_NODE.get(node)
         per_rank[name] = per_rank.get(name, 0) + flops
     model = sum(unsharded.values())
     lines = []
     for node, flops in unsharded.items():
         repeated = mesh.num_ranks * per_rank.get(node.name, 0) - flops
-        if model and repeated > REPEATED_SHARE * model and "replicated" not in node.meta:
+        if model and repeated > REPEATED_SHARE * model and not REPLICATED.has(node):
             lines.append(f"  {node.target} at {source_line(node)}: repeats {repeated} FLOPs "
                          f"({repeated / model:.0%} of the model's {model})")
     return lines
@@ -126,8 +128,8 @@ def _replicated_lines(placed: GraphModule, mesh: Mesh) -> tuple[list[str], int]:
     and the number of such nodes."""
     groups: dict[tuple[str, str], list[int]] = {}  # (op, line) -> [nodes, bytes gathered]
     for node in placed.graph.nodes:
-        if "replicated" in node.meta:
-            group = groups.setdefault((str(node.target), node.meta["replicated"]), [0, 0])
+        if REPLICATED.has(node):
+            group = groups.setdefault((str(node.target), REPLICATED.of(node)), [0, 0])
             group[0] += 1
             group[1] += _gathered_bytes(node, mesh)
     lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank"
@@ -143,7 +145,7 @@ def _gathered_bytes(node: Node, mesh: Mesh) -> int:
         val = arg.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        layout = arg.meta.get("layout") if isinstance(arg.meta.get("layout"), Layout) else Layout.replicated()
+        layout = LAYOUT.get(arg) if isinstance(LAYOUT.get(arg), Layout) else Layout.replicated()
         held = 0 if layout.axes_where(Partial, mesh) else math.prod(layout.local_shape(val.shape, mesh))
         total += (val.numel() - held) * val.element_size()
     return total

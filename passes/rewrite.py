@@ -1,15 +1,16 @@
 """Stage 3, rewrite: the placed global graph becomes one SPMD per-rank graph.
 
-Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["role"]`,
-`meta["val"]` and `meta["recompute"]`. Emits a new GraphModule whose placeholders are, in the
-captured order, the local shards of parameters, buffers and constants and
+Reads (`tess_compile.core.meta_keys`) `LAYOUT`, `ARG_LAYOUTS`, `ROLE`, `WEIGHT_INPUT`,
+`LOCAL_INPUT`, `REPLICATED`, `RECOMPUTE_REGION`, and on the output node `LOCAL_OUTPUTS` and
+`CARRIED_OUTPUTS`, besides torch's `meta["val"]`. Emits a new GraphModule whose placeholders are,
+in the captured order, the local shards of parameters, buffers and constants and
 the global user inputs; each op runs on local tensors (`tess_compile.passes.rules.lowering_rules`),
 with the collectives of `redistribute` wherever a value's layout differs
-from the layout its consumer needs. Writes `meta["layout"]`,
-`meta["global_shape"]` and `meta["replicated"]` on the node that holds each
-original value, `meta["global_node"]` (the original node's name) on it and
-on every node emitted for an original op, `meta["recompute"]` on every
-node emitted for a node of a recompute region, and the graph's `meta["schedules"]`
+from the layout its consumer needs. Writes `LAYOUT`, `GLOBAL_SHAPE` and `REPLICATED` on the node
+that holds each original value, `GLOBAL_NODE` (the original node's name) on it and on every node
+emitted for an original op, `RECOMPUTE_REGION` on every node emitted for a node of a recompute
+region; on the placeholders `ROLE`, `WEIGHT_INPUT`, `LOCAL_INPUT`, `DTYPE` and, for a value that
+is no tensor, `CONSTANT_VALUE`; and on the graph, besides the captured graph's meta, `SCHEDULE_COUNTS`
 (products per schedule; with summa="auto" each product's is priced on a cluster).
 
 Replicated parameters pass through `grad_sync` over their replica axes;
@@ -17,8 +18,8 @@ outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
 weights that arrive as inputs included, come whole and are sliced locally;
 their gradients are each rank's share (the runtime sums them).
 
-A pipeline stage's boundary (`meta["local_input"]` on an input,
-`meta["local_outputs"]` on the output node) is local blocks: such an input
+A pipeline stage's boundary (`LOCAL_INPUT` on an input, `LOCAL_OUTPUTS` on the output
+node) is local blocks: such an input
 arrives as this rank's block in its layout (no slicing), and such outputs
 leave without `seed_once`; a gradient that crosses the boundary is this
 rank's share of the block, as any value's gradient inside one graph is.
@@ -42,6 +43,22 @@ from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.dynamic import concrete, has_symbols, local_value
 from tess_compile.core.layout import Layout, Replicate
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import (
+    ARG_LAYOUTS,
+    CARRIED_OUTPUTS,
+    CONSTANT_VALUE,
+    DTYPE,
+    GLOBAL_NODE,
+    GLOBAL_SHAPE,
+    LAYOUT,
+    LOCAL_INPUT,
+    LOCAL_OUTPUTS,
+    RECOMPUTE_REGION,
+    REPLICATED,
+    ROLE,
+    SCHEDULE_COUNTS,
+    WEIGHT_INPUT,
+)
 from tess_compile.core.options import AUTO, SCHEDULES
 from tess_compile.ops import collectives as c
 
@@ -56,7 +73,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
 
     `summa` schedules the steps of the matrix products (`tess_compile.core.options.SCHEDULES`,
     or "auto": each product's cheapest on `cluster`); `keep_blocks` keeps their fetched blocks
-    for backward (see `tess_compile.passes.summa`). Writes `meta["schedules"]` on the result: how many
+    for backward (see `tess_compile.passes.summa`). Writes `SCHEDULE_COUNTS` on the result: how many
     products took each schedule.
     """
     if summa not in (*SCHEDULES, AUTO):
@@ -72,14 +89,14 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             return env[node]
         key = (node, needed)
         if key not in converted:
-            converted[key] = redistribute(b, env[node], node.meta["layout"], needed, node.meta["val"].shape)
+            converted[key] = redistribute(b, env[node], LAYOUT.of(node), needed, node.meta["val"].shape)
         return converted[key]
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = _placeholder(b, node)
         elif node.op == "call_function":
-            needed = node.meta["arg_layouts"]
+            needed = ARG_LAYOUTS.of(node)
             last = _last_node(b)
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n)))
             out = rules.get(node.target, lower_default)(b, node, args, kwargs)
@@ -87,19 +104,19 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             _mark_emitted(b, last, node)
             env[node] = out
         elif node.op == "output":
-            needed = node.meta["arg_layouts"]
-            if "local_outputs" in node.meta:  # blocks for the next pipeline stage: shares flow back
+            needed = ARG_LAYOUTS.of(node)
+            if LOCAL_OUTPUTS.has(node):  # blocks for the next pipeline stage: shares flow back
                 b.graph.output(map_arg(node.args[0], lambda n: local(n, needed[n])))
             else:
                 carried = [leaf for index, leaf in enumerate(pytree.tree_leaves(node.args[0]))
-                           if index in node.meta.get("carried", {})]  # blocks fed back as they are
+                           if index in CARRIED_OUTPUTS.get(node, {})]  # blocks fed back as they are
                 b.graph.output(map_arg(node.args[0], lambda n: local(n, needed[n]) if n in carried
                                        else _seed(b, local(n, needed[n]), needed[n])))
         else:
             raise ValueError(f"node {node.name} ({node.op}) is not supported by the rewrite pass")
     out = GraphModule(torch.nn.Module(), b.graph)
     out.meta.update(gm.meta)
-    out.meta["schedules"] = dict(sorted(b.schedules.items()))
+    SCHEDULE_COUNTS.set(out, dict(sorted(b.schedules.items())))
     log.info("rewrite: %d -> %d nodes in %.2fs", len(gm.graph.nodes), len(out.graph.nodes), time.perf_counter() - start)
     return out
 
@@ -111,33 +128,31 @@ def _last_node(b: Builder) -> Node:
 def _mark_emitted(b: Builder, last: Node, original: Node) -> None:
     """Every node emitted after `last` (one captured node's conversions and kernels) records
     the captured node's name, and belongs to its recompute region if it has one."""
-    region = original.meta.get("recompute")
+    region = RECOMPUTE_REGION.get(original)
     node = last.next
     while node.op != "root":
-        node.meta["global_node"] = original.name
+        GLOBAL_NODE.set(node, original.name)
         if region is not None:
-            node.meta["recompute"] = region
+            RECOMPUTE_REGION.set(node, region)
         node = node.next
 
 
 def _placeholder(b: Builder, node: Node) -> Node:
-    role, layout = node.meta["role"][0], node.meta["layout"]
+    role, layout = ROLE.of(node)[0], LAYOUT.of(node)
     x = b.graph.placeholder(node.name)
-    x.meta.update(role=node.meta["role"], global_node=node.name)
-    if "weight_input" in node.meta:
-        x.meta["weight_input"] = node.meta["weight_input"]
+    ROLE.set(x, ROLE.of(node))
+    GLOBAL_NODE.set(x, node.name)
+    if WEIGHT_INPUT.has(node):
+        WEIGHT_INPUT.set(x, WEIGHT_INPUT.of(node))
     if not isinstance(node.meta["val"], torch.Tensor):
-        x.meta["constant_value"] = node.meta["val"]  # a flag or number the model takes
+        CONSTANT_VALUE.set(x, node.meta["val"])  # a flag or number the model takes
         return x
-    whole = role == "input" and "local_input" not in node.meta  # a local input is this rank's block
-    if "local_input" in node.meta:
-        x.meta["local_input"] = True
-    x.meta.update(
-        role=node.meta["role"],
-        layout=Layout.replicated() if whole else layout,
-        global_shape=concrete(node.meta["val"].shape),
-        dtype=node.meta["val"].dtype,
-    )
+    whole = role == "input" and not LOCAL_INPUT.has(node)  # a local input is this rank's block
+    if LOCAL_INPUT.has(node):
+        LOCAL_INPUT.set(x, True)
+    LAYOUT.set(x, Layout.replicated() if whole else layout)
+    GLOBAL_SHAPE.set(x, concrete(node.meta["val"].shape))
+    DTYPE.set(x, node.meta["val"].dtype)
     if has_symbols(node.meta["val"].shape):  # its sizes are the symbols' source (`Builder.call`)
         x.meta["val"] = node.meta["val"] if whole else local_value(node.meta["val"], layout, b.mesh)
     if whole:
@@ -158,10 +173,10 @@ def _seed(b: Builder, x: Node, layout: Layout) -> Node:
 def _annotate(out, node: Node) -> None:
     """Mark the per-rank node that holds `node`'s value with its layout, global
     shape and name, and whether it runs replicated."""
-    if isinstance(out, Node) and "replicated" in node.meta:
-        out.meta["replicated"] = node.meta["replicated"]
+    if isinstance(out, Node) and REPLICATED.has(node):
+        REPLICATED.set(out, REPLICATED.of(node))
     if isinstance(out, Node):
-        out.meta.setdefault("global_node", node.name)
-    if isinstance(out, Node) and isinstance(node.meta.get("layout"), Layout):
-        out.meta.setdefault("layout", node.meta["layout"])
-        out.meta.setdefault("global_shape", concrete(node.meta["val"].shape))
+        GLOBAL_NODE.setdefault(out, node.name)
+    if isinstance(out, Node) and isinstance(LAYOUT.get(node), Layout):
+        LAYOUT.setdefault(out, LAYOUT.of(node))
+        GLOBAL_SHAPE.setdefault(out, concrete(node.meta["val"].shape))

@@ -25,7 +25,7 @@ product takes the schedule priced cheapest on the builder's cluster
 schedule is adding a record (its lowering here, its price there) and its name
 to `tess_compile.core.options.SCHEDULES`, which must list the table's names.
 
-Writes `meta["summa_step"] = t` on the collectives of step t of a loop, so
+Writes `SUMMA_STEP` (`tess_compile.core.meta_keys`) = t on the collectives of step t of a loop, so
 that an analysis can count one step q times (`tess_compile.analysis.symbolic`).
 """
 
@@ -48,6 +48,7 @@ from tess_compile.passes.product_schedule import (
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import SUMMA_STEP
 from tess_compile.core.options import AUTO, SCHEDULES
 from tess_compile.ops import collectives as c
 from tess_compile.ops.fetched_product import fetched_product
@@ -96,11 +97,11 @@ def _fetch(b: Builder, x: Node, axis: str, t: int, ahead: bool) -> Node:
 
 
 def _mark_step(node: Node, x: Node, t: int) -> Node:
-    """Write `meta["summa_step"] = t` on a collective or product of step t of a q-step
+    """Write `SUMMA_STEP` = t on a collective or product of step t of a q-step
     loop (the steps move equal bytes; `tess_compile.analysis.symbolic` counts step 0 q times).
     `node` is `x` itself when the axis has size 1: nothing was emitted, nothing is marked."""
     if node is not x:
-        node.meta["summa_step"] = t
+        SUMMA_STEP.set(node, t)
     return node
 
 

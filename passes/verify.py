@@ -8,8 +8,8 @@ kernel accepts its local inputs and gives every value the local shape its
 layout promises; otherwise a ValueError names the placement rule to blame.
 Collectives are not dispatched but give their output's shape directly
 (they check nothing, and their custom ops cost half the run).
-Reads `meta["layout"]`, `meta["arg_layouts"]`, `meta["val"]`,
-`meta["global_shape"]` and `meta["global_node"]`; writes nothing.
+Reads `LAYOUT`, `ARG_LAYOUTS`, `GLOBAL_SHAPE`, `GLOBAL_NODE` and `REPLICATED`
+(`tess_compile.core.meta_keys`) and torch's `meta["val"]`; writes nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tess_compile.passes.source_lines import source_line
 from tess_compile.core.fake_run import UNCHECKABLE, local_placeholder
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import ARG_LAYOUTS, GLOBAL_NODE, GLOBAL_SHAPE, LAYOUT, REPLICATED
 from tess_compile.ops.collectives import COLLECTIVE_OPS, output_like
 
 __all__ = ["verify_placed", "verify_rewritten"]
@@ -34,7 +35,7 @@ def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        layout = node.meta.get("layout")
+        layout = LAYOUT.get(node)
         if layout is None and isinstance(node.meta.get("val"), torch.Tensor):
             raise AssertionError(f"placement left {node.name} without a layout")
         if layout is None:
@@ -44,7 +45,7 @@ def verify_placed(gm: GraphModule, mesh: Mesh) -> GraphModule:
         for lay, val in zip(layouts, vals):
             if isinstance(val, torch.Tensor):
                 _check_fits(node.name, lay, tuple(val.shape), mesh)
-        for arg, lay in node.meta.get("arg_layouts", {}).items():
+        for arg, lay in ARG_LAYOUTS.get(node, {}).items():
             if isinstance(arg.meta.get("val"), torch.Tensor):
                 _check_fits(f"{node.name} (argument {arg.name})", lay, tuple(arg.meta["val"].shape), mesh)
     return gm
@@ -85,13 +86,13 @@ class _LocalRun(Interpreter):
             raise
         except Exception as err:
             raise ValueError(self._blame(node, f"its local kernel fails on {self._call(node)}: {err}")) from err
-        layout = node.meta.get("layout")
+        layout = LAYOUT.get(node)
         if isinstance(layout, Layout) and isinstance(value, torch.Tensor):
-            expected = layout.local_shape(node.meta["global_shape"], self.mesh)
+            expected = layout.local_shape(GLOBAL_SHAPE.of(node), self.mesh)
             if list(value.shape) != expected:
                 raise ValueError(self._blame(node, (
                     f"its local kernel {self._call(node)} gives shape {list(value.shape)}, but its layout "
-                    f"{layout} promises {expected} of global shape {list(node.meta['global_shape'])}"
+                    f"{layout} promises {expected} of global shape {list(GLOBAL_SHAPE.of(node))}"
                 )))
         return value
 
@@ -107,14 +108,14 @@ class _LocalRun(Interpreter):
 
     def _blame(self, node: Node, what: str) -> str:
         """The error text: the per-rank node, the global node, its rule and layouts, the fix."""
-        origin = self.global_nodes.get(node.meta.get("global_node"))
+        origin = self.global_nodes.get(GLOBAL_NODE.get(node))
         if origin is None:
             return f"per-rank node {node.name} ({_op(node)}) on mesh {self.mesh}: {what}"
-        arg_layouts = ", ".join(f"{arg.name} {lay}" for arg, lay in origin.meta.get("arg_layouts", {}).items())
+        arg_layouts = ", ".join(f"{arg.name} {lay}" for arg, lay in ARG_LAYOUTS.get(origin, {}).items())
         return (
             f"per-rank node {node.name} ({_op(node)}), made for {origin.name} ({_op(origin)}) at "
             f"{source_line(origin)}, on mesh {self.mesh}: {what}; {_rule_of(origin, self.mesh)} laid out "
-            f"its inputs as [{arg_layouts}] and its output as {origin.meta.get('layout')}: report this as "
+            f"its inputs as [{arg_layouts}] and its output as {LAYOUT.get(origin)}: report this as "
             "a bug of that rule, or pass strict=True to see which ops have no rule"
         )
 
@@ -127,7 +128,7 @@ def _rule_of(node: Node, mesh: Mesh) -> str:
     """Which placement rule decided `node`'s layouts."""
     if node.target is operator.getitem:  # a part of a tuple: the producer's rule
         return _rule_of(node.args[0], mesh)
-    if "replicated" in node.meta:
+    if REPLICATED.has(node):
         return "the replicated fallback (the op has no rule)"
     family = family_of(node.target)
     if family is None:

@@ -39,6 +39,7 @@ from tess_compile.analysis.accounting import captured_forward_flops, redundant_w
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import GLOBAL_NODE, REPLICATED
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import Program, split_example_inputs
 from tess_compile.runtime.simulator import SimulatedModule
@@ -404,10 +405,10 @@ def _relative(actual: torch.Tensor | None, expected: torch.Tensor, scale: float)
 
 def replicated_ops(program: Program) -> list[str]:
     """"op xN at file:line" of each op of the model that runs replicated, in graph order, as the
-    rewrite marks the per-rank node holding its value (`meta["replicated"]`: its source line)."""
+    rewrite marks the per-rank node holding its value (`REPLICATED`: its source line)."""
     groups: dict[tuple[str, str], set[str]] = {}
     for node in program.graph.graph.nodes:
-        if "replicated" in node.meta:
-            key = (str(node.target).removeprefix("aten."), node.meta["replicated"])
-            groups.setdefault(key, set()).add(node.meta.get("global_node", node.name))
+        if REPLICATED.has(node):
+            key = (str(node.target).removeprefix("aten."), REPLICATED.of(node))
+            groups.setdefault(key, set()).add(GLOBAL_NODE.get(node, node.name))
     return [f"{op} x{len(names)} at {line}" for (op, line), names in groups.items()]

@@ -3,12 +3,16 @@
 Each family's file (`passes/rules/<family>.py`) holds, for the ops of that
 family, its placement rules, its lowering rules and, where mode "1d"
 (Megatron-LM) differs, those of mode "1d", in one `Family`; the contracts
-are in `passes/rules/family.py`, the helpers they share in `passes/rules/common.py`. A new op's rules go into its family's file;
-a new family's file is added to `FAMILIES` below. No op is in two families.
+are in `passes/rules/family.py`, the helpers they share in `passes/rules/common.py`.
+A new op's rules go into its family's file; a new family's file is added to
+`FAMILIES` below. No op is in two families.
 
 `placement_rules(mode)` is the table of the place pass, `lowering_rules(mode)`
 that of the rewrite pass; `family_of(op)` names the family whose rule decided
-an op (for the verifier's messages).
+an op (for the verifier's messages). A family's rule that needs another family's
+rule takes it from the table too (`placement_rule`, which the place pass hands the
+rules as `PlacementContext.rule`), never from the other family's file: no family
+imports another.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from tess_compile.passes.rules import (
 )
 from tess_compile.passes.rules.family import Family
 
-__all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rules"]
+__all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rule", "placement_rules"]
 
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
@@ -55,6 +59,11 @@ _LOWERING = {"2d": _table("lowering", None), "1d": _table("lowering", "lowering_
 def placement_rules(mode: str) -> dict:
     """`{op: placement rule}` of `mode` (a mesh's mode)."""
     return _PLACEMENT["1d" if mode == "1d" else "2d"]
+
+
+def placement_rule(mode: str, op, families: tuple[str, ...]):
+    """The placement rule of `op` in `mode`'s table if one of `families` holds `op`, else None."""
+    return placement_rules(mode).get(op) if family_of(op) in families else None
 
 
 def lowering_rules(mode: str) -> dict:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from torch.fx import Node
 
 from tess_compile.passes.builder import Builder
-from tess_compile.passes.rules.common import R, aten, get_arg, lower_default, shape_of, tensor_inputs
+from tess_compile.passes.rules.common import R, align, aligned, aten, get_arg, lower_default, shape_of, tensor_inputs
 from tess_compile.passes.rules.family import Decision, Family
-from tess_compile.passes.rules.pointwise import align, aligned
 from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
+from tess_compile.core.meta_keys import LAYOUT
 from tess_compile.ops.dropout import block_spec, sharded_attention
 
 __all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_attention", "place_attention"]
@@ -88,7 +88,7 @@ def lower_attention(b: Builder, node: Node, args, kwargs):
     return b.call(
         sharded_attention, local(0, "query"), local(1, "key"), local(2, "value"), local(3, "attn_mask"), dropout_p,
         local(5, "is_causal", False), kwargs.get("scale"), kwargs.get("enable_gqa", False),
-        weights_shape, *block_spec(node.meta["layout"], weights_shape, b.mesh), source_line(node),
+        weights_shape, *block_spec(LAYOUT.of(node), weights_shape, b.mesh), source_line(node),
     )
 
 

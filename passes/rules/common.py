@@ -1,6 +1,8 @@
-"""What the rule families share: helpers for arguments, shapes and layouts, and the
-rules that run an op replicated, dims-local or as it is (the rule contracts are in
-`passes/rules/family.py`)."""
+"""What the rule families share: helpers for arguments, shapes and layouts (broadcast
+alignment, channel and batch splits, which products multiply by a weight), and the generic
+rules that run an op replicated, dims-local, as it is, or with no layout at all (the rule
+contracts are in `passes/rules/family.py`). A family's own rules are its own: a family that
+needs another's rule asks the table for it (`PlacementContext.rule`), never its file."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.family import Decision
-from tess_compile.core.layout import Layout, Partial, Replicate, Shard, split_size
+from tess_compile.core.layout import Layout, Partial, Placement, Replicate, Shard, split_size
+from tess_compile.core.mesh import AXES
+from tess_compile.core.meta_keys import ARG_LAYOUTS, ROLE, WEIGHT_INPUT
 from tess_compile.ops import collectives as c
 from tess_compile.ops.local import arange_like
 
@@ -18,21 +22,33 @@ __all__ = [
     "P",
     "R",
     "WHOLE",
+    "align",
+    "aligned",
+    "all_same",
+    "arg_layout",
     "aten",
+    "batch_placements",
+    "block_indices",
+    "channels_layout",
     "check_divisible",
     "dim_arg",
     "dims_local",
     "display_name",
     "get_arg",
+    "is_narrow_projection",
     "is_one",
     "is_param",
+    "is_param_or_transpose",
     "layout_of",
     "lower_default",
+    "masked_padding",
     "normalize_dim",
+    "place_nothing",
     "place_replicated",
     "shape_of",
     "split_axes",
     "tensor_inputs",
+    "uses_summa",
     "without_partial",
 ]
 
@@ -67,6 +83,12 @@ def layout_of(ctx, node: Node) -> Layout:
     return ctx.layout(node) or Layout.replicated()
 
 
+def arg_layout(node: Node, arg: Node) -> Layout:
+    """The layout the placed op `node` needs its input `arg` in (`ARG_LAYOUTS`): in a lowering
+    rule, the layout of the local argument it was given."""
+    return ARG_LAYOUTS.of(node)[arg]
+
+
 def without_partial(layout: Layout) -> Layout:
     return Layout(*(R if isinstance(p, Partial) else p for p in layout.placements))
 
@@ -82,15 +104,43 @@ def get_arg(node: Node, index: int, name: str, default=None):
 
 
 def is_param(node: Node) -> bool:
-    return node.op == "placeholder" and node.meta.get("role", ("",))[0] == "param"
+    return node.op == "placeholder" and ROLE.get(node, ("",))[0] == "param"
+
+
+def is_param_or_transpose(node: Node) -> bool:
+    """A parameter, or a transpose of one (`x @ W.T`)."""
+    while node.op == "call_function" and node.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
+                                                          aten.permute.default):
+        node = node.args[0]
+    return is_param(node)
+
+
+def uses_summa(node: Node) -> bool:
+    """Whether a matmul-like node multiplies by a 2-D parameter (Tesseract's SUMMA)."""
+    if node.target is aten.linear.default:
+        return True
+    if node.target is aten.addmm.default:
+        plain = get_arg(node, 3, "beta", 1) == 1 and get_arg(node, 4, "alpha", 1) == 1
+        return plain and is_param(node.args[2])
+    weight = node.args[1]
+    return is_param_or_transpose(weight) and len(shape_of(weight)) == 2
+
+
+def is_narrow_projection(x: Node) -> bool:
+    """A projection to fewer features than it takes: grouped-query attention's key and
+    value heads, whose count need not divide q (they then run replicated)."""
+    if x.target is not aten.linear.default:
+        return False
+    out_features, in_features = shape_of(x.args[1])[:2]
+    return out_features < in_features
 
 
 def display_name(node: Node) -> str:
     """The model's name for a parameter, buffer or input; the node's name otherwise."""
-    role = node.meta.get("role")
+    role = ROLE.get(node)
     if role and role[0] != "input":
         return role[1]
-    return node.meta.get("weight_input", node.name)
+    return WEIGHT_INPUT.get(node, node.name)
 
 
 def check_divisible(what: str, node: Node, size: int, parts: int, groups: int, ctx, fix: str) -> None:
@@ -102,6 +152,11 @@ def check_divisible(what: str, node: Node, size: int, parts: int, groups: int, c
             f"{what} of {display_name(node)!r} (shape {list(shape_of(node))}) is {size}, not divisible by {parts} "
             f"on mesh {ctx.mesh}: {fix}"
         )
+
+
+def place_nothing(node: Node, ctx) -> Decision:
+    """An op that makes no tensor (a metadata assertion, a device, a size): no layouts needed."""
+    return Decision({}, None)
 
 
 def place_replicated(node: Node, ctx) -> Decision:
@@ -124,7 +179,8 @@ def dims_local(dims_of):
         needed = Layout(*(R if isinstance(p, Shard) and p.dim in dims else p for p in layout.placements))
         out = needed
         if node.target is aten.select.int:
-            out = Layout(*(Shard(p.dim - (p.dim > dims[0]), p.groups) if isinstance(p, Shard) else p for p in needed.placements))
+            out = Layout(*(Shard(p.dim - (p.dim > dims[0]), p.groups) if isinstance(p, Shard) else p
+                           for p in needed.placements))
         return Decision({x: needed}, out)
 
     return rule
@@ -165,3 +221,95 @@ def masked_padding(b: Builder, x: Node, shape, layout: Layout, dim: int, fill: f
 def split_axes(b: Builder, layout: Layout, dims) -> list[str]:
     """Axes of size > 1 that split one of `dims`."""
     return [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim in dims]
+
+
+def _partial_stays(node: Node, tensors: list[Node], placements: dict, linearity: str | None) -> bool:
+    """Whether partial sums on an axis pass through `node`, given how it treats them (`align`)."""
+    partial = [t for t in tensors if isinstance(placements[t], Partial)]
+    if not partial or linearity is None:
+        return False
+    if linearity == "unary":
+        return True
+    if linearity == "sum":
+        numbers = [a for a in node.args if isinstance(a, (int, float))]
+        return len(partial) == len(tensors) and not numbers
+    others_replicated = all(isinstance(placements[t], Replicate) or placements[t] is None
+                            for t in tensors if t not in partial)
+    is_divisor = node.target is aten.div.Tensor and tensors[0] not in partial
+    return len(partial) == 1 and others_replicated and not is_divisor
+
+
+def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=(),
+          linearity: str | None = None) -> tuple[dict, list]:
+    """Broadcast-align the splits of `tensors` to `out_shape`, per axis.
+
+    Out dims in `frozen` stay unsplit. `linearity` says how the op treats partial sums: "sum"
+    (every tensor may be partial), "scale" (one partial tensor times replicated ones), "unary"
+    (passes through), None (none pass; the pointwise family's table says it of its ops).
+    Returns (required layouts, output placements).
+    """
+    n_out = len(out_shape)
+    tensors = list(dict.fromkeys(tensors))  # a tensor may come twice (cat([x, x]))
+    required = {t: [] for t in tensors}
+    out: list[Placement] = []
+    for axis in AXES:
+        placements = {t: (ctx.layout(t).on(axis) if ctx.layout(t) else None) for t in tensors}
+        if _partial_stays(node, tensors, placements, linearity):
+            for t in tensors:
+                required[t].append(placements[t] or R)
+            out.append(P)
+            continue
+        chosen = None
+        for t in tensors:
+            p = placements[t]
+            if isinstance(p, Shard):
+                od = p.dim + n_out - len(shape_of(t))
+                if od not in frozen and shape_of(t)[p.dim] == out_shape[od]:
+                    chosen = Shard(od, p.groups)
+                    break
+        for t in tensors:
+            required[t].append(aligned(chosen, shape_of(t), out_shape))
+        out.append(chosen or R)
+    for axis in Layout(*out).unfit_axes(out_shape, ctx.mesh):  # splits of one dim that do not fit it together
+        index = AXES.index(axis)
+        out[index] = R
+        for t in tensors:
+            required[t][index] = R
+    return {t: Layout(*ps) for t, ps in required.items()}, out
+
+
+def aligned(chosen, shape, out_shape) -> Placement:
+    """The split of a tensor of `shape` that broadcasts to the output split `chosen`."""
+    if not isinstance(chosen, Shard):
+        return R
+    dim = chosen.dim - (len(out_shape) - len(shape))
+    if dim >= 0 and shape[dim] == out_shape[chosen.dim]:
+        return Shard(dim, chosen.groups)
+    return R
+
+
+def channels_layout(ctx, x: Node, channel_dim: int) -> Layout:
+    """x's layout with partial sums resolved: on col, split by channels where they divide
+    and no other axis splits them (a reduce, then a slice); elsewhere replicated."""
+    layout = without_partial(layout_of(ctx, x))
+    if not isinstance(layout_of(ctx, x).col, Partial):
+        return layout
+    taken = any(isinstance(p, Shard) and p.dim == channel_dim for p in layout.placements)
+    divides = shape_of(x)[channel_dim] % ctx.mesh.size("col") == 0
+    return layout.with_axis("col", Shard(channel_dim) if divides and not taken else R)
+
+
+def batch_placements(ctx, layout: Layout, batch: int) -> list:
+    """Placements on depth and row that split dim 0 (the batch) where it divides,
+    outermost first; an axis of size 1 stays as it is."""
+    out, parts = [], 1
+    for axis, p in zip(("depth", "row"), layout.placements[:2]):
+        size = ctx.mesh.size(axis)
+        if size == 1:
+            out.append(p if isinstance(p, Shard) and p.dim == 0 else R)
+        elif batch % (parts * size) == 0:
+            out.append(Shard(0))
+            parts *= size
+        else:
+            out.append(R)
+    return out

@@ -5,7 +5,8 @@ ops that make complex values (`polar`, `complex`).
 real and imaginary parts and so must be whole on every rank; `view_as_real`
 adds it back. Splits on the other dims carry over as they are (rotary
 embeddings keep their batch and head splits through the complex product).
-Elementwise ops on complex values (`mul`, `add`, ...) are the pointwise rules.
+Elementwise ops on complex values (`mul`, `add`, ...) are the pointwise rules, and so
+are `polar` and `complex`: their rule is the pointwise family's, asked through the table.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from torch.fx import Node
 
 from tess_compile.passes.rules.common import R, aten, shape_of
 from tess_compile.passes.rules.family import Decision, Family
-from tess_compile.passes.rules.pointwise import place_pointwise
 from tess_compile.core.layout import Layout, Shard
 
-__all__ = ["FAMILY", "PLACEMENT", "place_view_as_complex", "place_view_as_real"]
+__all__ = ["FAMILY", "PLACEMENT", "place_elementwise", "place_view_as_complex", "place_view_as_real"]
 
 
 def place_view_as_complex(node: Node, ctx) -> Decision:
@@ -40,11 +40,17 @@ def place_view_as_real(node: Node, ctx) -> Decision:
     return Decision({x: layout}, layout)
 
 
+def place_elementwise(node: Node, ctx) -> Decision:
+    """`polar(abs, angle)` / `complex(real, imag)`: elementwise, placed by the pointwise family's
+    rule of a binary op (`mul`), which the table gives."""
+    return ctx.rule(aten.mul.Tensor, ("pointwise",))(node, ctx)
+
+
 PLACEMENT = {
     aten.view_as_complex.default: place_view_as_complex,
     aten.view_as_real.default: place_view_as_real,
-    aten.polar.default: place_pointwise,
-    aten.complex.default: place_pointwise,
+    aten.polar.default: place_elementwise,
+    aten.complex.default: place_elementwise,
 }
 
 FAMILY = Family("complex_numbers", PLACEMENT)

@@ -12,7 +12,7 @@ channels are split over col in one of three ways:
 - row-parallel (input channels split over col): the weight's in channels
   are split and each rank's output is a partial sum over col, reduced by
   its consumer (a batch norm or pooling takes it split by channels, see
-  `channels_layout`). This keeps only the rank's channel block of the input
+  `common.channels_layout`). This keeps only the rank's channel block of the input
   for backward; gathering the channels for a column-parallel conv instead
   would move the input rather than the output, but keep it whole on every
   rank of col until backward.
@@ -34,30 +34,22 @@ from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
     P,
     R,
+    arg_layout,
     aten,
+    batch_placements,
+    channels_layout,
     display_name,
     get_arg,
-    layout_of,
     place_replicated,
     shape_of,
     split_axes,
-    without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Partial, Shard
+from tess_compile.core.meta_keys import LAYOUT
 from tess_compile.ops import collectives as c
 
-__all__ = [
-    "FAMILY",
-    "LOWERING",
-    "PLACEMENT",
-    "batch_placements",
-    "channels_layout",
-    "conv_groups",
-    "groups_index",
-    "lower_conv",
-    "place_conv",
-]
+__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "conv_groups", "groups_index", "lower_conv", "place_conv"]
 
 
 def groups_index(node: Node) -> int:
@@ -68,33 +60,6 @@ def groups_index(node: Node) -> int:
 def conv_groups(node: Node) -> int:
     """The `groups` argument of a conv node."""
     return get_arg(node, groups_index(node), "groups", 1)
-
-
-def channels_layout(ctx, x: Node, channel_dim: int) -> Layout:
-    """x's layout with partial sums resolved: on col, split by channels where they divide
-    and no other axis splits them (a reduce, then a slice); elsewhere replicated."""
-    layout = without_partial(layout_of(ctx, x))
-    if not isinstance(layout_of(ctx, x).col, Partial):
-        return layout
-    taken = any(isinstance(p, Shard) and p.dim == channel_dim for p in layout.placements)
-    divides = shape_of(x)[channel_dim] % ctx.mesh.size("col") == 0
-    return layout.with_axis("col", Shard(channel_dim) if divides and not taken else R)
-
-
-def batch_placements(ctx, layout: Layout, batch: int) -> list:
-    """Placements on depth and row that split dim 0 (the batch) where it divides,
-    outermost first; an axis of size 1 stays as it is."""
-    out, parts = [], 1
-    for axis, p in zip(("depth", "row"), layout.placements[:2]):
-        size = ctx.mesh.size(axis)
-        if size == 1:
-            out.append(p if isinstance(p, Shard) and p.dim == 0 else R)
-        elif batch % (parts * size) == 0:
-            out.append(Shard(0))
-            parts *= size
-        else:
-            out.append(R)
-    return out
 
 
 def _col_split(node: Node, ctx, x_col, weight: Node) -> str:
@@ -163,14 +128,14 @@ def lower_conv(b: Builder, node: Node, args, kwargs):
     """A grouped conv with its channels split runs its own `groups / parts` groups; a
     row-parallel conv (partial output) adds its bias on the rank at col 0 only."""
     args, kwargs = list(args), dict(kwargs)
-    channel_axes = split_axes(b, node.meta["arg_layouts"][node.args[0]], [1])
+    channel_axes = split_axes(b, arg_layout(node, node.args[0]), [1])
     groups, parts = conv_groups(node), math.prod(b.mesh.size(axis) for axis in channel_axes)
     if groups > 1 and parts > 1:
         if len(args) > groups_index(node):
             args[groups_index(node)] = groups // parts
         else:
             kwargs["groups"] = groups // parts
-    if isinstance(node.meta["layout"].col, Partial) and len(args) > 2 and args[2] is not None:
+    if isinstance(LAYOUT.of(node).col, Partial) and len(args) > 2 and args[2] is not None:
         args[2] = b.collective(c.keep_first, args[2], "col")
     return b.call(node.target, *args, **kwargs)
 

@@ -10,8 +10,8 @@ letter an operand repeats, of other sizes in two operands, a grouped split,
 or one that would not split its dim evenly, whose padding would enter the
 sum) is gathered. An axis that splits no operand (whole values, weights not
 laid out yet) splits a letter of them, so that its ranks share the work:
-slicing a whole value moves nothing. Every operand arrives without partial sums. The op runs as it is on the local blocks: the equation
-does not change.
+slicing a whole value moves nothing. Every operand arrives without partial sums.
+The op runs as it is on the local blocks: the equation does not change.
 """
 
 from __future__ import annotations

@@ -15,16 +15,7 @@ from torch.fx import Node
 
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
-    WHOLE,
-    P,
-    R,
-    aten,
-    block_indices,
-    get_arg,
-    layout_of,
-    lower_default,
-    shape_of,
-    without_partial,
+    WHOLE, P, R, arg_layout, aten, block_indices, get_arg, layout_of, lower_default, shape_of, without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.passes.rules.index_checks import check_lookup_ids
@@ -33,17 +24,8 @@ from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c
 
 __all__ = [
-    "FAMILY",
-    "LOWERING",
-    "LOWERING_1D",
-    "PLACEMENT",
-    "PLACEMENT_1D",
-    "lower_embedding",
-    "lower_embedding_1d",
-    "masked_lookup",
-    "place_embedding",
-    "place_embedding_1d",
-    "vocab_parallel",
+    "FAMILY", "LOWERING", "LOWERING_1D", "PLACEMENT", "PLACEMENT_1D", "lower_embedding", "lower_embedding_1d",
+    "masked_lookup", "place_embedding", "place_embedding_1d", "vocab_parallel",
 ]
 
 
@@ -116,11 +98,12 @@ def lower_embedding(b: Builder, node: Node, args, kwargs):
     ids first, as torch's embedding does (`check_lookup_ids`)."""
     check_lookup_ids(b, node, args[1])
     weight_node = node.args[0]
-    w_layout = node.meta["arg_layouts"][weight_node]
+    w_layout = arg_layout(node, weight_node)
     if not vocab_parallel(node, w_layout) or b.mesh.size("row") == 1:
         return lower_default(b, node, args, kwargs)
     all_ids = b.split_op(c.all_gather, args[1], "row", 0, 1)
-    rows = masked_lookup(b, args[0], all_ids, weight_node.meta["val"].shape[0], "row", get_arg(node, 2, "padding_idx", -1))
+    vocab = weight_node.meta["val"].shape[0]
+    rows = masked_lookup(b, args[0], all_ids, vocab, "row", get_arg(node, 2, "padding_idx", -1))
     return b.split_op(c.reduce_scatter, rows, "row", 0, 1)
 
 
@@ -145,7 +128,7 @@ def place_embedding_1d(node: Node, ctx) -> Decision:
 
 def lower_embedding_1d(b: Builder, node: Node, args, kwargs):
     check_lookup_ids(b, node, args[1])
-    if not _vocab_split(node.meta["arg_layouts"][node.args[0]]) or b.mesh.size("col") == 1:
+    if not _vocab_split(arg_layout(node, node.args[0])) or b.mesh.size("col") == 1:
         return lower_default(b, node, args, kwargs)
     vocab = node.args[0].meta["val"].shape[0]
     return masked_lookup(b, args[0], args[1], vocab, "col", get_arg(node, 2, "padding_idx", -1))

@@ -18,7 +18,16 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from tess_compile.passes.rules.common import R, aten, get_arg, layout_of, normalize_dim, place_replicated, shape_of, without_partial
+from tess_compile.passes.rules.common import (
+    R,
+    aten,
+    get_arg,
+    layout_of,
+    normalize_dim,
+    place_replicated,
+    shape_of,
+    without_partial,
+)
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES

@@ -10,22 +10,17 @@ from __future__ import annotations
 from torch.fx import Node
 
 from tess_compile.passes.builder import Builder
-from tess_compile.passes.rules.common import aten, place_replicated
+from tess_compile.passes.rules.common import aten, place_nothing, place_replicated
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout
 from tess_compile.ops.local import device_of
 
-__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_nothing", "place_like_factory", "place_nothing"]
+__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_nothing", "place_like_factory"]
 
 
 def place_like_factory(node: Node, ctx) -> Decision:
     """new_ones / new_zeros / new_full: the input gives only dtype and device."""
     return Decision({}, Layout.replicated())
-
-
-def place_nothing(node: Node, ctx) -> Decision:
-    """An op that makes no tensor (a metadata assertion, a device): no layouts needed."""
-    return Decision({}, None)
 
 
 _FACTORIES = [

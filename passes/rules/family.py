@@ -2,13 +2,15 @@
 `Decision` its placement rules return.
 
 A placement rule is `rule(node, ctx) -> Decision`. `ctx` is the placement
-pass's `PlacementContext` (layouts so far, global shapes, the mesh, hints).
+pass's `PlacementContext` (layouts so far, global shapes, the mesh, hints, and
+the rules of other families: `ctx.rule`, so that no family imports another).
 A `None` layout is a free parameter or buffer: the rule's requirement
 becomes its layout. Placement rules never touch the graph.
 
 A lowering rule is `lower(b, node, args, kwargs) -> Node | tuple`: `b` is the
 rewrite pass's `Builder`, `node` the placed node (global shapes in
-`meta["val"]`, layouts in `meta`), `args` and `kwargs` its arguments with
+`meta["val"]`, layouts in `LAYOUT` and `ARG_LAYOUTS` of `tess_compile.core.meta_keys`;
+`common.arg_layout`), `args` and `kwargs` its arguments with
 every tensor already converted to the layout the op asked for. An op without
 a lowering rule runs as it is on local tensors (`lower_default`). Shape
 arguments are global in the captured graph; rules that take shapes make

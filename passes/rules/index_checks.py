@@ -19,6 +19,7 @@ from torch.fx.node import map_arg
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import display_name
 from tess_compile.core.layout import Layout, Partial, Shard
+from tess_compile.core.meta_keys import INDEX_CHECK, LAYOUT, LOCAL_INPUT, ROLE
 from tess_compile.ops.local import check_in_range, device_of
 
 __all__ = ["check_lookup_ids", "check_targets"]
@@ -31,12 +32,13 @@ _MAX_REPLAYED = 16
 def _global_placeholder(b: Builder, node: Node) -> Node | None:
     """The per-rank placeholder of `node` if it holds the whole (global) value: a user
     input (inputs arrive whole), or a buffer or constant replicated on every axis."""
-    role = node.meta.get("role", (None,))[0]
-    layout = node.meta.get("layout")
-    whole = isinstance(layout, Layout) and not layout.axes_where(Shard, b.mesh) and not layout.axes_where(Partial, b.mesh)
+    role = ROLE.get(node, (None,))[0]
+    layout = LAYOUT.get(node)
+    whole = (isinstance(layout, Layout) and not layout.axes_where(Shard, b.mesh)
+             and not layout.axes_where(Partial, b.mesh))
     if role != "input" and not (role in ("buffer", "constant") and whole):
         return None
-    if "local_input" in node.meta:  # a pipeline stage's input: this rank's block only
+    if LOCAL_INPUT.has(node):  # a pipeline stage's input: this rank's block only
         return None
     return next((n for n in b.graph.nodes if n.op == "placeholder" and n.target == node.name), None)
 
@@ -79,7 +81,7 @@ def _check_anchor(b: Builder) -> Node | None:
     for node in b.graph.nodes:
         if node.op == "placeholder":
             anchor = node
-    while anchor is not None and anchor.next.meta.get("index_check"):
+    while anchor is not None and INDEX_CHECK.get(anchor.next):
         anchor = anchor.next
     return anchor
 
@@ -88,7 +90,7 @@ def _emit_after(b: Builder, anchor: Node, target, *args, **kwargs) -> Node:
     """`target(*args, **kwargs)` right after `anchor`, marked as part of the checks."""
     with b.graph.inserting_after(anchor):
         out = b.call(target, *args, **kwargs)
-    out.meta["index_check"] = True
+    INDEX_CHECK.set(out, True)
     return out
 
 

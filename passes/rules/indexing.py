@@ -38,6 +38,7 @@ from torch.fx import Node
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
     R,
+    arg_layout,
     aten,
     display_name,
     get_arg,
@@ -216,7 +217,7 @@ def lower_masked_scatter(b: Builder, node: Node, args, kwargs):
     the source rows from there on (as many as it has rows, the last repeated past the
     end: only as many as it masks are read)."""
     x_node, mask_node, source_node = node.args[:3]
-    layout = node.meta["arg_layouts"][x_node]
+    layout = arg_layout(node, x_node)
     axes = split_axes(b, layout, [0])
     start = _tail_start(x_node, mask_node, source_node)
     if not axes or start == 0:

@@ -12,6 +12,7 @@ from torch.fx import Node
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
     R,
+    arg_layout,
     aten,
     block_indices,
     get_arg,
@@ -61,7 +62,7 @@ def lower_cross_entropy(b: Builder, node: Node, args, kwargs):
     if not cross_entropy_is_split(node):
         return lower_default(b, node, args, kwargs)
     x, target, shape = args[0], args[1], node.args[0].meta["val"].shape
-    layout = node.meta["arg_layouts"][node.args[0]]
+    layout = arg_layout(node, node.args[0])
     x = masked_padding(b, x, shape, layout, 1, float("-inf"))
     class_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 1]
     row_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 0]

@@ -2,7 +2,7 @@
 and the affine parameters are split like the normalised dims. Over a split
 normalised dim the lowering computes the statistics with one collective an
 axis (LayerNorm: each rank's mean and centred sum of squares, all-gathered
-and merged by Chan et al.'s formula; RMSNorm: an all-reduce of the sum of
+and merged by Chan et al.'s formula, `_chan_merge`; RMSNorm: an all-reduce of the sum of
 squares) and normalises with `tess_compile.ops.split_norm`, which keeps only
 x and the statistics for backward.
 
@@ -21,8 +21,9 @@ along col (a few numbers a channel) and merged into the groups' on every rank.
 _weight_norm (`torch.nn.utils.weight_norm` and its parametrization: the weight
 `v * g / |v|`, recomputed from the parameters v and g each forward) takes the
 layout its consumer (a conv or a product) asks of a free weight, so that v is
-split as the weight would be; the norm over split dims is one all-reduce of
-the sums of squares per axis.
+split as the weight would be (that family's rule, asked through the table:
+`PlacementContext.rule`); the norm over split dims is one all-reduce of the
+sums of squares per axis.
 """
 
 from __future__ import annotations
@@ -34,12 +35,23 @@ import torch
 from torch.fx import Node
 
 from tess_compile.passes.builder import Builder
-from tess_compile.passes.rules import convolutions, products
-from tess_compile.passes.rules.common import R, aten, get_arg, layout_of, lower_default, shape_of, split_axes, without_partial
-from tess_compile.passes.rules.convolutions import batch_placements, channels_layout
+from tess_compile.passes.rules.common import (
+    R,
+    arg_layout,
+    aten,
+    batch_placements,
+    channels_layout,
+    get_arg,
+    layout_of,
+    lower_default,
+    shape_of,
+    split_axes,
+    without_partial,
+)
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
+from tess_compile.core.meta_keys import LAYOUT
 from tess_compile.ops import collectives as c
 from tess_compile.ops.split_norm import split_norm
 
@@ -66,7 +78,8 @@ def place_norm(node: Node, ctx) -> Decision:
     layout = without_partial(layout_of(ctx, x))
     ndim = len(shape_of(x))
     first = ndim - len(node.args[1])
-    affine = Layout(*(Shard(p.dim - first, p.groups) if isinstance(p, Shard) and p.dim >= first else R for p in layout.placements))
+    affine = Layout(*(Shard(p.dim - first, p.groups) if isinstance(p, Shard) and p.dim >= first else R
+                      for p in layout.placements))
     args = {x: layout}
     params = node.args[2:4] if node.target is aten.layer_norm.default else node.args[2:3]
     for param in params:
@@ -105,28 +118,39 @@ def _sum_over(b: Builder, x: Node, dims, axes) -> Node:
     return total
 
 
+def _own_statistics(b: Builder, xs: Node, own_mean: Node, dims: list[int], at: int) -> Node:
+    """This rank's mean of `xs` over `dims` (`own_mean`) and centred sum of squares M2 over
+    them, side by side along dim `at` (a reduced dim, kept)."""
+    centred = b.call(aten.sub.Tensor, xs, own_mean)
+    own_m2 = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, centred, centred), dims, True)
+    return b.call(aten.cat.default, [own_mean, own_m2], at)
+
+
+def _chan_merge(b: Builder, means: Node, m2s: Node, at: int, own: int) -> tuple[Node, Node]:
+    """The mean and M2 of the parts whose means and M2s (of `own` elements each) lie along dim
+    `at`, by Chan et al.'s pairwise formula: `M2 = sum M2_r + own * sum (mean_r - mean)^2`. As
+    stable as a two-pass variance; a sum of squares minus a squared sum would cancel."""
+    mean = b.call(aten.mean.dim, means, [at], True)
+    spread = b.call(aten.sub.Tensor, means, mean)
+    between = b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, spread, spread), [at], True),
+                     own)
+    return mean, b.call(aten.add.Tensor, b.call(aten.sum.dim_IntList, m2s, [at], True), between)
+
+
 def _mean_and_variance(b: Builder, xs: Node, dims: list[int], axes: list[str], count: int) -> tuple[Node, Node]:
     """Mean and (biased) variance over `dims` of `count` elements, split over `axes`, with one
-    collective an axis: each rank's own mean and centred sum of squares side by side,
-    all-gathered, then merged by Chan et al.'s pairwise formula (every rank holds
-    `count / parts` of them): `M2 = sum M2_r + n_r * sum (mean_r - mean)^2`. As stable as
-    a two-pass variance; a sum of squares minus a squared sum would cancel."""
+    collective an axis: each rank's own mean and M2 side by side, all-gathered, then merged
+    (`_chan_merge`; every rank holds `count / parts` of them)."""
     parts = math.prod(b.mesh.size(axis) for axis in axes)
     assert count % parts == 0, "placement splits norm dims evenly"
     own = count // parts
     at = dims[-1]  # the statistics lie side by side along one reduced dim (kept, size 1)
-    own_mean = b.call(aten.div.Tensor, b.call(aten.sum.dim_IntList, xs, dims, True), own)
-    centred = b.call(aten.sub.Tensor, xs, own_mean)
-    own_m2 = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, centred, centred), dims, True)
-    stats = b.call(aten.cat.default, [own_mean, own_m2], at)
+    stats = _own_statistics(b, xs, b.call(aten.div.Tensor, b.call(aten.sum.dim_IntList, xs, dims, True), own), dims, at)
     for axis in axes:
         stats = b.split_op(c.all_gather, stats, axis, at, 1)
     means = b.call(aten.slice.Tensor, stats, at, 0, None, 2)
     m2s = b.call(aten.slice.Tensor, stats, at, 1, None, 2)
-    mean = b.call(aten.mean.dim, means, [at], True)
-    spread = b.call(aten.sub.Tensor, means, mean)
-    between = b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, spread, spread), [at], True), own)
-    m2 = b.call(aten.add.Tensor, b.call(aten.sum.dim_IntList, m2s, [at], True), between)
+    mean, m2 = _chan_merge(b, means, m2s, at, own)
     return mean, b.call(aten.div.Tensor, m2, count)
 
 
@@ -148,7 +172,7 @@ def lower_layer_norm(b: Builder, node: Node, args, kwargs):
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
     ndim = node.args[0].meta["val"].dim()
     dims = list(range(ndim - len(shape), ndim))
-    axes = split_axes(b, node.meta["arg_layouts"][node.args[0]], dims)
+    axes = split_axes(b, arg_layout(node, node.args[0]), dims)
     if not axes:
         return lower_default(b, node, args, kwargs)
     count = math.prod(shape)
@@ -167,7 +191,7 @@ def lower_rms_norm(b: Builder, node: Node, args, kwargs):
     eps = args[3] if len(args) > 3 else kwargs.get("eps")
     val = node.args[0].meta["val"]
     dims = list(range(val.dim() - len(shape), val.dim()))
-    axes = split_axes(b, node.meta["arg_layouts"][node.args[0]], dims)
+    axes = split_axes(b, arg_layout(node, node.args[0]), dims)
     if not axes:
         return lower_default(b, node, args, kwargs)
     eps = torch.finfo(val.dtype).eps if eps is None else eps
@@ -187,7 +211,7 @@ def lower_batch_norm(b: Builder, node: Node, args, kwargs):
     x, weight, bias, running_mean, running_var, training, momentum, eps = args[:8]
     val = node.args[0].meta["val"]
     dims = [0, *range(2, val.dim())]
-    axes = split_axes(b, node.meta["arg_layouts"][node.args[0]], dims)
+    axes = split_axes(b, arg_layout(node, node.args[0]), dims)
     if not training or not axes:
         return lower_default(b, node, args, kwargs)
     count = math.prod(val.shape[d] for d in dims)
@@ -235,7 +259,7 @@ def lower_group_norm(b: Builder, node: Node, args, kwargs):
     x, num_groups = args[:2]
     weight, bias = (list(args[2:4]) + [None, None])[:2]
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
-    placement, parts = node.meta["arg_layouts"][node.args[0]].col, b.mesh.size("col")
+    placement, parts = arg_layout(node, node.args[0]).col, b.mesh.size("col")
     if not (isinstance(placement, Shard) and placement.dim == 1) or parts == 1:
         return lower_default(b, node, args, kwargs)
     if _whole_groups(num_groups, placement, parts):
@@ -246,27 +270,22 @@ def lower_group_norm(b: Builder, node: Node, args, kwargs):
 def _spread_group_norm(b: Builder, node: Node, x: Node, weight, bias, eps, placement) -> Node:
     """group_norm whose groups spread over ranks of col: every rank's per-channel mean and
     centred sum of squares over the spatial dims, all-gathered along col, merged into each
-    group's by Chan et al.'s formula (as `_mean_and_variance`), expanded back to channels
-    and cut to this rank's; differentiated through as it is."""
+    group's (`_chan_merge`), expanded back to channels and cut to this rank's; differentiated
+    through as it is."""
     val = node.args[0].meta["val"]
-    batch, channels, num_groups = *node.meta["arg_layouts"][node.args[0]].local_shape(val.shape, b.mesh)[:2], node.args[1]
+    batch, channels, num_groups = *arg_layout(node, node.args[0]).local_shape(val.shape, b.mesh)[:2], node.args[1]
     spatial = math.prod(val.shape[2:])
     per_group = val.shape[1] // num_groups
     xs = b.call(aten.reshape.default, _statistics_input(b, x, val.dtype), [batch, channels, spatial])
-    own_mean = b.call(aten.mean.dim, xs, [2], True)
-    centred = b.call(aten.sub.Tensor, xs, own_mean)
-    own_m2 = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, centred, centred), [2], True)
-    stats = b.split_op(c.all_gather, b.call(aten.cat.default, [own_mean, own_m2], 2), "col", 1, placement.groups)
+    stats = _own_statistics(b, xs, b.call(aten.mean.dim, xs, [2], True), [2], 2)
+    stats = b.split_op(c.all_gather, stats, "col", 1, placement.groups)
     stats = b.call(aten.reshape.default, stats, [batch, num_groups, per_group, 2])
     means, m2s = (b.call(aten.select.int, stats, 3, i) for i in (0, 1))
-    mean = b.call(aten.mean.dim, means, [2], True)
-    spread = b.call(aten.sub.Tensor, means, mean)
-    between = b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, spread, spread), [2], True), spatial)
-    m2 = b.call(aten.add.Tensor, b.call(aten.sum.dim_IntList, m2s, [2], True), between)
+    mean, m2 = _chan_merge(b, means, m2s, 2, spatial)
     rstd = b.call(aten.rsqrt.default, b.call(aten.add.Tensor, b.call(aten.div.Tensor, m2, per_group * spatial), eps))
     mean, rstd = (_own_channels(b, v, batch, per_group, placement) for v in (mean, rstd))
     y = b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, xs, mean), rstd)
-    y = b.call(aten.reshape.default, y, list(node.meta["layout"].local_shape(val.shape, b.mesh)))
+    y = b.call(aten.reshape.default, y, list(LAYOUT.of(node).local_shape(val.shape, b.mesh)))
     shape = [-1] + [1] * (val.dim() - 2)  # per-channel vectors broadcast over space
     if weight is not None:
         y = b.call(aten.mul.Tensor, y, b.call(aten.reshape.default, weight, shape))
@@ -308,17 +327,20 @@ def _divides(layout: Layout, shape, mesh) -> bool:
     return True
 
 
+# The families whose rules lay out a weight: a free weight's first consumer among them gives
+# `_weight_norm` its layout.
+_WEIGHT_CONSUMERS = ("convolutions", "products")
+
+
 def _consumer_wish(node: Node, ctx) -> Layout | None:
     """The layout that the first conv or product using `node` would give it as a free weight
-    (its rule asked in advance; its warnings are its own call's to give)."""
-    rules = {**convolutions.PLACEMENT, **products.PLACEMENT}
-    if ctx.mesh.mode == "1d":
-        rules.update(products.PLACEMENT_1D)
+    (its rule, of the mesh's mode, asked in advance; its warnings are its own call's to give)."""
     for user in node.users:
-        if user.target in rules:
+        rule = ctx.rule(user.target, _WEIGHT_CONSUMERS)
+        if rule is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                wish = rules[user.target](user, ctx).args.get(node)
+                wish = rule(user, ctx).args.get(node)
             if wish is not None:
                 return wish
     return None
@@ -331,7 +353,7 @@ def lower_weight_norm(b: Builder, node: Node, args, kwargs):
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     ndim = node.args[0].meta["val"].dim()
     normed = list(range(ndim)) if dim == -1 else [d for d in range(ndim) if d != dim]
-    axes = split_axes(b, node.meta["arg_layouts"][node.args[0]], normed)
+    axes = split_axes(b, arg_layout(node, node.args[0]), normed)
     if not axes:
         return lower_default(b, node, args, kwargs)
     squares = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, v, v), normed, True)

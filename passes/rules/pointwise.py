@@ -2,8 +2,8 @@
 
 Each mesh axis keeps one input's split if it lands on an output dim of the
 same size; the other inputs are split alike where they have that dim and
-replicated where they broadcast. Partial sums pass through the ops that are
-linear in them (`_LINEARITY`). `align` serves the other families too.
+replicated where they broadcast (`common.align`, which other families use too).
+Partial sums pass through the ops that are linear in them (`_LINEARITY`).
 
 In-place ops (`add_`, `copy_`, ...) keep their target's layout. Dropout keeps
 its input's layout, replicated values included: each rank draws the full mask
@@ -22,8 +22,9 @@ from torch.fx import Node
 
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
-    P,
-    R,
+    align,
+    aligned,
+    arg_layout,
     aten,
     get_arg,
     layout_of,
@@ -34,16 +35,14 @@ from tess_compile.passes.rules.common import (
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
-from tess_compile.core.layout import Layout, Partial, Placement, Replicate, Shard
-from tess_compile.core.mesh import AXES
+from tess_compile.core.layout import Layout
+from tess_compile.core.meta_keys import LAYOUT
 from tess_compile.ops.dropout import block_spec, replicated_draw, sharded_dropout, sharded_native_dropout
 
 __all__ = [
     "FAMILY",
     "LOWERING",
     "PLACEMENT",
-    "align",
-    "aligned",
     "lower_dropout",
     "lower_native_dropout",
     "lower_random",
@@ -53,7 +52,7 @@ __all__ = [
     "place_type_as",
 ]
 
-# How an op treats partial sums: "sum" (every tensor may be partial),
+# How an op treats partial sums (`common.align`): "sum" (every tensor may be partial),
 # "scale" (one partial tensor times replicated ones), "unary" (passes through).
 _LINEARITY = {
     aten.add.Tensor: "sum",
@@ -74,69 +73,9 @@ _LINEARITY = {
 }
 
 
-def _partial_stays(node: Node, tensors: list[Node], placements: dict) -> bool:
-    kind = _LINEARITY.get(node.target)
-    partial = [t for t in tensors if isinstance(placements[t], Partial)]
-    if not partial or kind is None:
-        return False
-    if kind == "unary":
-        return True
-    if kind == "sum":
-        numbers = [a for a in node.args if isinstance(a, (int, float))]
-        return len(partial) == len(tensors) and not numbers
-    others_replicated = all(isinstance(placements[t], Replicate) or placements[t] is None for t in tensors if t not in partial)
-    is_divisor = node.target is aten.div.Tensor and tensors[0] not in partial
-    return len(partial) == 1 and others_replicated and not is_divisor
-
-
-def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=()) -> tuple[dict, list]:
-    """Broadcast-align the splits of `tensors` to `out_shape`, per axis.
-
-    Out dims in `frozen` stay unsplit. Returns (required layouts, output placements).
-    """
-    n_out = len(out_shape)
-    tensors = list(dict.fromkeys(tensors))  # a tensor may come twice (cat([x, x]))
-    required = {t: [] for t in tensors}
-    out: list[Placement] = []
-    for axis in AXES:
-        placements = {t: (ctx.layout(t).on(axis) if ctx.layout(t) else None) for t in tensors}
-        if _partial_stays(node, tensors, placements):
-            for t in tensors:
-                required[t].append(placements[t] or R)
-            out.append(P)
-            continue
-        chosen = None
-        for t in tensors:
-            p = placements[t]
-            if isinstance(p, Shard):
-                od = p.dim + n_out - len(shape_of(t))
-                if od not in frozen and shape_of(t)[p.dim] == out_shape[od]:
-                    chosen = Shard(od, p.groups)
-                    break
-        for t in tensors:
-            required[t].append(aligned(chosen, shape_of(t), out_shape))
-        out.append(chosen or R)
-    for axis in Layout(*out).unfit_axes(out_shape, ctx.mesh):  # splits of one dim that do not fit it together
-        index = AXES.index(axis)
-        out[index] = R
-        for t in tensors:
-            required[t][index] = R
-    return {t: Layout(*ps) for t, ps in required.items()}, out
-
-
-def aligned(chosen, shape, out_shape) -> Placement:
-    """The split of a tensor of `shape` that broadcasts to the output split `chosen`."""
-    if not isinstance(chosen, Shard):
-        return R
-    dim = chosen.dim - (len(out_shape) - len(shape))
-    if dim >= 0 and shape[dim] == out_shape[chosen.dim]:
-        return Shard(dim, chosen.groups)
-    return R
-
-
 def place_pointwise(node: Node, ctx) -> Decision:
     tensors = tensor_inputs(node)
-    required, out = align(ctx, node, tensors, shape_of(node))
+    required, out = align(ctx, node, tensors, shape_of(node), linearity=_LINEARITY.get(node.target))
     return Decision(required, Layout(*out))
 
 
@@ -145,7 +84,8 @@ def place_inplace(node: Node, ctx) -> Decision:
     made whole) and the other inputs align to it."""
     x = node.args[0]
     layout = without_partial(layout_of(ctx, x))
-    required = {t: Layout(*(aligned(p, shape_of(t), shape_of(node)) for p in layout.placements)) for t in tensor_inputs(node)}
+    required = {t: Layout(*(aligned(p, shape_of(t), shape_of(node)) for p in layout.placements))
+                for t in tensor_inputs(node)}
     required[x] = layout
     return Decision(required, layout)
 
@@ -159,7 +99,7 @@ def place_type_as(node: Node, ctx) -> Decision:
 def place_native_dropout(node: Node, ctx) -> Decision:
     """native_dropout(x) -> (output, mask): both laid out as x, as a pointwise op would be."""
     x = node.args[0]
-    required, out = align(ctx, node, [x], shape_of(x))
+    required, out = align(ctx, node, [x], shape_of(x), linearity=_LINEARITY.get(node.target))
     return Decision(required, (Layout(*out), Layout(*out)))
 
 
@@ -177,8 +117,9 @@ _POINTWISE = [
     aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default, aten.clamp.default,
     aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
     aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
-    aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.square.default, aten.reciprocal.default,
-    aten.hardtanh.default, aten.relu6.default, aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default,
+    aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.square.default,
+    aten.reciprocal.default, aten.hardtanh.default, aten.relu6.default, aten.hardswish.default,
+    aten.hardsigmoid.default, aten.leaky_relu.default,
     aten.elu.default, aten.softplus.default, aten.mish.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.log1p.default, aten.expm1.default, aten.sign.default, aten.floor.default, aten.ceil.default,
     aten.min.other, aten.max.other, aten.fill.Scalar, aten.fill.Tensor,
@@ -205,8 +146,8 @@ def lower_dropout(b: Builder, node: Node, args, kwargs):
     inplace = node.target is aten.dropout_.default
     if inplace:
         b.shared.clear()  # a fetched block may be x
-    layout = node.meta["layout"]
-    assert node.meta["arg_layouts"][node.args[0]] == layout, "dropout's input and output layouts differ"
+    layout = LAYOUT.of(node)
+    assert arg_layout(node, node.args[0]) == layout, "dropout's input and output layouts differ"
     stride = _empty_like_stride(node.args[0].meta["val"])
     return b.call(sharded_dropout, x, p, inplace, list(shape), stride, *block_spec(layout, shape, b.mesh))
 
@@ -217,7 +158,7 @@ def lower_native_dropout(b: Builder, node: Node, args, kwargs):
     shape = shape_of(node.args[0])
     if train is False or math.prod(shape) == 0:
         return lower_default(b, node, args, kwargs)  # (a copy of x, ones): nothing drawn
-    layout, stride = node.meta["layout"][0], _empty_like_stride(node.args[0].meta["val"])
+    layout, stride = LAYOUT.of(node)[0], _empty_like_stride(node.args[0].meta["val"])
     return b.call(sharded_native_dropout, x, p, list(shape), stride, *block_spec(layout, shape, b.mesh))
 
 

@@ -1,8 +1,8 @@
 """Placement rules of pooling (max, average, adaptive; 1-, 2- and 3-d) and
 of upsampling (nearest, linear, bilinear, bicubic, trilinear): each channel
 plane is pooled or resized on its own, so batch and channel splits stay and
-the spatial dims are whole (their sizes and scales are global, and stay so). The batch is split over depth and row as a
-convolution's is; partial sums (a row-parallel conv's output) are resolved
+the spatial dims are whole (their sizes and scales are global, and stay so). The batch is
+split over depth and row as a convolution's is; partial sums (a row-parallel conv's output) are resolved
 by channels.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from tess_compile.passes.rules.common import R, aten, shape_of
-from tess_compile.passes.rules.convolutions import batch_placements, channels_layout
+from tess_compile.passes.rules.common import R, aten, batch_placements, channels_layout, shape_of
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Shard
 

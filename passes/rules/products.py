@@ -33,23 +33,28 @@ from tess_compile.passes.rules.common import (
     WHOLE,
     P,
     R,
+    align,
+    aligned,
+    arg_layout,
     aten,
     check_divisible,
     display_name,
     get_arg,
-    is_param,
+    is_narrow_projection,
+    is_param_or_transpose,
     layout_of,
     lower_default,
     place_replicated,
     shape_of,
+    uses_summa,
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
-from tess_compile.passes.rules.pointwise import align, aligned
 from tess_compile.passes.summa import matmul
 from tess_compile.core.dynamic import concrete
 from tess_compile.core.layout import Layout, Partial, Placement, Shard
 from tess_compile.core.mesh import AXES
+from tess_compile.core.meta_keys import ARG_LAYOUTS, LAYOUT, ROLE
 from tess_compile.ops import collectives as c
 
 __all__ = [
@@ -58,23 +63,12 @@ __all__ = [
     "LOWERING_1D",
     "PLACEMENT",
     "PLACEMENT_1D",
-    "is_narrow_projection",
     "lower_addmm",
     "lower_linear",
     "lower_matmul",
     "place_baddbmm",
-    "uses_summa",
     "weight_product_rules",
 ]
-
-
-def is_narrow_projection(x: Node) -> bool:
-    """A projection to fewer features than it takes: grouped-query attention's key and
-    value heads, whose count need not divide q (they then run replicated)."""
-    if x.target is not aten.linear.default:
-        return False
-    out_features, in_features = shape_of(x.args[1])[:2]
-    return out_features < in_features
 
 
 def _row_blocks(node: Node, ctx, x: Node, layout: Layout) -> tuple[Placement, Placement] | None:
@@ -123,7 +117,7 @@ def _reads_inputs(x: Node) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "placeholder" and node.meta.get("role", ("input",))[0] == "input":
+        if node.op == "placeholder" and ROLE.get(node, ("input",))[0] == "input":
             return True
         stack.extend(node.all_input_nodes)
     return False
@@ -201,24 +195,6 @@ def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_ou
     return Decision(args, Layout(*rows, R))
 
 
-def uses_summa(node: Node) -> bool:
-    """Whether a matmul-like node multiplies by a 2-D parameter (Tesseract's SUMMA)."""
-    if node.target is aten.linear.default:
-        return True
-    if node.target is aten.addmm.default:
-        plain = get_arg(node, 3, "beta", 1) == 1 and get_arg(node, 4, "alpha", 1) == 1
-        return plain and is_param(node.args[2])
-    weight = node.args[1]
-    return _is_weight(weight) and len(shape_of(weight)) == 2
-
-
-def _is_weight(node: Node) -> bool:
-    """A parameter, or a transpose of one (`x @ W.T`)."""
-    while node.op == "call_function" and node.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default):
-        node = node.args[0]
-    return is_param(node)
-
-
 def weight_product_rules(place_product) -> dict:
     """The rules of the ops that may multiply by a weight, given how a mode places
     `x @ W`: `place_product(node, ctx, x, w, bias, w_in, w_out)`. Products of two
@@ -265,7 +241,7 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = Tru
     required, out = align(ctx, node, [a, b], out_shape, frozen=(n_out - 2, n_out - 1))
     la, lb = without_partial(layout_of(ctx, a)), without_partial(layout_of(ctx, b))
     nda, ndb = len(shape_of(a)), len(shape_of(b))
-    weights = ndb >= 3 and ctx.layout(b) is None and _is_weight(b)
+    weights = ndb >= 3 and ctx.layout(b) is None and is_param_or_transpose(b)
     widens = shape_of(b)[-1] > shape_of(b)[-2]
     for index, axis in enumerate(AXES):
         if out[index] != R and isinstance(out[index], Shard) and out[index].dim in batch:
@@ -304,14 +280,14 @@ def _last_dim(x: Node) -> int:
 
 
 def _weight_layout(node: Node, index: int) -> Layout:
-    return node.meta["arg_layouts"][node.args[index]]
+    return arg_layout(node, node.args[index])
 
 
 def _local_shapes(b: Builder, node: Node, x_index: int, w_index: int) -> tuple:
     """This rank's blocks of a product's input and weight (their example sizes where symbolic)
     and the input's item size, which summa="auto" prices (`tess_compile.passes.summa.matmul`)."""
     x, w = node.args[x_index], node.args[w_index]
-    needed = node.meta["arg_layouts"]
+    needed = ARG_LAYOUTS.of(node)
     x_val, w_val = x.meta["val"], w.meta["val"]
     return (concrete(needed[x].local_shape(x_val.shape, b.mesh)), concrete(needed[w].local_shape(w_val.shape, b.mesh)),
             x_val.dtype.itemsize)
@@ -382,7 +358,8 @@ def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, 
     parts = ctx.mesh.size("col")
     groups = w_layout.col.groups if w_layout is not None and isinstance(w_layout.col, Shard) else ctx.hints.get(node, 1)
     out_features = shape_of(w)[w_out]
-    whole_weight = w_layout == WHOLE or (w_layout is None and out_features % (parts * groups) and is_narrow_projection(node))
+    narrow = w_layout is None and out_features % (parts * groups) and is_narrow_projection(node)
+    whole_weight = w_layout == WHOLE or narrow
     if whole_weight:
         if w_layout is None:
             warnings.warn(
@@ -406,7 +383,7 @@ def _bias_once(index: int):
     (partial output) adds the bias on the rank at col 0 only."""
 
     def lower(b: Builder, node: Node, args, kwargs):
-        if not isinstance(node.meta["layout"].col, Partial) or len(args) <= index or args[index] is None:
+        if not isinstance(LAYOUT.of(node).col, Partial) or len(args) <= index or args[index] is None:
             return lower_default(b, node, args, kwargs)
         args = list(args)
         args[index] = b.collective(c.keep_first, args[index], "col")

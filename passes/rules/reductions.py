@@ -21,6 +21,7 @@ from tess_compile.passes.rules.common import (
     WHOLE,
     P,
     R,
+    arg_layout,
     aten,
     dim_arg,
     dims_local,
@@ -39,7 +40,9 @@ from tess_compile.core.mesh import AXES
 from tess_compile.ops import collectives as c
 from tess_compile.ops.local import arange_like
 
-__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_arg_reduction", "lower_mean", "place_arg_reduction", "place_reduction"]
+__all__ = [
+    "FAMILY", "LOWERING", "PLACEMENT", "lower_arg_reduction", "lower_mean", "place_arg_reduction", "place_reduction",
+]
 
 
 def _reduced_dims(node: Node, ndim: int) -> list[int]:
@@ -80,7 +83,7 @@ def _padded_dims(node: Node) -> list[int]:
 
 def _unpadded(b: Builder, node: Node, x: Node, dims: list[int]) -> Node:
     """`x` with the padding of the reduced dims that are split unevenly set to 0 (it must not count)."""
-    val, layout = node.args[0].meta["val"], node.meta["arg_layouts"][node.args[0]]
+    val, layout = node.args[0].meta["val"], arg_layout(node, node.args[0])
     for dim in dims:
         x = masked_padding(b, x, val.shape, layout, dim, 0.0)
     return x
@@ -110,8 +113,8 @@ def place_arg_reduction(node: Node, ctx) -> Decision:
     layout = without_partial(layout_of(ctx, x))
     if not _evenly_split(layout, dim, shape_of(x)[dim], ctx.mesh):
         layout = Layout(*(R if isinstance(p, Shard) and p.dim == dim else p for p in layout.placements))
-    out = [p if not isinstance(p, Shard) else R if p.dim == dim else Shard(p.dim - (not keepdim and p.dim > dim), p.groups)
-           for p in layout.placements]
+    out = [p if not isinstance(p, Shard) else R if p.dim == dim
+           else Shard(p.dim - (not keepdim and p.dim > dim), p.groups) for p in layout.placements]
     return Decision({x: layout}, Layout(*out))
 
 
@@ -132,7 +135,7 @@ def lower_arg_reduction(b: Builder, node: Node, args, kwargs):
     (`_global_positions`), then per splitting axis one all-gather of each and the first
     best of the gathered candidates (`_first_best`)."""
     x_node, dim = node.args[0], get_arg(node, 1, "dim")
-    layout = node.meta["arg_layouts"][x_node]
+    layout = arg_layout(node, x_node)
     ndim = x_node.meta["val"].dim()
     axes = [] if dim is None else split_axes(b, layout, [normalize_dim(dim, ndim)])
     if not axes:
@@ -175,7 +178,7 @@ def lower_mean(b: Builder, node: Node, args, kwargs):
     x = node.args[0]
     ndim = x.meta["val"].dim()
     dims = list(range(ndim)) if node.target is aten.mean.default or not args[1] else [d % ndim for d in args[1]]
-    if not split_axes(b, node.meta["arg_layouts"][x], dims):
+    if not split_axes(b, arg_layout(node, x), dims):
         return lower_default(b, node, args, kwargs)
     keepdim = node.target is aten.mean.dim and (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     count = math.prod(x.meta["val"].shape[d] for d in dims)

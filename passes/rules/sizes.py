@@ -17,8 +17,7 @@ import torch
 from torch.fx import Node
 
 from tess_compile.passes.builder import Builder
-from tess_compile.passes.rules.common import aten
-from tess_compile.passes.rules.factories import place_nothing
+from tess_compile.passes.rules.common import aten, place_nothing
 from tess_compile.passes.rules.family import Family
 
 __all__ = ["FAMILY"]

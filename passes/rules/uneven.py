@@ -22,9 +22,8 @@ import operator
 
 from torch.fx import Node
 
-from tess_compile.passes.rules.common import aten, shape_of
+from tess_compile.passes.rules.common import aten, shape_of, uses_summa
 from tess_compile.passes.rules.family import Decision
-from tess_compile.passes.rules.products import uses_summa
 from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES

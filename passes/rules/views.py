@@ -20,43 +20,34 @@ from torch.fx import Node
 
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
-    P, R,
+    P,
+    R,
+    align,
     all_same,
+    arg_layout,
     aten,
     dim_arg,
     dims_local,
     display_name,
     get_arg,
+    is_narrow_projection,
     is_one,
     is_param,
     layout_of,
     lower_default,
     normalize_dim,
     shape_of,
+    uses_summa,
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
-from tess_compile.passes.rules.pointwise import align
-from tess_compile.passes.rules.products import is_narrow_projection, uses_summa
 from tess_compile.core.layout import Layout, Partial, Shard, split_size
 from tess_compile.core.mesh import AXES
+from tess_compile.core.meta_keys import LAYOUT
 
 __all__ = [
-    "FAMILY",
-    "LOWERING",
-    "PLACEMENT",
-    "lower_expand",
-    "lower_reshape",
-    "lower_split",
-    "lower_squeeze",
-    "place_cat",
-    "place_expand",
-    "place_permute",
-    "place_repeat",
-    "place_slice",
-    "place_split",
-    "place_stack",
-    "place_unbind",
+    "FAMILY", "LOWERING", "PLACEMENT", "lower_expand", "lower_reshape", "lower_split", "lower_squeeze", "place_cat",
+    "place_expand", "place_permute", "place_repeat", "place_slice", "place_split", "place_stack", "place_unbind",
     "place_view",
 ]
 
@@ -151,8 +142,9 @@ def place_view(node: Node, ctx) -> Decision:
         # A split of a size-1 dim holds the element on one rank and padding on the others: gathered first.
         needed = Layout(*(R if isinstance(p, Shard) and p.dim not in unit_map and ctx.mesh.size(axis) > 1 else p
                           for axis, p in zip(AXES, layout.placements)))
-        return Decision({x: needed}, Layout(*(Shard(unit_map[p.dim], p.groups) if isinstance(p, Shard) and p.dim in
-                                              unit_map else R if isinstance(p, Shard) else p for p in needed.placements)))
+        moved = (Shard(unit_map[p.dim], p.groups) if isinstance(p, Shard) and p.dim in unit_map
+                 else R if isinstance(p, Shard) else p for p in needed.placements)
+        return Decision({x: needed}, Layout(*moved))
     head_dim_last = _feeds_attention(node, last=cur_out[-1]) if cur_out else False
     needed, out = [], []
     for axis, p in zip(AXES, layout.placements):
@@ -236,7 +228,8 @@ def _ask_groups(ctx, x, in_shape, out_shape, p: Shard, parts, head_dim_last: boo
         return False
     for groups in range(2, in_shape[p.dim] // parts + 1):
         grouped = Shard(p.dim, groups)
-        if in_shape[p.dim] % (groups * parts) == 0 and _map_view_split(in_shape, out_shape, grouped, parts, head_dim_last):
+        fits = in_shape[p.dim] % (groups * parts) == 0
+        if fits and _map_view_split(in_shape, out_shape, grouped, parts, head_dim_last):
             return ctx.want_groups(x, groups)
     return False
 
@@ -256,7 +249,8 @@ def place_repeat(node: Node, ctx) -> Decision:
     x, repeats = node.args[:2]
     layout = layout_of(ctx, x)
     shift = len(repeats) - len(shape_of(x))
-    out = [Shard(p.dim + shift, p.groups * repeats[p.dim + shift]) if isinstance(p, Shard) else p for p in layout.placements]
+    out = [Shard(p.dim + shift, p.groups * repeats[p.dim + shift]) if isinstance(p, Shard) else p
+           for p in layout.placements]
     return Decision({x: layout}, Layout(*out))
 
 
@@ -305,7 +299,8 @@ def place_split(node: Node, ctx) -> Decision:
     x = node.args[0]
     dim = normalize_dim(get_arg(node, 2, "dim", 0), len(shape_of(x)))
     sizes = _split_sizes(node, dim)
-    layout = layout_of(ctx, x) if ctx.layout(x) or not is_param(x) else _chunked_param(ctx, shape_of(x)[dim], sizes, dim)
+    free = not ctx.layout(x) and is_param(x)
+    layout = _chunked_param(ctx, shape_of(x)[dim], sizes, dim) if free else layout_of(ctx, x)
     needed, outs = [], [[] for _ in sizes]
     for axis, p in zip(AXES, layout.placements):
         if not (isinstance(p, Shard) and p.dim == dim):
@@ -384,7 +379,7 @@ _VIEWS = [
 
 
 def _local_shape(b: Builder, node: Node) -> list[int]:
-    return node.meta["layout"].local_shape(node.meta["val"].shape, b.mesh)
+    return LAYOUT.of(node).local_shape(node.meta["val"].shape, b.mesh)
 
 
 def lower_reshape(b: Builder, node: Node, args, kwargs):
@@ -398,7 +393,7 @@ def lower_expand(b: Builder, node: Node, args, kwargs):
 def lower_squeeze(b: Builder, node: Node, args, kwargs):
     """squeeze, or a reshape to the local shape where a split leaves a dim of size 1 on this rank."""
     x = node.args[0]
-    local_in = node.meta["arg_layouts"][x].local_shape(shape_of(x), b.mesh)
+    local_in = arg_layout(node, x).local_shape(shape_of(x), b.mesh)
     if local_in.count(1) == shape_of(x).count(1):
         return lower_default(b, node, args, kwargs)
     return lower_reshape(b, node, args, kwargs)
@@ -407,10 +402,9 @@ def lower_squeeze(b: Builder, node: Node, args, kwargs):
 def lower_split(b: Builder, node: Node, args, kwargs):
     x = node.args[0]
     ndim = x.meta["val"].dim()
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    dim = dim + ndim if dim < 0 else dim
+    dim = normalize_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), ndim)
     global_size = x.meta["val"].shape[dim]
-    local_size = node.meta["arg_layouts"][x].local_shape(x.meta["val"].shape, b.mesh)[dim]
+    local_size = arg_layout(node, x).local_shape(x.meta["val"].shape, b.mesh)[dim]
     sizes = args[1]
     if isinstance(sizes, int):
         local = sizes * local_size // global_size

@@ -3,8 +3,8 @@
 Not a pass: it reads what the passes leave and changes nothing. Stages:
 
 - "captured": the ATen graph of `tess_compile.passes.capture`, global shapes;
-- "placed": the same with `meta["layout"]` of `tess_compile.passes.place`, each value's
-  local shape, and the conversion each argument needs (`meta["arg_layouts"]`);
+- "placed": the same with the `LAYOUT` of `tess_compile.passes.place` (`tess_compile.core.meta_keys`),
+  each value's local shape, and the conversion each argument needs (`ARG_LAYOUTS`);
 - "rewritten": one rank's per-rank graph of `tess_compile.passes.rewrite`, local shapes
   from a fake run, collectives with their axis, peers and bytes, and a
   header with the rank's parameter bytes, memory, redundant work (forward
@@ -19,7 +19,7 @@ are the header and, in "placed", the conversions before the node needing
 them. docs/dump.md says how to read one. Output is deterministic and ASCII.
 
 The debug switch `TESS_COMPILE_DUMP=folder` writes every compile's stages
-there, pass by pass (rank 0's view), with node counts in `tess_compile.passes.txt`: this
+there, pass by pass (rank 0's view), with node counts in `passes.txt`: this
 module registers the observer that does it with the compile driver
 (`tess_compile.passes.observers`).
 """
@@ -120,12 +120,13 @@ def dump_program(
     if program.dynamic is not None:
         notes.append(f"dynamic shapes: {program.dynamic.describe(input_names(program.in_spec))} (every figure "
                      "and local shape here at the example's sizes)")
-    return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format, sizes=sizes, notes=notes)
+    return dump_graph(program.graph, program.mesh, stage="rewritten", rank=rank, format=format, sizes=sizes,
+                      notes=notes)
 
 
 def dump_graph(
-    gm: GraphModule, mesh: Mesh, *, stage: str, rank: int = 0, format: str = "text", sizes: dict[str, int] | None = None,
-    notes: list[str] = (),
+    gm: GraphModule, mesh: Mesh, *, stage: str, rank: int = 0, format: str = "text",
+    sizes: dict[str, int] | None = None, notes: list[str] = (),
 ) -> str:
     """Render `gm`, the output of `stage` ("captured", "placed" or "rewritten"; `sizes`: see `dump`);
     `notes` are more header lines."""

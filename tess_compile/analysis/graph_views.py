@@ -26,6 +26,7 @@ from tess_compile.analysis.symbolic_shapes import mesh_values
 from tess_compile.core.fake_run import fake_run, local_bytes
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.meta_keys import ARG_LAYOUTS, LAYOUT, RECOMPUTE_REGION, REPLICATED, ROLE
 from tess_compile.ops.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.grad_bucket import grad_bucket
@@ -74,7 +75,8 @@ def _arg(value) -> str:
 
 
 def _target_name(target) -> str:
-    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm, grad_bucket):  # by its own name: broadcast_start, not broadcast
+    # by its own name: broadcast_start, not broadcast
+    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm, grad_bucket):
         return f"tess.{getattr(target, '_opname', None) or target.__name__}"
     if isinstance(target, torch._ops.OpOverload):
         return str(target).removesuffix(".default")
@@ -107,7 +109,7 @@ def _call(node: Node) -> str:
 
 def _code(node: Node) -> str:
     if node.op == "placeholder":
-        role, name = node.meta["role"]
+        role, name = ROLE.of(node)
         return f"{node.name} = {role}({_arg(name)})"
     if node.op == "output":
         return f"return {_arg(node.args[0])}"
@@ -146,11 +148,11 @@ def _replicated_header(gm: GraphModule, values: dict | None = None) -> list[str]
     of the output that every rank computes whole."""
     lines = []
     for node in gm.graph.nodes:
-        if "replicated" not in node.meta:
+        if not REPLICATED.has(node):
             continue
         val = values[node] if values is not None else node.meta.get("val")
         cost = _each(val, lambda v, _: f"{v.numel() * v.element_size()} bytes")
-        lines.append(f"  {_target_name(node.target)} at {node.meta['replicated']}: output {cost} on every rank")
+        lines.append(f"  {_target_name(node.target)} at {REPLICATED.of(node)}: output {cost} on every rank")
     return ["runs replicated (no sharding rule):"] + lines if lines else []
 
 
@@ -179,15 +181,16 @@ def _placed_view(gm: GraphModule, mesh: Mesh, rank: int):
     header = [f"tess-compile placed graph, mesh {mesh}, {_where(mesh, rank)}"] + _replicated_header(gm)
     _, lines = _captured_view(gm, mesh, rank)
     for line in lines:
-        node, layout = line.node, line.node.meta.get("layout")
+        node, layout = line.node, LAYOUT.get(line.node)
         if layout is not None:
             val = node.meta.get("val")
             local = lambda v, lay: str(lay.local_shape(v.shape, mesh))  # noqa: E731
-            line.comment = _each(val, lambda v, lay: f"{list(v.shape)} {_dtype(v.dtype)} {lay} local {local(v, lay)}", layout)
+            line.comment = _each(val, lambda v, lay: f"{list(v.shape)} {_dtype(v.dtype)} {lay} local {local(v, lay)}",
+                                 layout)
             line.shape = _each(val, local, layout)
             line.layout = _layout_text(layout)
-        for arg, needed in node.meta.get("arg_layouts", {}).items():
-            have = arg.meta.get("layout")
+        for arg, needed in ARG_LAYOUTS.get(node, {}).items():
+            have = LAYOUT.get(arg)
             if isinstance(have, Layout) and have != needed:
                 line.conversions[arg] = f"{have} -> {needed}"
     return header, lines
@@ -201,15 +204,16 @@ def rewritten_view(gm: GraphModule, mesh: Mesh, rank: int, sizes: dict[str, int]
         by_node.setdefault(cost.node, []).append(cost)
     lines = []
     for node in gm.graph.nodes:
-        layout = node.meta.get("layout")
+        layout = LAYOUT.get(node)
         val = values[node] if node.op != "output" else None
         parts = [_layout_text(layout), _each(val, lambda v, _: f"local {list(v.shape)} {_dtype(v.dtype)}")]
         parts += [_collective_text(cost, mesh, rank) for cost in by_node.get(node, [])]
-        if "recompute" in node.meta:
-            parts.append(f"recomputed in backward ({node.meta['recompute']})")
+        if RECOMPUTE_REGION.has(node):
+            parts.append(f"recomputed in backward ({RECOMPUTE_REGION.of(node)})")
         shape = _each(val, lambda v, _: str(list(v.shape)))
         collective = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" and node in by_node else None
-        lines.append(_Line(node, _code(node), " ".join(p for p in parts if p), _layout_text(layout), shape, collective=collective))
+        comment = " ".join(p for p in parts if p)
+        lines.append(_Line(node, _code(node), comment, _layout_text(layout), shape, collective=collective))
     header = _rewritten_header(gm, mesh, rank, costs, values)
     if sizes is not None:
         header += _symbolic_header(gm, mesh, sizes, costs)
@@ -218,7 +222,8 @@ def rewritten_view(gm: GraphModule, mesh: Mesh, rank: int, sizes: dict[str, int]
 
 def _collective_text(cost: CollectiveCost, mesh: Mesh, rank: int) -> str:
     if cost.backward_of is not None:  # a product's fetch again in backward
-        return f"backward {cost.backward_op} along {cost.axis} peers {mesh.group(rank, cost.axis)} bytes {cost.backward_bytes}"
+        peers = mesh.group(rank, cost.axis)
+        return f"backward {cost.backward_op} along {cost.axis} peers {peers} bytes {cost.backward_bytes}"
     text = f"peers {mesh.group(rank, cost.axis)} bytes {cost.forward_bytes or 0}"
     if cost.backward_bytes is not None:
         text += f"; backward {cost.backward_op} bytes {cost.backward_bytes}"
@@ -250,7 +255,7 @@ def _symbolic_header(gm: GraphModule, mesh: Mesh, sizes: dict[str, int], costs: 
 
 def _parameter_bytes(gm: GraphModule, mesh: Mesh) -> int:
     return sum(local_bytes(node, mesh) for node in gm.graph.nodes
-               if node.op == "placeholder" and node.meta["role"][0] == "param")
+               if node.op == "placeholder" and ROLE.of(node)[0] == "param")
 
 
 STAGE_VIEWS = {"captured": _captured_view, "placed": _placed_view, "rewritten": rewritten_view}

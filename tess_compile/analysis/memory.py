@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tess_compile.core.fake_run import fake_run, tensor_bytes
+from tess_compile.core.meta_keys import ROLE, WEIGHT_INPUT
 from tess_compile.core.program import Program
 from tess_compile.ops.collectives import broadcast_start
 from tess_compile.ops.fetched_product import fetched_product
@@ -58,7 +59,7 @@ def _is_weight(node) -> bool:
     """A placeholder of a parameter, a tied parameter's second name, or a weight given as an input."""
     if node.op != "placeholder":
         return False
-    return node.meta["role"][0] in ("param", "alias") or "weight_input" in node.meta
+    return ROLE.of(node)[0] in ("param", "alias") or WEIGHT_INPUT.has(node)
 
 
 def activation_bytes(program: Program) -> int:

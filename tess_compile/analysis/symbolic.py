@@ -7,14 +7,14 @@ sympy expression in those names and the mesh symbols `q`, `d`, `p`:
 
 - the local shape of the value a collective moves is derived symbolically.
   A node that holds one of the model's values carries its global shape and
-  layout (`meta["global_shape"]`, `meta["layout"]`, written by the rewrite):
+  layout (`GLOBAL_SHAPE`, `LAYOUT` of `tess_compile.core.meta_keys`, written by the rewrite):
   each local dim is a global dim, named by `name_dim`, over the sizes of the
   mesh axes that split it. Other nodes (the inner nodes of a lowering:
   partial products, norm statistics, collective chains) take their shape
   from their arguments' by `SHAPE_RULES`;
 - a mesh axis has size `d` (depth) or `q` (row, col); in mode "1d" the col
   axis has size `p = q*q*d` and the others size 1 (`AXIS_SYMBOLS`);
-- the q steps of a SUMMA loop (`meta["summa_step"]`, written by
+- the q steps of a SUMMA loop (`SUMMA_STEP`, written by
   `tess_compile.passes.summa`) move equal bytes: step 0 counts q times, the others not.
 
 Each node's formula is checked against its numeric cost at the compiled
@@ -22,8 +22,7 @@ sizes and mesh, and the totals against `bytes_by_phase`, so evaluated there
 the formulas equal `predict_bytes` (and the runtime's records) exactly.
 A collective along an axis of size 1 is never emitted: derive on a mesh
 whose axes all have size > 1 to see every term; `evaluate_bytes` counts 0
-for an axis of size 1. Reads `meta["layout"]`, `meta["global_shape"]`,
-`meta["summa_step"]`, `meta["role"]` and `meta["dtype"]`. See
+for an axis of size 1. Reads `LAYOUT`, `GLOBAL_SHAPE`, `SUMMA_STEP`, `ROLE` and `DTYPE`. See
 docs/accounting.md.
 """
 
@@ -41,6 +40,7 @@ from tess_compile.analysis.symbolic_shapes import ByteFormula, Shape, SymbolicSh
 from tess_compile.core.fake_run import fake_run
 from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import DTYPE, GLOBAL_SHAPE, LAYOUT, ROLE, SUMMA_STEP
 from tess_compile.core.program import Program
 
 __all__ = [
@@ -116,7 +116,7 @@ def symbolic_costs(
     shapes = SymbolicShapes(mesh, sizes, fake_run(gm, mesh, inputs_require_grad=inputs_require_grad))
     formulas = []
     for cost in costs:
-        step = cost.node.meta.get("summa_step")
+        step = SUMMA_STEP.get(cost.node)
         repeat = sympy.Integer(1) if step is None else q if step == 0 else sympy.Integer(0)  # loops run q steps
         forward = shapes.bytes_of(cost.node.args[0], cost.forward_bytes, repeat)
         backward = shapes.bytes_of(cost.backward_value, cost.backward_bytes, repeat)
@@ -129,7 +129,7 @@ def symbolic_costs(
 def _check_even(gm: GraphModule, mesh: Mesh) -> None:
     """ValueError if a value is split unevenly: its blocks are a ceiling, which no formula here says."""
     for node in gm.graph.nodes:
-        layout, shape = node.meta.get("layout"), node.meta.get("global_shape")
+        layout, shape = LAYOUT.get(node), GLOBAL_SHAPE.get(node)
         if isinstance(layout, Layout) and shape is not None and layout.uneven_dims(shape, mesh):
             raise ValueError(
                 f"{node.name} of shape {list(shape)} is split unevenly ({layout}) on mesh {mesh}: its blocks are "
@@ -180,9 +180,9 @@ def symbolic_shapes(program: Program, sizes: Mapping[str, int], nodes: list[Node
 
 def symbolic_parameter_bytes(program: Program, sizes: Mapping[str, int]) -> ByteFormula:
     """The bytes of the parameter shards one rank holds, as a formula."""
-    params = [n for n in program.graph.graph.nodes if n.op == "placeholder" and n.meta["role"][0] == "param"]
+    params = [n for n in program.graph.graph.nodes if n.op == "placeholder" and ROLE.of(n)[0] == "param"]
     parts: dict[int, sympy.Expr] = {}
     for node, shape in symbolic_shapes(program, sizes, params).items():
-        size = node.meta["dtype"].itemsize
+        size = DTYPE.of(node).itemsize
         parts[size] = parts.get(size, 0) + math.prod(shape, start=sympy.Integer(1))
     return _formula(parts)

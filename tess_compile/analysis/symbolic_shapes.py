@@ -4,7 +4,7 @@ The user names the model's sizes, e.g. `sizes={"b": 8, "s": 12, "h": 40}`;
 `name_dim` reads a number as one of them (x, 2x, 3x, 4x, x*y or x/y), and
 `SymbolicShapes` derives each tensor's local shape symbolically: a node that holds
 one of the model's values carries its global shape and layout
-(`meta["global_shape"]`, `meta["layout"]`, written by the rewrite), so each
+(`GLOBAL_SHAPE` and `LAYOUT` of `tess_compile.core.meta_keys`, written by the rewrite), so each
 local dim is a global dim over the sizes of the mesh axes that split it;
 other nodes (the inner nodes of a lowering) take their shape from their
 arguments': a collective by its record's `scale`
@@ -27,6 +27,7 @@ from torch.fx import Node
 from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.meta_keys import GLOBAL_SHAPE, LAYOUT
 from tess_compile.ops.collectives import COLLECTIVE_OPS
 from tess_compile.ops.local import arange_like
 
@@ -191,7 +192,7 @@ class SymbolicShapes:
 
     def _annotated(self, node: Node) -> Shape | None:
         """Global dims named by `sizes` over the sizes of the axes that split them."""
-        layout, global_shape = node.meta.get("layout"), node.meta.get("global_shape")
+        layout, global_shape = LAYOUT.get(node), GLOBAL_SHAPE.get(node)
         if not isinstance(layout, Layout) or not isinstance(self.values.get(node), torch.Tensor):
             return None
         if not all(isinstance(n, int) for n in global_shape):

@@ -5,7 +5,8 @@ recompute analysis, the gradient buckets) and every analysis share: a
 per-rank placeholder's local shape from its layout, whether it requires
 grad in a training step, and a run of the whole graph on fake tensors of
 those shapes (no memory, no communication: each collective's fake kernel
-gives its output's shape).
+gives its output's shape). A per-rank placeholder's `LAYOUT`, `GLOBAL_SHAPE`, `DTYPE`, `ROLE`,
+`WEIGHT_INPUT` and `CONSTANT_VALUE` (`tess_compile.core.meta_keys`, written by the rewrite) say it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from tess_compile.core.dynamic import concrete
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import CONSTANT_VALUE, DTYPE, GLOBAL_SHAPE, LAYOUT, ROLE, WEIGHT_INPUT
 
 # What stops a fake run early: data-dependent shapes, ops with no fake kernel, and devices fixed
 # in the graph (a model built on the meta device makes some tensors there, beside CPU inputs;
@@ -30,16 +32,24 @@ UNCHECKABLE = tuple(getattr(fake_tensor, name) for name in (
     "FakeTensorDeviceMismatchError",
 ) if hasattr(fake_tensor, name))
 
-__all__ = ["UNCHECKABLE", "fake_run", "global_placeholder", "local_bytes", "local_placeholder", "requires_grad", "tensor_bytes"]
+__all__ = [
+    "UNCHECKABLE",
+    "fake_run",
+    "global_placeholder",
+    "local_bytes",
+    "local_placeholder",
+    "requires_grad",
+    "tensor_bytes",
+]
 
 
 def local_placeholder(node, mesh: Mesh, requires_grad: bool = False):
     """The value a per-rank placeholder takes: an empty tensor of its local shape (call
     inside a FakeTensorMode for a fake one), or the flag or number the model takes there."""
-    if "constant_value" in node.meta:
-        return node.meta["constant_value"]
-    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
-    return torch.empty(shape, dtype=node.meta["dtype"], requires_grad=requires_grad)
+    if CONSTANT_VALUE.has(node):
+        return CONSTANT_VALUE.of(node)
+    shape = LAYOUT.of(node).local_shape(GLOBAL_SHAPE.of(node), mesh)
+    return torch.empty(shape, dtype=DTYPE.of(node), requires_grad=requires_grad)
 
 
 def global_placeholder(node: Node, device=None):
@@ -51,14 +61,14 @@ def global_placeholder(node: Node, device=None):
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):
         return val
-    weight = node.meta.get("role", ("",))[0] == "param" and (val.is_floating_point() or val.is_complex())
+    weight = ROLE.get(node, ("",))[0] == "param" and (val.is_floating_point() or val.is_complex())
     return torch.empty(concrete(val.shape), dtype=val.dtype, device=device, requires_grad=weight)
 
 
 def local_bytes(node, mesh: Mesh) -> int:
     """The bytes of the local tensor a per-rank tensor placeholder takes (nothing allocated)."""
-    shape = node.meta["layout"].local_shape(node.meta["global_shape"], mesh)
-    return torch.Size(shape).numel() * node.meta["dtype"].itemsize
+    shape = LAYOUT.of(node).local_shape(GLOBAL_SHAPE.of(node), mesh)
+    return torch.Size(shape).numel() * DTYPE.of(node).itemsize
 
 
 def tensor_bytes(value) -> int:
@@ -67,11 +77,11 @@ def tensor_bytes(value) -> int:
 
 def requires_grad(node: Node, inputs_require_grad: bool) -> bool:
     """Parameters (weights given as inputs included) and, if asked, floating user inputs."""
-    if "constant_value" in node.meta:  # a flag or number
+    if CONSTANT_VALUE.has(node):  # a flag or number
         return False
-    role = node.meta["role"][0]
-    floating = node.meta["dtype"].is_floating_point or node.meta["dtype"].is_complex
-    weight = role == "param" or "weight_input" in node.meta
+    role = ROLE.of(node)[0]
+    floating = DTYPE.of(node).is_floating_point or DTYPE.of(node).is_complex
+    weight = role == "param" or WEIGHT_INPUT.has(node)
     return floating and (weight or (role == "input" and inputs_require_grad))
 
 

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from tess_compile.core.dynamic import DynamicShapes
 from tess_compile.core.layout import Layout, local_block
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import CONSTANT_VALUE, SCHEDULE_COUNTS
 
 __all__ = ["INPUT_ROLES", "Program", "Slot", "describe_schedules", "input_name", "input_names", "split_example_inputs"]
 
@@ -71,8 +72,8 @@ class Program:
 
     @property
     def schedules(self) -> dict[str, int]:
-        """How many matrix products run each schedule (`tess_compile.passes.rewrite`'s `meta["schedules"]`)."""
-        return self.graph.meta.get("schedules", {})
+        """How many matrix products run each schedule (`SCHEDULE_COUNTS`, written by `tess_compile.passes.rewrite`)."""
+        return SCHEDULE_COUNTS.get(self.graph, {})
 
     def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:
         """The block of a parameter/buffer/constant that `rank` holds (a copy, on `device`; of an
@@ -91,8 +92,9 @@ class Program:
 
         ValueError, before anything runs, for a call the program was not
         compiled for: other arguments or structure, a tensor of another shape
-        (a dynamic program's symbolic dims: `call_output_shapes`) or dtype, a value (not a tensor) other than the compiled one, or (if
-        `device` is given, for a runtime that does not move inputs) a tensor
+        (a dynamic program's symbolic dims: `call_output_shapes`) or dtype, a value (not a
+        tensor) other than the compiled one, or (if `device` is given, for a runtime that
+        does not move inputs) a tensor
         on another device. Keywords may come in any order.
         """
         args, kwargs = self._match_structure(tuple(args), dict(kwargs))
@@ -142,7 +144,8 @@ class Program:
             difference = _first_difference(value, spec, name, offset)
             if difference is not None:
                 where, got, wanted, index = difference
-                raise ValueError(f"{where} is {_describe_value(got)}, but compiled for {self._describe_spec(wanted, index)}: {fix}")
+                wanted = self._describe_spec(wanted, index)
+                raise ValueError(f"{where} is {_describe_value(got)}, but compiled for {wanted}: {fix}")
             offset += spec.num_leaves
         if pytree.tree_structure((args, kwargs)) == self.in_spec:
             return args, kwargs
@@ -163,9 +166,9 @@ class Program:
         """The values (not tensors) the program was compiled for, by flat input index."""
         placeholders = [n for n in self.graph.graph.nodes if n.op == "placeholder"]
         return {
-            int(slot.name): node.meta["constant_value"]
+            int(slot.name): CONSTANT_VALUE.of(node)
             for slot, node in zip(self.slots, placeholders)
-            if slot.role in INPUT_ROLES and "constant_value" in node.meta
+            if slot.role in INPUT_ROLES and CONSTANT_VALUE.has(node)
         }
 
     def _check_input(self, slot: Slot, name: str, value, compiled, device) -> None:

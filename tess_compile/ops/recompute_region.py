@@ -1,7 +1,7 @@
 """Recompute regions at run time: the per-rank graph with each region outlined
 into a module that runs it under `torch.utils.checkpoint` (non-reentrant).
 
-A region (consecutive nodes with the same `meta["recompute"]`, marked by
+A region (consecutive nodes with the same `RECOMPUTE_REGION` of `tess_compile.core.meta_keys`, marked by
 `tess_compile.passes.capture` and `tess_compile.passes.recompute_blocks` / `tess_compile.passes.recompute_selective`) saves only its inputs for
 backward; backward runs it again, its collectives included, with the
 forward's communicator, recorded as backward. Every rank recomputes the same
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
+from tess_compile.core.meta_keys import RECOMPUTE_REGION
 from tess_compile.ops.collectives import active_comm, use_comm
 
 __all__ = ["RecomputeRegion", "checkpointed", "outline_regions", "region_runs"]
@@ -53,7 +54,7 @@ def region_runs(graph: Graph) -> list[tuple[str, list[Node]]]:
     """(name, nodes) of each run of consecutive nodes in one recompute region."""
     runs: list[tuple[str, list[Node]]] = []
     for node in graph.nodes:
-        name = node.meta.get("recompute") if node.op == "call_function" else None
+        name = RECOMPUTE_REGION.get(node) if node.op == "call_function" else None
         if name is None:
             continue
         if runs and runs[-1][0] == name and runs[-1][1][-1].next is node:
@@ -96,7 +97,7 @@ def _outline(graph: Graph, root: nn.Module, attr: str, name: str, nodes: list[No
     sub.output(tuple(sub_env[node] for node in outputs))
     root.add_module(attr, RecomputeRegion(name, GraphModule(nn.Module(), sub)))
     call = graph.call_module(attr, tuple(env[arg] for arg in inputs))
-    call.meta["recompute"] = name
+    RECOMPUTE_REGION.set(call, name)
     for index, node in enumerate(outputs):
         env[node] = graph.call_function(operator.getitem, (call, index))
         env[node].meta.update(node.meta)

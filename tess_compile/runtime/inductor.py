@@ -41,6 +41,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils.checkpoint import CheckpointPolicy
 
+from tess_compile.core.meta_keys import RECOMPUTE_REGION
 from tess_compile.core.program import Program
 from tess_compile.ops.collectives import Comm, use_comm
 from tess_compile.ops.recompute_region import region_runs
@@ -63,9 +64,9 @@ def inductor_graph(graph: GraphModule) -> GraphModule:
     gm = copy.deepcopy(graph)
     runs = region_runs(gm.graph)
     for node in gm.graph.nodes:
-        node.meta.pop("recompute", None)  # the region's name; AOTAutograd reads a policy there
+        RECOMPUTE_REGION.pop(node)  # the region's name; AOTAutograd reads a policy under the same key
     for region_id, (_, nodes) in enumerate(runs):
-        for node in nodes:
+        for node in nodes:  # AOTAutograd's own keys
             node.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=region_id)
     return gm
 
