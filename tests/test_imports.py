@@ -211,6 +211,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter per half of the modules: 13 s
 def test_every_module_imports_first():
     modules = sorted(module for module in _modules() if not module.endswith("__main__"))
     halves = [subprocess.Popen([sys.executable, "-c", _IMPORT_EACH_FIRST, *modules[k::2]], cwd=ROOT, text=True,
