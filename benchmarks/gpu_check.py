@@ -15,22 +15,30 @@ section that fails or runs out of time leaves the others' results:
 - `gloo8`: 8 processes over gloo with CUDA tensors (the one GPU shared): each
   collective the runtime calls, on the world group, then `shard` at 2.5-D
   [2,2,2] in every SUMMA schedule and 1-D p=8: the same comparison, or the
-  error that stopped it (each step is written to a file first, so a crash
-  leaves what it was doing);
+  error that stopped it (each step is written to a file first, and a crashed
+  rank's stack comes back);
 - `compiled`: `simulate(compile=True)` (inductor's Triton kernels) against
-  eager on the GPT stack, one rank, then [2,2,2], each in a child process with
-  a time limit: parity, the first (compiling) step, and the simulated step
-  (every rank-program) eager and compiled;
+  eager on the GPT stack in float64, [1,1,1] then [2,2,2]: parity, the first
+  (compiling) step, and the simulated step eager and compiled;
 - `kernels`: every row of the Tesseract paper's Tables 1 and 2 (one
   checkpointed layer, `benchmarks.paper_tables`), in bf16: rank 0's per-rank
   program, its collectives replaced by buffers of their outputs' shapes, timed
   forward and backward with CUDA events; its products' FLOPs over that time as
-  a fraction of the GPU's bf16 rate; the kernels the cost model counts
+  a fraction of the GPU's bf16 rate; the device's busy fraction (kernel time
+  from `torch.profiler` over wall time); the kernels the cost model counts
   (`cost_model.profile_program`), to fit the compute constants to
   (`--report`); peak memory of the step and AdamW against `predict_memory`;
+- `kernels_compiled`: a few of those rows eager, compiled (`CompiledRank`,
+  the `compile=True` runtime) and compiled with inductor's CUDA graphs;
 - `memory`: the same local step for the GPT stack in each mode and `recompute=`
   option: peak memory (`torch.cuda.max_memory_allocated`) against
-  `predict_memory`.
+  `predict_memory`;
+- `world1`: a world of one under NCCL: the unsharded model under
+  `torch.compile` against `shard(model, 1, 1, compile=True)`, step times.
+
+Sections that compile run in child processes with a time limit, each printing
+its main thread's stack every `--watchdog` seconds (where a hang hangs);
+`--budget` seconds after the start the compiled rows stop starting.
 
     python3 benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--sections exact,bf16,...]
     python3 benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json
@@ -66,15 +74,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
 from benchmarks.memory import Stack
 from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, compile_layer
-from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.cost_model import profile_program
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import Comm, output_like, use_comm
+from tess_compile.passes.driver import compile_model
 from tess_compile.runtime import state
 from tess_compile.runtime.launch import run_local
 
-SECTIONS = ("exact", "bf16", "nccl1", "gloo8", "kernels", "memory", "compiled")
+SECTIONS = ("exact", "bf16", "nccl1", "kernels", "memory", "compiled", "gloo8", "kernels_compiled", "world1")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
 MESHES = [("2.5d", 2, 2), ("1d", 2, 1)]  # [2,2,2] and 1-D p=4
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}  # dense bf16, SXM datasheets
@@ -131,8 +139,10 @@ def _call(model, inputs):
 
 
 def _unwrap(out):
-    """A model output's loss-bearing value: HF outputs as they are, tensors as plain tensors."""
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
+    """A model output's loss-bearing value: HF outputs as they are, DTensors gathered by
+    `tess_compile.full_tensor` (one all-gather through the c10d group: DTensor's own
+    `full_tensor()` goes through functional collectives, which crash over gloo with CUDA tensors)."""
+    return tess_compile.full_tensor(out)
 
 
 # ---- exactness on CUDA ----------------------------------------------------------------------------
@@ -202,8 +212,7 @@ def _compare_step(sharded, model, inputs, loss_of) -> dict:
     the loss, every gradient and every weight after the step."""
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loss, ref = loss_of(_unwrap(_call(sharded, inputs))), loss_of(_call(model, inputs))
-    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss, ref = _unwrap(loss_of(_unwrap(_call(sharded, inputs)))), loss_of(_call(model, inputs))
     loss.backward()
     ref.backward()
     params = dict(sharded.named_parameters())
@@ -307,7 +316,7 @@ def gloo8(args) -> list[dict]:
             if os.path.exists(f"{progress}.{rank}"):
                 with open(f"{progress}.{rank}") as f:
                     last[rank] = f.read().split("\n")[-2]
-        return [{"error": str(error).splitlines()[0][:300], "last_step_per_rank": last}]
+        return [{"error": str(error)[:8000], "last_step_per_rank": last}]
     for row in rows:
         print(f"gloo8 {row.get('op') or row['mode'] + ' ' + row['summa']}: "
               f"{row.get('worst', row.get('error', 'ok'))}", flush=True)
@@ -335,10 +344,16 @@ def _median_step(step, device, warmup: int = 2, steps: int = 5) -> float:
 
 
 def _compiled_worker(rank: int, world: int, size: dict, device: str, q: int, d: int) -> dict:
-    """simulate(compile=True) against eager on `[q, q, d]`: parity, first step, median step."""
+    """simulate(compile=True) against eager on `[q, q, d]` in float64: parity, the first
+    (compiling) step, the median step; first a one-kernel `torch.compile`, to tell the
+    machine's inductor from ours."""
+    start = time.perf_counter()
+    torch.compile(lambda x: (x.sin() + 1).sum())(torch.randn(8, device=device))
+    _sync(device)
+    trivial_s = time.perf_counter() - start
     model, inputs, loss_of = gpt_stack(size)
-    model = model.to(device)
-    inputs = _to(inputs, device)
+    model = model.double().to(device)
+    inputs = _to(inputs, device, torch.float64)
     results = {}
     for name, flag in (("eager", False), ("compiled", True)):
         sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=inputs, compile=flag)
@@ -347,6 +362,7 @@ def _compiled_worker(rank: int, world: int, size: dict, device: str, q: int, d: 
         loss.backward()
         _sync(device)
         results[name] = {"first_step_s": time.perf_counter() - start, "loss": loss.detach(), "grads": sim.full_grads()}
+        print(f"compiled worker: {name} first step {results[name]['first_step_s']:.1f} s", flush=True)
 
         def step(sim=sim):
             loss_of(_call(sim, inputs)).backward()
@@ -355,26 +371,107 @@ def _compiled_worker(rank: int, world: int, size: dict, device: str, q: int, d: 
     errors = {"loss": rel(results["compiled"]["loss"], results["eager"]["loss"])}
     errors.update({n: rel(g, results["eager"]["grads"][n]) for n, g in results["compiled"]["grads"].items()})
     worst = max(errors, key=errors.get)
-    return {"model": "gpt_stack", "size": size, "mesh": f"[{q},{q},{d}]", "worst_vs_eager": errors[worst],
-            "worst_at": worst, **{f"{k}_{m}": results[k][m] for k in results for m in ("first_step_s", "step_s")}}
+    return {"model": "gpt_stack", "dtype": "float64", "size": size, "mesh": f"[{q},{q},{d}]",
+            "worst_vs_eager": errors[worst], "worst_at": worst, "trivial_compile_s": trivial_s,
+            **{f"{k}_{m}": results[k][m] for k in results for m in ("first_step_s", "step_s")}}
 
 
-def compiled(args) -> list[dict]:
-    """simulate(compile=True) against eager on the GPT stack in float32, one rank, then [2,2,2];
-    each in a child process with a time limit (inductor compiles on first use)."""
+def compiled(args, meanwhile=None) -> list[dict]:
+    """simulate(compile=True) against eager on the GPT stack in float64 at [1,1,1] and [2,2,2],
+    each in a child with a time limit that prints its stack every `--watchdog` seconds (so a
+    hang shows where it hangs), `meanwhile()` running beside the first."""
     size = dict(args.size, hidden=4 * args.size["hidden"], seq=8 * args.size["seq"])
     rows = []
-    for q, d, limit in ((1, 1, 120), (2, 2, 150)):
-        try:
-            row = run_local(_compiled_worker, 1, args=(size, args.device, q, d), timeout_s=limit)[0]
-            print(f"compiled [{q},{q},{d}]: worst {row['worst_vs_eager']:.1e} vs eager; step "
-                  f"{row['eager_step_s'] * 1e3:.1f} ms eager, {row['compiled_step_s'] * 1e3:.1f} ms compiled "
-                  f"(first compiled step {row['compiled_first_step_s']:.0f} s)", flush=True)
-        except (RuntimeError, TimeoutError) as error:
-            row = {"mesh": f"[{q},{q},{d}]", "error": str(error)[:2000]}
-            print(f"compiled [{q},{q},{d}] failed: {str(error)[:2000]}", flush=True)
-        rows.append(row)
+    for q, d in ((1, 1), (2, 2)):
+        child = _start_child(args, "compiled_worker", {"size": size, "q": q, "d": d})
+        if meanwhile is not None and q == 1:
+            meanwhile()
+        rows.append({**_one(_finish_child(child, args.compile_limit)), "mesh": f"[{q},{q},{d}]"})
+        print(f"compiled {rows[-1]['mesh']}: {rows[-1].get('worst_vs_eager', rows[-1].get('error'))}", flush=True)
     return rows
+
+
+def _one(result):
+    return dict(result[0]) if isinstance(result, list) else result
+
+
+# ---- children: a section's work in its own process, with a time limit and a watchdog ------------------
+
+
+def _in_child(args, work: str, kwargs: dict, limit: float):
+    """`CHILD_WORK[work](args, **kwargs)` in a child process, killed after
+    `limit` seconds: its result, or {"error", "log_tail"} with the end of its output, where the
+    child's watchdog wrote its main thread's stack every `args.watchdog` s."""
+    return _finish_child(_start_child(args, work, kwargs), limit)
+
+
+def _start_child(args, work: str, kwargs: dict) -> dict:
+    import subprocess
+
+    folder = tempfile.mkdtemp(prefix="gpu-check-child-")
+    spec, log = os.path.join(folder, "spec.json"), os.path.join(folder, "log.txt")
+    with open(spec, "w") as f:
+        json.dump({"work": work, "kwargs": kwargs, "device": args.device, "quick": args.quick,
+                   "watchdog": args.watchdog}, f)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec],
+                                stdout=out, stderr=subprocess.STDOUT)
+    return {"work": work, "proc": proc, "folder": folder, "start": time.perf_counter()}
+
+
+def _finish_child(child: dict, limit: float):
+    import subprocess
+
+    proc, left = child["proc"], limit - (time.perf_counter() - child["start"])
+    try:
+        code = proc.wait(timeout=max(left, 1.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    result = os.path.join(child["folder"], "result.json")
+    if code == 0 and os.path.exists(result):
+        with open(result) as f:
+            return json.load(f)
+    with open(os.path.join(child["folder"], "log.txt"), errors="replace") as f:
+        log = f.read()
+    reason = f"did not finish within {limit:.0f} s" if code is None else f"exited with code {code}"
+    return {"error": f"{child['work']} {reason}", "seconds": time.perf_counter() - child["start"],
+            "log_tail": log[-8000:]}
+
+
+def _watch_main_thread(every: float) -> None:
+    """Print the main thread's Python stack every `every` seconds (a daemon thread: where a
+    step hangs; nothing printed while the main thread holds the interpreter in native code)."""
+    import threading
+    import traceback
+
+    main, start = threading.main_thread().ident, time.perf_counter()
+
+    def watch():
+        while True:
+            time.sleep(every)
+            frame = sys._current_frames().get(main)
+            stack = "".join(traceback.format_stack(frame)[-25:]) if frame is not None else "(none)\n"
+            print(f"--- watchdog at {time.perf_counter() - start:.0f} s, main thread:\n{stack}", flush=True)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def child_main(spec_path: str) -> int:
+    """The child's side of `_in_child`."""
+    import faulthandler
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    faulthandler.enable(file=sys.stdout)  # a fatal signal's stack
+    _watch_main_thread(spec["watchdog"])
+    args = argparse.Namespace(device=spec["device"], quick=spec["quick"],
+                              size=SIZES["quick" if spec["quick"] else "full"])
+    out = CHILD_WORK[spec["work"]](args, **spec["kwargs"])
+    with open(os.path.join(os.path.dirname(spec_path), "result.json"), "w") as f:
+        json.dump(out, f, default=lambda v: v.item() if isinstance(v, torch.Tensor) else str(v))
+    return 0
 
 
 # ---- one rank's local program: kernels and memory -----------------------------------------------------
@@ -393,7 +490,12 @@ class BufferComm(Comm):
         key = (tuple(like.shape), like.dtype, like.device)
         if key not in self.buffers:
             self.buffers[key] = torch.randn(like.shape, dtype=like.dtype, device=like.device) * 0.1
-        return self.buffers[key].detach()  # a new tensor object: autograd gives each call's output its own node
+        buffer = self.buffers[key]
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or buffer.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            # an op's output may not alias its input, and in a CUDA graph it must come from the graph's pool
+            return buffer.clone()
+        return buffer.detach()  # a new tensor object: autograd gives each call's output its own node
 
 
 def _rank0_shards(program, device) -> nn.Module:
@@ -405,28 +507,63 @@ def _rank0_shards(program, device) -> nn.Module:
     return module
 
 
-def local_step(program, inputs: list, device, *, steps: int = 10) -> dict:
+VARIANTS = ("eager", "compiled", "cudagraphs")  # cudagraphs: compiled, with inductor's CUDA graphs
+
+
+def _forward_of(program, module, inputs, comm, variant: str):
+    """Rank 0's forward with `comm`: the program's own graph run eagerly, or compiled by inductor
+    (`CompiledRank`, the `compile=True` runtime), with inductor's CUDA graphs for "cudagraphs"."""
+    if variant == "eager":
+        def run(graph_inputs):
+            with use_comm(comm):
+                return program.runnable(*graph_inputs)
+    else:
+        from tess_compile.runtime.inductor import CompiledRank
+
+        rank = CompiledRank(program, backward_comm=lambda: comm)
+
+        def run(graph_inputs):
+            with torch._inductor.config.patch({"triton.cudagraphs": variant == "cudagraphs"}):
+                return rank(comm, graph_inputs)
+
+    def forward():
+        outs = run(state.graph_inputs(program, module, inputs))
+        return [t for t in (outs if isinstance(outs, (list, tuple)) else [outs])
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    return forward
+
+
+def local_step(program, inputs: list, device, *, steps: int = 10, variant: str = "eager") -> dict:
     """Rank 0's program forward and backward with `BufferComm`, timed with CUDA events (median
-    of `steps`); the peak memory allocated in a step with AdamW (shards, gradients and AdamW's
-    state included), less the inputs."""
+    of `steps`, after 3 warm-up steps, the first of which compiles a compiled `variant`); the
+    device's busy fraction (kernel time over wall time, `busy_fraction`); the peak memory
+    allocated in a step with AdamW (shards, gradients and AdamW's state included), less the inputs."""
     program = state.off_meta(program, torch.device(device))
     module = _rank0_shards(program, device)
     comm = BufferComm()
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-
-    def forward():
-        with use_comm(comm):
-            outs = program.runnable(*state.graph_inputs(program, module, inputs))
-        return [t for t in (outs if isinstance(outs, (list, tuple)) else [outs])
-                if isinstance(t, torch.Tensor) and t.requires_grad]
+    forward = _forward_of(program, module, inputs, comm, variant)
 
     def backward(roots):
         with use_comm(comm, "backward"):
             torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
 
+    def step():
+        for p in module.parameters():
+            p.grad = None
+        backward(forward())
+
+    if variant == "cudagraphs":  # the comm's buffers made before any capture (one made inside would stay in its pool)
+        backward(_forward_of(program, module, inputs, comm, "eager")())
+
     cuda = torch.device(device).type == "cuda"
     fwd, bwd = [], []
+    start = time.perf_counter()
     for number in range(3 + steps):
+        if number == 1:
+            _sync(device)
+            first_step_s = time.perf_counter() - start
         for p in module.parameters():
             p.grad = None
         if cuda:
@@ -443,8 +580,9 @@ def local_step(program, inputs: list, device, *, steps: int = 10) -> dict:
                 fwd.append(events[0].elapsed_time(events[1]) / 1e3)
                 bwd.append(events[1].elapsed_time(events[2]) / 1e3)
         del roots
-    peak = None
+    peak = busy = None
     if cuda:
+        busy = busy_fraction(step, (statistics.median(fwd) + statistics.median(bwd)))
         for p in module.parameters():
             p.grad = None
         torch.cuda.synchronize()
@@ -454,8 +592,31 @@ def local_step(program, inputs: list, device, *, steps: int = 10) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - sum(t.numel() * t.element_size() for t in inputs
                                                        if isinstance(t, torch.Tensor))
-    return {"forward_s": statistics.median(fwd) if fwd else None, "backward_s": statistics.median(bwd) if bwd else None,
-            "peak_bytes": peak}
+    return {"variant": variant, "forward_s": statistics.median(fwd) if fwd else None,
+            "backward_s": statistics.median(bwd) if bwd else None, "first_step_s": first_step_s,
+            "busy": busy, "peak_bytes": peak}
+
+
+def busy_fraction(step, step_s: float, steps: int = 5) -> float:
+    """The device's busy fraction in a step: the union of its kernels' (and copies') intervals
+    over `steps` profiled steps, per step, over `step_s`, the step's wall time measured without the
+    profiler (whose own host cost would lengthen a host-bound step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, -math.inf
+    for lo, hi in spans:  # union of intervals, in microseconds
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy / 1e6 / steps / step_s
 
 
 def _profile_terms(program) -> dict:
@@ -472,18 +633,30 @@ def _memory_row(program) -> dict:
     return {"predicted_bytes": estimate.total, **{f"predicted_{k}": v for k, v in asdict(estimate).items()}}
 
 
-def kernels(args) -> list[dict]:
-    """Each paper row's rank-0 program in bf16: local forward and backward time, TFLOP/s."""
-    rows = []
+def _table_rows(args, which: str) -> list:
+    """The paper rows a kernels section runs: "all", the compiled section's "few" (Table 1's
+    [2,2,2] and [4,4,4], 1-D 64; Table 2's [1,1,1], [4,4,4], [8,8,1]), or one `[table, shape]`."""
     table = [("1", r) for r in TABLE_1] + [("2", r) for r in TABLE_2]
+    if which not in ("all", "few"):  # one row: [table, shape]
+        return [(n, r) for n, r in table if [n, r.shape] == list(which)]
     if args.quick:
-        table = table[:2]
+        return table[:2]
+    if which == "few":
+        keep = {("1", "[4,4,4]"), ("1", "[2,2,2]"), ("2", "[4,4,4]"), ("2", "[1,1,1]"), ("2", "[8,8,1]"), ("1", "[64]")}
+        table = [(n, r) for n, r in table if (n, r.shape) in keep]
+    return table
+
+
+def kernel_rows(args, variant: str = "eager", which="all") -> list[dict]:
+    """Each paper row's rank-0 program in bf16, run as `variant`: local forward and backward
+    time, TFLOP/s, the device's busy fraction, peak memory against the prediction."""
+    rows = []
     seq = 16 if args.quick else SEQ
-    for number, row in table:
+    for number, row in _table_rows(args, which):
         hidden, heads, batch = (row.hidden, row.heads, row.batch_used) if not args.quick else (64, 16, 8)
         program = compile_layer(row.mesh, batch, hidden, heads, seq, dtype=torch.bfloat16, checkpoint=True)
         x = torch.randn(batch, seq, hidden, dtype=torch.bfloat16, device=args.device)
-        measured = local_step(program, [x], args.device)
+        measured = local_step(program, [x], args.device, variant=variant)
         terms = _profile_terms(program)
         flops = terms["forward"]["matmul_flops"] + terms["backward"]["matmul_flops"]
         seconds = (measured["forward_s"] or math.nan) + (measured["backward_s"] or math.nan)
@@ -491,8 +664,31 @@ def kernels(args) -> list[dict]:
                "mode": row.mesh.mode, "ranks": row.mesh.num_ranks, **measured, "terms": terms,
                "tflops": flops / seconds / 1e12, **_memory_row(program)}
         rows.append(out)
-        print(f"kernels table {number} {row.method} {row.shape}: fwd {out['forward_s']}, bwd {out['backward_s']}, "
-              f"{out['tflops']:.1f} TFLOP/s", flush=True)
+        print(f"kernels {variant} table {number} {row.method} {row.shape}: fwd {out['forward_s']}, "
+              f"bwd {out['backward_s']}, {out['tflops']:.1f} TFLOP/s, busy {out['busy']}", flush=True)
+    return rows
+
+
+def kernels(args) -> list[dict]:
+    """Every paper row's rank-0 program in bf16, eager."""
+    return kernel_rows(args)
+
+
+def kernels_compiled(args) -> list[dict]:
+    """A few paper rows' rank-0 programs eager, compiled, and compiled with CUDA graphs: the
+    compiled ones each in a child, while `--budget` lasts."""
+    rows = []
+    for number, row in _table_rows(args, "few"):
+        rows.extend(kernel_rows(args, "eager", [number, row.shape]))
+        for variant in VARIANTS[1:]:
+            left = args.deadline - time.perf_counter()
+            if left < 30:
+                rows.append({"table": number, "shape": row.shape, "variant": variant, "error": "skipped: --budget spent"})
+                continue
+            out = _in_child(args, "kernel_rows", {"variant": variant, "which": [number, row.shape]},
+                            min(args.compile_limit, left - 10))
+            rows.extend(out if isinstance(out, list) else [{"table": number, "shape": row.shape, "variant": variant,
+                                                            **out}])
     return rows
 
 
@@ -516,6 +712,70 @@ def memory(args) -> list[dict]:
             print(f"memory {mode} p={out['ranks']} {recompute}: peak {out['peak_bytes']}, "
                   f"predicted {out['predicted_bytes']}", flush=True)
     return rows
+
+
+# ---- a world of one against torch.compile ------------------------------------------------------------
+
+
+def _world1_worker(rank: int, world: int, size: dict, device: str) -> dict:
+    """The GPT stack in bf16 under NCCL in a world of one: the unsharded model under
+    `torch.compile`, and `shard(model, 1, 1, compile=True)`: a training step's median time
+    (forward, backward, AdamW), the first (compiling) step, and the loss after 3 steps."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model, inputs, loss_of = gpt_stack(size)
+    model = model.to(device, torch.bfloat16)
+    inputs = _to(inputs, device, torch.bfloat16)
+    out = {}
+    for name in ("torch.compile", "tess compile=True", "tess eager"):
+        copy_ = copy.deepcopy(model)
+        if name == "torch.compile":
+            run = torch.compile(copy_)
+        else:
+            run = tess_compile.shard(copy_, 1, 1, example_inputs=inputs, compile=name != "tess eager", timeout=300)
+        opt = torch.optim.AdamW(run.parameters(), lr=1e-4)
+
+        def step(run=run, opt=opt):
+            loss = loss_of(_unwrap(_call(run, inputs)))
+            loss = _unwrap(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        def forward_backward(run=run):
+            _unwrap(loss_of(_unwrap(_call(run, inputs)))).backward()
+
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        first = time.perf_counter() - start
+        out[name] = {"first_step_s": first, "step_s": _median_step(step, device, warmup=3, steps=10),
+                     "forward_backward_s": _median_step(forward_backward, device, warmup=1, steps=10)}
+        print(f"world1 {name}: first {first:.1f} s, step {out[name]['step_s'] * 1e3:.2f} ms", flush=True)
+    return {"size": size, "dtype": "bfloat16", **out,
+            "ratio": out["tess compile=True"]["step_s"] / out["torch.compile"]["step_s"],
+            "ratio_forward_backward": (out["tess compile=True"]["forward_backward_s"]
+                                       / out["torch.compile"]["forward_backward_s"])}
+
+
+def world1(args) -> list[dict]:
+    """A world of one: tess-compile's compiled program against the unsharded model under torch.compile."""
+    size = ({"layers": 2, "hidden": 1024, "heads": 16, "batch": 8, "seq": 512} if not args.quick
+            else {"layers": 1, "hidden": 64, "heads": 8, "batch": 4, "seq": 8})
+    try:
+        backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
+        return run_local(_world1_worker, 1, args=(size, args.device), backend=backend,
+                         timeout_s=max(min(args.compile_limit * 2, args.deadline - time.perf_counter()), 10))
+    except (RuntimeError, TimeoutError) as error:
+        return [{"error": str(error)[:4000]}]
+
+
+# The work a child of `_in_child` runs, by name.
+CHILD_WORK = {
+    "compiled_worker": lambda args, size, q, d: _compiled_worker(0, 1, size, args.device, q, d),
+    "kernel_rows": kernel_rows,
+}
 
 
 # ---- the run and its record ----------------------------------------------------------------------
@@ -552,16 +812,28 @@ def run(args) -> dict:
     """Every section of `args.sections`, the record rewritten after each."""
     record = {"environment": environment(args.device), "sections": {}, "errors": {}}
     print(json.dumps(record["environment"]), flush=True)
+    beside = "gloo8" if {"compiled", "gloo8"} <= set(args.sections) else None  # runs while compiled's children compile
     for name in args.sections:
-        start = time.perf_counter()
-        try:
-            record["sections"][name] = globals()[name](args)
-        except Exception:  # noqa: BLE001 - recorded, the next section still runs
-            record["errors"][name] = traceback.format_exc()[-3000:]
-            print(f"{name} failed:\n{record['errors'][name]}", flush=True)
-        record.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
-        _write(record, args.out)
+        if name == beside:
+            continue
+        if name == "compiled" and beside:
+            _section(record, name, args.out, lambda: compiled(args, lambda: _section(record, beside, args.out,
+                                                                                          lambda: gloo8(args))))
+        else:
+            _section(record, name, args.out, lambda name=name: globals()[name](args))
     return record
+
+
+def _section(record: dict, name: str, out: str, work) -> None:
+    """Section `name`'s rows, `work()` (or its error), into `record`, written to `out`."""
+    start = time.perf_counter()
+    try:
+        record["sections"][name] = work()
+    except Exception:  # noqa: BLE001 - recorded, the next section still runs
+        record["errors"][name] = traceback.format_exc()[-3000:]
+        print(f"{name} failed:\n{record['errors'][name]}", flush=True)
+    record.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+    _write(record, out)
 
 
 def _write(record: dict, path: str) -> None:
@@ -620,13 +892,30 @@ def report(path: str) -> int:
     print(f"{env.get('name', env['device'])}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}")
     for name, error in record.get("errors", {}).items():
         print(f"section {name} failed: {error.strip().splitlines()[-1]}")
-    for name in ("exact", "bf16", "nccl1", "gloo8", "compiled", "memory"):
+    for name in ("exact", "bf16", "nccl1", "gloo8", "compiled", "world1", "memory"):
         for row in sections.get(name, []):
-            print(name, {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items()})
+            print(name, {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items() if k != "log_tail"})
     rows = [r for r in sections.get("kernels", []) if r.get("forward_s")]
     if rows:
         _report_kernels(rows, env)
+    variants = [r for r in sections.get("kernels_compiled", [])]
+    if variants:
+        _report_variants(variants, env)
     return 0
+
+
+def _report_variants(rows: list[dict], env: dict) -> None:
+    """The compiled kernels section: each row eager, compiled and with CUDA graphs, side by side."""
+    peak = env.get("bf16_peak_flops") or env["bf16_matmul_flops"]
+    print(f"\n{'table':>5} {'shape':<10} {'variant':<11} {'step ms':>8} {'TFLOP/s':>8} {'% peak':>7} {'busy %':>7} "
+          f"{'compile s':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['table']:>5} {r['shape']:<10} {r['variant']:<11} {r['error'].splitlines()[0]}")
+            continue
+        print(f"{r['table']:>5} {r['shape']:<10} {r['variant']:<11} {(r['forward_s'] + r['backward_s']) * 1e3:8.2f} "
+              f"{r['tflops']:8.1f} {100 * r['tflops'] * 1e12 / peak:7.1f} {100 * r['busy']:7.1f} "
+              f"{r['first_step_s']:9.1f}")
 
 
 def _report_kernels(rows: list[dict], env: dict) -> None:
@@ -644,13 +933,14 @@ def _report_kernels(rows: list[dict], env: dict) -> None:
         print(f"fitted to Table {fit_on} only: mean error {100 * statistics.mean(_errors(held, x_part, flops)):.1f}% "
               f"on Table {held_out}")
     print(f"\n{'table':>5} {'method':<12} {'shape':<10} {'fwd ms':>7} {'bwd ms':>7} {'TFLOP/s':>8} {'% peak':>7} "
-          f"{'pred ms':>8} {'err %':>6}")
+          f"{'pred ms':>8} {'err %':>6} {'busy %':>7}")
     for r in rows:
         predicted = sum(local_seconds(r, x, flops))
         total = r["forward_s"] + r["backward_s"]
         print(f"{r['table']:>5} {r['method']:<12} {r['shape']:<10} {r['forward_s'] * 1e3:7.2f} "
               f"{r['backward_s'] * 1e3:7.2f} {r['tflops']:8.1f} {100 * r['tflops'] * 1e12 / peak:7.1f} "
-              f"{predicted * 1e3:8.2f} {100 * (predicted / total - 1):6.1f}")
+              f"{predicted * 1e3:8.2f} {100 * (predicted / total - 1):6.1f} "
+              f"{100 * r['busy'] if r.get('busy') is not None else math.nan:7.1f}")
 
 
 def main(argv=None) -> int:
@@ -660,7 +950,17 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a dry run, on the CPU too)")
     parser.add_argument("--report", metavar="JSON", help="print a results file's tables and the fit")
+    parser.add_argument("--watchdog", type=float, default=30.0,
+                        help="seconds between a child's stack dumps (where a compile hangs)")
+    parser.add_argument("--compile-limit", type=float, default=150.0,
+                        help="seconds a compiled section's child may take")
+    parser.add_argument("--budget", type=float, default=math.inf,
+                        help="seconds after which the compiled kernels section starts no more rows")
+    parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+    args.deadline = time.perf_counter() + args.budget
     if args.report:
         return report(args.report)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():

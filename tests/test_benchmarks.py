@@ -94,7 +94,9 @@ def test_gpu_check_skips_without_cuda_and_dry_runs_on_cpu(capsys, tmp_path):
     assert {"collectives", "num_kernels"} <= set(record["sections"]["kernels"][0]["terms"]["forward"])
 
 
-def test_gpu_check_reports_the_committed_run(capsys):
+def test_gpu_check_reports_the_committed_runs(capsys):
     bench = _load("gpu_check")
     assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check.json")]) == 0
     assert "local step = max(device, host)" in capsys.readouterr().out
+    assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200.json")]) == 0
+    assert "cudagraphs" in capsys.readouterr().out

@@ -12,6 +12,7 @@ eager simulator's (the products' backward fetches again, nothing is kept).
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import tess_compile
 from tess_compile.core.layout import local_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.runtime.launch import run_local
+from tess_compile.runtime.threaded import grad_in_thread
 
 TOL = 1e-12
 # (q, d, mode, heads, checkpoint): one program per runtime, see the module docstring.
@@ -55,13 +57,17 @@ def oracle(model, x, target):
 
 @pytest.mark.parametrize("q, d, mode, heads, checkpoint", [pytest.param(*SIMULATED[0], marks=pytest.mark.slow),
                                                             SIMULATED[1]], ids=["q2d2-selective", "1d-p4"])
-def test_simulated_compiled_parity(q, d, mode, heads, checkpoint):
+def test_simulated_compiled_parity(q, d, mode, heads, checkpoint, monkeypatch):
     model, x, target = make_case(heads)
     expected, grads = oracle(model, x, target)
     options = dict(example_inputs=(x,), mode=mode, recompute=checkpoint)
     sim = tess_compile.simulate(model, q, d, compile=True, **options)
     y = sim(x)
+    engine_threads = _engine_callers(monkeypatch)
     (y * target).sum().backward()
+    # The ranks' backwards run in their threads outside the autograd engine, which on CUDA runs every
+    # node on one device thread: ranks that meet at collectives there hang (they did, on a GPU).
+    assert engine_threads == {threading.main_thread().name}
     assert rel_err(y, expected) <= TOL
     errors = {name: rel_err(grad, grads[name]) for name, grad in sim.full_grads().items()}
     assert list(errors) == list(grads) and max(errors.values()) <= TOL, errors
@@ -71,6 +77,56 @@ def test_simulated_compiled_parity(q, d, mode, heads, checkpoint):
     (eager(x) * target).sum().backward()
     for phase in ("forward", "backward"):
         assert sim.comm.counts(phase) == eager.comm.counts(phase), phase
+
+
+def _engine_callers(monkeypatch) -> set:
+    """The names of the threads that call the autograd engine from now on (the set fills as they do)."""
+    callers, run = set(), torch.autograd.graph._engine_run_backward
+
+    def spy(*args, **kwargs):
+        callers.add(threading.current_thread().name)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "_engine_run_backward", spy)
+    return callers
+
+
+class _Twice(torch.autograd.Function):
+    """Two outputs, a Python backward that takes None for a gradient that did not arrive."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2, x.sin()
+
+    @staticmethod
+    def backward(ctx, g_double, g_sin):
+        (x,) = ctx.saved_tensors
+        grad = torch.zeros_like(x)
+        if g_double is not None:
+            grad = grad + 2 * g_double
+        if g_sin is not None:
+            grad = grad + x.cos() * g_sin
+        return grad
+
+
+def test_grad_in_thread_matches_the_engine():
+    """Built-in and Python nodes, a node reached twice, an output that is an input, an unused
+    input, an output whose gradient does not arrive."""
+    torch.manual_seed(0)
+    a, b, unused = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    double, sine = _Twice.apply(a @ b.T)
+    shared = (a * b).sum(1)
+    roots = [double.exp().sum(0), shared * 3, shared.cos(), b, sine]
+    grads = [torch.randn_like(r) for r in roots[:-1]] + [None]
+    expected = torch.autograd.grad([r for r, g in zip(roots, grads) if g is not None],
+                                   [a, b, unused], [g for g in grads if g is not None], retain_graph=True,
+                                   allow_unused=True)
+    kept = [(r, g) for r, g in zip(roots, grads) if g is not None]
+    found = grad_in_thread([r for r, _ in kept], [a, b, unused], [g for _, g in kept])
+    assert found[2] is None and expected[2] is None
+    for mine, theirs in zip(found[:2], expected[:2]):
+        assert torch.allclose(mine, theirs, rtol=1e-14, atol=0)
 
 
 def test_simulated_compiled_eval_and_second_call():

@@ -82,10 +82,14 @@ class CompiledRank:
     require grad. A `dynamic=True` program is compiled symbolic in its inputs' symbolic dims
     (`SymbolicSizes`), so one compile serves every batch and sequence length; as under Dynamo,
     the code is kept with the guards its compile put on the sizes, and a call that breaks them
-    compiles again. `backward_comm()` gives the communicator the compiled backward runs under."""
+    compiles again. `backward_comm()` gives the communicator the compiled backward runs under.
+    `threaded`: every rank runs it in its own thread of one process, and its backward is applied
+    there, outside the autograd engine (`runtime.threaded.grad_in_thread`), so it is compiled
+    without the saved buffers that AOTAutograd lets backward reuse only inside the engine's call."""
 
-    def __init__(self, program: Program, backward_comm: Callable[[], Comm]):
+    def __init__(self, program: Program, backward_comm: Callable[[], Comm], threaded: bool = False):
         self.graph = inductor_graph(program.graph)
+        self.config = dict(_COMPILE_CONFIG, donated_buffer=not threaded)
         self.dynamic = program.dynamic is not None
         self.sizes = SymbolicSizes.of(program.graph) if self.dynamic else None
         self.backward_comm = backward_comm
@@ -111,7 +115,7 @@ class CompiledRank:
     def _compile(self, inputs: list, first: bool) -> list[tuple[Callable[[list], bool], Callable]]:
         """Inductor's code for `inputs`, each with the test of the inputs it serves; the last serves `inputs`
         (`first`: the first compile for this grad mode, which compiles a dynamic program's general code)."""
-        with use_comm(TracingComm()), torch._functorch.config.patch(_COMPILE_CONFIG):
+        with use_comm(TracingComm()), torch._functorch.config.patch(self.config):
             if self.sizes is not None and self.sizes.takes(inputs):
                 return self.sizes.compile(self.graph, inputs, self._inner, general=first)
             function = compile_fx(copy.deepcopy(self.graph), list(inputs), inner_compile=self._inner)

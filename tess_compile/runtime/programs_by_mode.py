@@ -93,14 +93,15 @@ class ModeModule(nn.Module):
         """Rank -> the module of that rank's shards, for the ranks this module runs."""
         raise NotImplementedError
 
-    def compiled_program(self, backward_comm, program: Program | None = None):
+    def compiled_program(self, backward_comm, program: Program | None = None, threaded: bool = False):
         """The `CompiledRank` of this mode's program (or of `program`, one `adopt` readied);
-        `backward_comm()` gives the communicator its compiled backward runs under."""
+        `backward_comm()` gives the communicator its compiled backward runs under; `threaded`:
+        every rank's in its own thread (`CompiledRank`)."""
         from tess_compile.runtime.inductor import CompiledRank  # imports inductor: only when asked for
 
         program = program or self.program
         if id(program) not in self._compiled:
-            self._compiled[id(program)] = CompiledRank(program, backward_comm=backward_comm)
+            self._compiled[id(program)] = CompiledRank(program, backward_comm=backward_comm, threaded=threaded)
         return self._compiled[id(program)]
 
 

@@ -168,7 +168,7 @@ class SimulatedModule(ModeModule):
         """Every rank's outputs of `program` on its graph inputs: in lockstep, or through inductor with
         `compile` (each rank in a thread)."""
         if self.compile:
-            return run_compiled(self.compiled_program(current_comm, program), self.comm, rank_inputs)
+            return run_compiled(self.compiled_program(current_comm, program, threaded=True), self.comm, rank_inputs)
         with use_comm(self.comm):
             return run_lockstep(program.runnable, self.comm, rank_inputs)
 

@@ -19,12 +19,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import Comm, use_comm
 
-__all__ = ["ThreadComm", "run_compiled"]
+__all__ = ["ThreadComm", "grad_in_thread", "run_compiled"]
 
 
 class _Meeting:
@@ -115,9 +116,11 @@ class _ThreadedRun:
             wanted = [n for n, ((s, _), x) in enumerate(zip(self.in_slots, inputs)) if s == r and x.requires_grad]
             if not pairs or not wanted:
                 return {}
-            with use_comm(self.comms[r], phase="backward"):
-                found = torch.autograd.grad([o for o, _ in pairs], [inputs[n] for n in wanted], [g for _, g in pairs],
-                                            allow_unused=True)
+            # Outside the engine's call AOTAutograd takes a backward for one that keeps the graph, which a
+            # backward compiled to reuse saved buffers refuses: it was compiled without them
+            # (`CompiledRank(threaded=True)`), and the check reads this (thread-local) flag.
+            with use_comm(self.comms[r], phase="backward"), torch._functorch.config.patch(donated_buffer=False):
+                found = grad_in_thread([o for o, _ in pairs], [inputs[n] for n in wanted], [g for _, g in pairs])
             return dict(zip(wanted, found))
 
         out: list = [None] * len(inputs)
@@ -125,6 +128,77 @@ class _ThreadedRun:
             for index, grad in found.items():
                 out[index] = grad
         return out
+
+
+def grad_in_thread(roots: list, inputs: list, grads: list) -> list:
+    """`torch.autograd.grad(roots, inputs, grads, allow_unused=True)`, every node of the graph
+    between them applied in the calling thread, in topological order.
+
+    The ranks' backwards must run at once, each in its own thread, for their collectives to
+    meet. The autograd engine runs every node of a CUDA device on that device's one worker
+    thread, so ranks that wait for each other there never finish (the engine's own calls
+    from the ranks' threads hung on CUDA). The per-rank graph is a compiled function over
+    leaf inputs, so few nodes are walked; none of them carries hooks."""
+    wanted = {id(x): n for n, x in enumerate(inputs)}
+    found: list = [None] * len(inputs)
+    pending: dict = {}  # node -> {output number: summed gradient}
+    order = _topological([r.grad_fn for r in roots if r.grad_fn is not None])
+    for root, grad in zip(roots, grads):
+        if root.grad_fn is None:
+            _accumulate(found, wanted.get(id(root)), grad)
+        else:
+            _add(pending.setdefault(root.grad_fn, {}), root.output_nr, grad)
+    with torch.no_grad():
+        for node in order:
+            received = pending.pop(node, {})
+            arity = len(node._input_metadata)
+            outs = _apply(node, [received.get(k) for k in range(arity)])
+            for (after, number), grad in zip(node.next_functions, outs):
+                if after is None or grad is None:
+                    continue
+                if type(after).__name__ == "AccumulateGrad":
+                    _accumulate(found, wanted.get(id(after.variable)), grad)
+                else:
+                    _add(pending.setdefault(after, {}), number, grad)
+    return found
+
+
+def _topological(starts: list) -> list:
+    """The nodes reachable from `starts` (leaves' AccumulateGrad left out), each after every node that feeds it."""
+    seen, order = set(), []
+
+    def visit(node):
+        if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
+            return
+        seen.add(node)
+        for after, _ in node.next_functions:
+            visit(after)
+        order.append(node)
+
+    for node in starts:
+        visit(node)
+    return order[::-1]
+
+
+def _apply(node, grads: list) -> tuple:
+    """A node's gradients for its inputs: a Python function's backward through its `apply`
+    (which takes None for a gradient that did not arrive), a built-in node called with zeros there."""
+    if isinstance(node, BackwardCFunction):
+        outs = node.apply(*grads)
+    else:
+        outs = node(*[g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                      for g, m in zip(grads, node._input_metadata)])
+    return outs if isinstance(outs, tuple) else (outs,)
+
+
+def _add(slots: dict, number: int, grad) -> None:
+    if grad is not None:
+        slots[number] = grad if number not in slots else slots[number] + grad
+
+
+def _accumulate(found: list, index, grad) -> None:
+    if index is not None and grad is not None:
+        found[index] = grad if found[index] is None else found[index] + grad
 
 
 class _CompiledRanks(torch.autograd.Function):

@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from tess_compile.core.layout import local_block
@@ -55,6 +55,9 @@ def fully_shard_over_dp(module: nn.Module, **fsdp_options) -> nn.Module:
     for slot in program.slots:
         if slot.role == "alias" and roles.get(slot.alias_of) == "param":
             state._set_tensor(module, slot.name, state.get_attribute(module, slot.alias_of), "param")
+    # New in torch 2.13: imported here, so that this module (and shard, without ZeRO) loads on older torch.
+    from torch.distributed.fsdp import DataParallelMeshDims
+
     shard = groups.dp_dims[0] if len(groups.dp_dims) == 1 else groups.dp_dims
     fully_shard(module, mesh=root, dp_mesh_dims=DataParallelMeshDims(shard=shard), **fsdp_options)
     return module
