@@ -92,22 +92,24 @@ def _engine_callers(monkeypatch) -> set:
 
 
 class _Twice(torch.autograd.Function):
-    """Two outputs, a Python backward that takes None for a gradient that did not arrive."""
+    """Two outputs, a Python backward that takes None for a gradient that did not arrive, and
+    arguments that are no tensors or need no gradient (a compiled function's sizes and constants)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, scale, x, constant):
         ctx.save_for_backward(x)
-        return x * 2, x.sin()
+        ctx.scale = scale
+        return x * scale + constant, x.sin()
 
     @staticmethod
-    def backward(ctx, g_double, g_sin):
+    def backward(ctx, g_scaled, g_sin):
         (x,) = ctx.saved_tensors
         grad = torch.zeros_like(x)
-        if g_double is not None:
-            grad = grad + 2 * g_double
+        if g_scaled is not None:
+            grad = grad + ctx.scale * g_scaled
         if g_sin is not None:
             grad = grad + x.cos() * g_sin
-        return grad
+        return None, grad, None
 
 
 def test_grad_in_thread_matches_the_engine():
@@ -115,7 +117,7 @@ def test_grad_in_thread_matches_the_engine():
     input, an output whose gradient does not arrive."""
     torch.manual_seed(0)
     a, b, unused = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    double, sine = _Twice.apply(a @ b.T)
+    double, sine = _Twice.apply(2, a @ b.T, torch.ones(3, 3, dtype=torch.float64))
     shared = (a * b).sum(1)
     roots = [double.exp().sum(0), shared * 3, shared.cos(), b, sine]
     grads = [torch.randn_like(r) for r in roots[:-1]] + [None]

@@ -322,7 +322,8 @@ def test_memory_of_one_rank_by_hand():
     assert memory.grads == memory.params
     assert memory.optimizer == 2 * memory.params  # fp32 parameters: two fp32 states each
     assert memory.activations == 4 * (8 * 3 * 8 + 8 * 3 * 16)
-    assert memory.total == memory.params * 4 + memory.activations
+    assert memory.at_backward == memory.params * 4 + memory.activations
+    assert memory.total == memory.peak > memory.at_backward
 
 
 @pytest.mark.parametrize("q, d, mode", [(2, 2, "2.5d"), (2, 1, "2d")])

@@ -50,7 +50,7 @@ from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule, p
 from tess_compile.core.fake_run import local_placeholder, requires_grad, tensor_bytes
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import Comm, broadcast_start, output_like, use_comm
+from tess_compile.ops.collectives import ShapeComm, broadcast_start, use_comm
 from tess_compile.ops.grad_bucket import packing
 
 __all__ = [
@@ -244,13 +244,6 @@ def kernel_profile(fn) -> PhaseProfile:
     return PhaseProfile(**recorder.totals["forward"])
 
 
-class _ShapeComm(Comm):
-    """A communicator for fake runs: each collective returns an empty tensor of its output's shape."""
-
-    def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
-        return output_like(op, x, *args)
-
-
 def _fake_step(program: Program, inputs_require_grad: bool) -> dict[str, PhaseProfile]:
     """Run one rank's program forward, then backward from every output that requires grad,
     on fake tensors, recording its kernels (recomputed regions count in backward)."""
@@ -259,7 +252,7 @@ def _fake_step(program: Program, inputs_require_grad: bool) -> dict[str, PhasePr
     with FakeTensorMode(allow_non_fake_inputs=True):
         placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
         inputs = [local_placeholder(n, program.mesh, requires_grad(n, inputs_require_grad)) for n in placeholders]
-        with use_comm(_ShapeComm()), recorder:
+        with use_comm(ShapeComm()), recorder:
             outputs = Interpreter(graph).run(*inputs)
             roots = [t for t in _tensors(outputs) if t.requires_grad]
             del outputs

@@ -112,8 +112,9 @@ def dump_program(
     memory = predict_memory(program)
     notes = [
         *notes,
-        f"memory per rank (bytes): parameters {memory.params}, gradients {memory.grads}, AdamW state "
-        f"{memory.optimizer}, saved for backward {memory.activations}, collective buffers {memory.transient}",
+        f"memory per rank (bytes): peak of a step {memory.total}; at the start of backward parameters "
+        f"{memory.params}, gradients {memory.grads}, AdamW state {memory.optimizer}, saved for backward "
+        f"{memory.activations}, collective buffers {memory.transient}",
     ]
     if unsharded_flops is not None:
         notes.append(redundant_work_text(redundant_work(program, unsharded_flops)))

@@ -1,8 +1,11 @@
-"""Predicted memory per rank of a compiled program: parameters, gradients, AdamW state,
-the activations autograd saves for backward, and the collectives' largest buffers.
+"""Predicted memory per rank of a compiled program: the peak of a training step, and what a
+rank holds at the start of backward: parameters, gradients, AdamW state, the activations
+autograd saves for backward, and the collectives' largest buffers.
 
-An analysis of the rewritten graph: a fake run prices the saved tensors by
-storage, as `tess_compile.analysis.accounting.saved_bytes` measures them.
+An analysis of the rewritten graph. The peak comes from a step run on fake tensors under
+torch's `MemTracker`, which counts every tensor for as long as autograd, the recompute regions
+and the optimizer keep it; the breakdown prices the saved tensors by storage, as
+`tess_compile.analysis.accounting.saved_bytes` measures them.
 """
 
 from __future__ import annotations
@@ -11,20 +14,23 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tess_compile.core.fake_run import fake_run, tensor_bytes
+from tess_compile.core.fake_run import fake_run, local_placeholder, requires_grad, tensor_bytes
 from tess_compile.core.meta_keys import ROLE, WEIGHT_INPUT
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import broadcast_start
+from tess_compile.ops.collectives import ShapeComm, broadcast_start, use_comm
 from tess_compile.ops.fetched_product import fetched_product
 
 __all__ = [
-    "MemoryEstimate",
     "OPTIMIZER_BYTES_PER_PARAM",
+    "MemoryEstimate",
     "activation_bytes",
     "collective_buffer_bytes",
     "param_shards",
     "predict_memory",
+    "step_peak",
 ]
 
 OPTIMIZER_BYTES_PER_PARAM = 8  # AdamW: exp_avg and exp_avg_sq, fp32 each
@@ -32,18 +38,26 @@ OPTIMIZER_BYTES_PER_PARAM = 8  # AdamW: exp_avg and exp_avg_sq, fp32 each
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at the start of backward, by kind, and the largest
-    transient buffers of its collectives (fetched blocks in flight)."""
+    """Bytes one rank holds at the start of backward, by kind, and the largest transient
+    buffers of its collectives (fetched blocks in flight); `peak`, the most it holds at once
+    in a training step (None where not predicted)."""
 
     params: int
     grads: int
     optimizer: int
     activations: int
     transient: int = 0
+    peak: int | None = None
+
+    @property
+    def at_backward(self) -> int:
+        """What the rank holds at the start of backward: the breakdown's sum."""
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        """The bytes a rank needs: the step's peak, or the breakdown's sum where no peak was predicted."""
+        return self.at_backward if self.peak is None else self.peak
 
 
 def param_shards(program: Program) -> list[tuple[int, int]]:
@@ -105,12 +119,58 @@ def collective_buffer_bytes(program: Program) -> int:
     return largest
 
 
-def predict_memory(program: Program) -> MemoryEstimate:
-    """Per-rank bytes: parameter shards, their gradients (same dtype), AdamW state
-    (`OPTIMIZER_BYTES_PER_PARAM` per element) and `activation_bytes`.
+def step_peak(program: Program) -> int:
+    """The most bytes rank 0 holds at once in a step of `program`, from two steps on fake tensors
+    under torch's `MemTracker` (the second step's AdamW state exists from its start).
 
-    Not counted: temporary buffers of single ops, the allocator's slack, and
-    fp32 master weights of mixed-precision training.
+    A training program's step: its forward, backward from every output that requires grad (each
+    output's gradient a tensor of its size, as a loss's backward gives), and `torch.optim.AdamW`'s
+    step with its defaults, gradients then set to None; every collective's output a new tensor
+    (`ShapeComm`). An eval program's step: its forward under no_grad. Counted: the parameter
+    shards, inputs, saved activations, gradients, temporaries and optimizer state while they
+    live; not counted: the allocator's rounding and cached blocks, and a collective
+    implementation's own buffers.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker  # imports torch.distributed's tools: only when asked
+
+    graph = program.runnable
+    nodes = list(graph.graph.find_nodes(op="placeholder"))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        values = [local_placeholder(n, program.mesh, program.training and requires_grad(n, False)) for n in nodes]
+        values = [nn.Parameter(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in values]
+        params = [v for v in values if isinstance(v, nn.Parameter)]
+        optimizer = torch.optim.AdamW(params) if params else None
+        tracker = MemTracker()
+        tracker.track_external(*[v for v in values if isinstance(v, torch.Tensor)], *([optimizer] if optimizer else []))
+        with tracker:
+            for _ in range(2 if optimizer else 1):
+                tracker.reset_mod_stats()  # the tracker refuses a module's second call otherwise
+                _fake_training_step(graph, values, optimizer)
+        peak = tracker.get_tracker_snapshot("peak")
+    return max((device["Total"] for device in peak.values()), default=0)
+
+
+def _fake_training_step(graph, values: list, optimizer) -> None:
+    with use_comm(ShapeComm()), torch.set_grad_enabled(optimizer is not None):
+        outputs = graph.forward(*values)
+        roots = [t for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        del outputs
+        if roots:
+            with use_comm(ShapeComm(), "backward"):
+                torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
+        del roots
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def predict_memory(program: Program, *, peak: bool = True) -> MemoryEstimate:
+    """Per-rank bytes: parameter shards, their gradients (same dtype), AdamW state
+    (`OPTIMIZER_BYTES_PER_PARAM` per element) and `activation_bytes`, and with `peak` the step's
+    peak (`step_peak`), which `total` gives.
+
+    Not counted: the allocator's slack, and fp32 master weights of mixed-precision training.
     """
     shards = param_shards(program)
     param_bytes = sum(numel * size for numel, size in shards)
@@ -120,4 +180,5 @@ def predict_memory(program: Program) -> MemoryEstimate:
         optimizer=OPTIMIZER_BYTES_PER_PARAM * sum(numel for numel, _ in shards),
         activations=activation_bytes(program),
         transient=collective_buffer_bytes(program),
+        peak=step_peak(program) if peak else None,
     )

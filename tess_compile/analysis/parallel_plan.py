@@ -25,7 +25,7 @@ apart. The tensor-parallel program is compiled for one microbatch,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -155,4 +155,6 @@ def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster
         activations=memory.activations * in_flight // outer.pp,
         transient=memory.transient,
     )
+    if memory.peak is not None:  # the peak moves by what the held parts move
+        held = replace(held, peak=memory.peak - memory.at_backward + held.at_backward)
     return step, held

@@ -127,9 +127,11 @@ def _time_parts(time: StepTime) -> dict:
 
 
 def _memory_parts(memory: MemoryEstimate) -> dict:
-    """The predicted bytes per rank by kind, and their total."""
+    """The predicted bytes per rank by kind at the start of backward, their sum, and the total a
+    rank needs (the step's peak)."""
     return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
-            "activations": memory.activations, "transient": memory.transient, "total": memory.total}
+            "activations": memory.activations, "transient": memory.transient, "at_backward": memory.at_backward,
+            "total": memory.total}
 
 
 def pick(rows: Sequence[PlanRow]) -> PlanRow | None:

@@ -33,6 +33,7 @@ __all__ = [
     "COMMUNICATING",
     "Comm",
     "CommRecord",
+    "ShapeComm",
     "active_comm",
     "all_gather",
     "all_reduce",
@@ -172,6 +173,14 @@ def output_like(op: str, x: torch.Tensor, *args) -> torch.Tensor:
     """An empty tensor of the shape that `op` gives for input `x` and its other arguments
     (axis, then the op's own), without communicating: for runs on fake tensors."""
     return COLLECTIVES[op].output_like(x, *args)
+
+
+class ShapeComm(Comm):
+    """A communicator for fake runs: each collective returns a new empty tensor of its output's
+    shape (`output_like`), as a real collective returns a new tensor."""
+
+    def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
+        return output_like(op, x, *args)
 
 
 # Collective name -> its graph target (the custom op, or for an identity its autograd function).

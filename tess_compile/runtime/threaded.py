@@ -152,9 +152,8 @@ def grad_in_thread(roots: list, inputs: list, grads: list) -> list:
         for node in order:
             received = pending.pop(node, {})
             arity = len(node._input_metadata)
-            outs = _apply(node, [received.get(k) for k in range(arity)])
-            for (after, number), grad in zip(node.next_functions, outs):
-                if after is None or grad is None:
+            for (after, number), grad in _apply(node, [received.get(k) for k in range(arity)]):
+                if grad is None:
                     continue
                 if type(after).__name__ == "AccumulateGrad":
                     _accumulate(found, wanted.get(id(after.variable)), grad)
@@ -180,14 +179,23 @@ def _topological(starts: list) -> list:
     return order[::-1]
 
 
-def _apply(node, grads: list) -> tuple:
-    """A node's gradients for its inputs: a Python function's backward through its `apply`
-    (which takes None for a gradient that did not arrive), a built-in node called with zeros there."""
+def _apply(node, grads: list) -> list:
+    """(edge, gradient) for each input of `node` that requires grad. A Python function's backward
+    runs through its `apply` (which takes None for a gradient that did not arrive) and returns one
+    gradient per argument of its forward, where only tensors have edges: those that required grad
+    are the ones `needs_input_grad` marks, in order. A built-in node is called with zeros for the
+    gradients that did not arrive and returns one per edge."""
     if isinstance(node, BackwardCFunction):
-        outs = node.apply(*grads)
+        outs = _as_tuple(node.apply(*grads))
+        outs = [g for g, needed in zip(outs, node.needs_input_grad) if needed]
     else:
-        outs = node(*[g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-                      for g, m in zip(grads, node._input_metadata)])
+        outs = _as_tuple(node(*[g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                                for g, m in zip(grads, node._input_metadata)]))
+        outs = [g for g, (after, _) in zip(outs, node.next_functions) if after is not None]
+    return list(zip([edge for edge in node.next_functions if edge[0] is not None], outs, strict=True))
+
+
+def _as_tuple(outs) -> tuple:
     return outs if isinstance(outs, tuple) else (outs,)
 
 
