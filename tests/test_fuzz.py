@@ -93,7 +93,7 @@ SHRINKING = fp.Shrinking(SHRINK_SECONDS)
 
 
 @pytest.mark.slow
-@settings(max_examples=800, derandomize=True, deadline=None, database=None,
+@settings(max_examples=400, derandomize=True, deadline=None, database=None,
           phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
 @given(fp.programs())
 def test_random_programs(program):

@@ -79,6 +79,7 @@ def test_an_eval_program_peaks_in_its_forward():
 
 @pytest.mark.slow
 def test_predicted_peak_within_ten_percent_of_each_ranks_tracked_peak():
-    rows = measure({**SIZE, "hidden": 64, "layers": 2}, [("2.5d", "none"), ("2.5d", "blocks"), ("1d", "none")])
+    size = {**SIZE, "hidden": 64, "heads": 8}  # 1-D p=8 splits the heads 8 ways
+    rows = measure(size, [("2.5d", "none"), ("2.5d", "blocks"), ("1d", "none")])
     errors = {(r["mode"], r["recompute"]): r["predicted"] / r["tracked"] - 1 for r in rows}
     assert len(errors) == 3 and all(abs(e) <= WITHIN for e in errors.values()), errors
