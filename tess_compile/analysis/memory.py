@@ -11,6 +11,7 @@ and the optimizer keep it; the breakdown prices the saved tensors by storage, as
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -129,8 +130,19 @@ def step_peak(program: Program) -> int:
     (`ShapeComm`). An eval program's step: its forward under no_grad. Counted: the parameter
     shards, inputs, saved activations, gradients, temporaries and optimizer state while they
     live; not counted: the allocator's rounding and cached blocks, and a collective
-    implementation's own buffers.
+    implementation's own buffers. Cached per program graph.
     """
+    key = (program.mesh, program.training)
+    cached = _PEAKS.setdefault(program.graph, {})
+    if key not in cached:
+        cached[key] = _step_peak(program)
+    return cached[key]
+
+
+_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {(mesh, training): peak}
+
+
+def _step_peak(program: Program) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker  # imports torch.distributed's tools: only when asked
 
     graph = program.runnable

@@ -20,9 +20,11 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,27 @@ _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # asks a child to dump its sta
 # What the fork server imports once, so that a child does not import it again (seconds of CPU
 # per rank, most of an 8-rank launch on a small machine). It imports nothing that starts a thread.
 _PRELOAD = ["torch", "torch.distributed", "tess_compile"]
+
+
+class _Stdio:
+    """The parent's stdout and stderr as they are at launch, handed to a child: one forked from
+    the server would otherwise write to the server's, those of the first launch."""
+
+    def __reduce__(self):  # called while the child is started: the fds travel with it
+        return _Stdio._inherited, (reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _inherited(out, err):
+        return (out.detach(), err.detach())
+
+
+def _attach_stdio(fds) -> None:
+    """Make the child's fds 1 and 2 the parent's (`_Stdio`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, fd in zip((1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
 
 
 def _context():
@@ -90,7 +113,7 @@ def run_local(fn, world_size, *, args=(), backend="gloo", timeout_s=120.0,
     procs = [
         ctx.Process(target=_worker, name=f"tess-rank-{rank}",
                     args=(rank, world_size, backend, collective_timeout_s, base_env, payload, results,
-                          str(stack_dir / f"rank{rank}.txt")))
+                          str(stack_dir / f"rank{rank}.txt"), _Stdio()))
         for rank in range(world_size)
     ]
     log.info("starting %d processes (backend=%s, port=%s)", world_size, backend, base_env["MASTER_PORT"])
@@ -146,13 +169,14 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, backend, collective_timeout_s, env, payload, results, stack_file):
+def _worker(rank, world_size, backend, collective_timeout_s, env, payload, results, stack_file, stdio):
     """Child entry point: join the group, run fn and report (rank, ok, data) on the queue,
     then leave the group and exit (objects left in reference cycles are not collected).
 
     On the parent's signal the child writes its Python stacks to `stack_file`, and on a
     fatal signal (a segmentation fault in native code) the stacks it crashed in.
     """
+    _attach_stdio(stdio)
     os.environ.clear()  # the parent's environment at launch, not the fork server's
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
