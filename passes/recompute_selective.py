@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
-from torch.utils import _pytree as pytree
 
-from tess_compile.core.fake_run import local_placeholder, requires_grad
+from tess_compile.core.fake_run import placeholder_values, tensor_leaves
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import RECOMPUTE_REGION, SUMMA_STEP
 from tess_compile.ops.collectives import COLLECTIVE_OPS, wait
@@ -85,9 +84,8 @@ class _SavedBy(Interpreter):
     @classmethod
     def of(cls, gm: GraphModule, mesh: Mesh) -> _SavedBy:
         run = cls(gm)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         with FakeTensorMode(allow_non_fake_inputs=True):
-            inputs = [local_placeholder(n, mesh, requires_grad(n, False)) for n in placeholders]
+            inputs = placeholder_values(gm, mesh)
             with torch.autograd.graph.saved_tensors_hooks(run._pack, lambda tensor: tensor):
                 run.run(*inputs)
         return run
@@ -103,7 +101,7 @@ class _SavedBy(Interpreter):
         return tensor
 
     def _storage_bytes(self, node: Node) -> dict[int, int]:
-        tensors = [t for t in pytree.tree_leaves(self.env.get(node)) if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves(self.env.get(node))
         return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
     def total(self) -> int:

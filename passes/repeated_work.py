@@ -26,11 +26,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
-from tess_compile.passes.source_lines import source_line
-from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, local_placeholder, requires_grad
+from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, placeholder_values
 from tess_compile.core.layout import Layout, Partial
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import GLOBAL_NODE, LAYOUT, REPLICATED
+from tess_compile.passes.source_lines import source_line
 
 __all__ = ["REPEATED_SHARE", "report_repeated_work"]
 
@@ -68,7 +68,7 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
     """A line per op whose FLOPs over all ranks exceed its unsharded FLOPs by over the share;
     none if a fake run cannot count them (`UNCHECKABLE`: data-dependent shapes, a meta model)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        inputs = [local_placeholder(n, mesh, requires_grad(n, False)) for n in _placeholders(gm)]
+        inputs = placeholder_values(gm, mesh)
     try:
         unsharded = flops_by_node(placed, [global_placeholder(n, _device(n)) for n in _placeholders(placed)])
         local = flops_by_node(gm, inputs)

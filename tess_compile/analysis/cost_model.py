@@ -41,13 +41,12 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, collective_costs, transfers
 from tess_compile.analysis.memory import param_shards
 from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule, product_terms
-from tess_compile.core.fake_run import local_placeholder, requires_grad, tensor_bytes
+from tess_compile.core.fake_run import placeholder_values, tensor_bytes, tensor_leaves
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
 from tess_compile.ops.collectives import ShapeComm, broadcast_start, use_comm
@@ -182,10 +181,6 @@ class ProgramProfile:
         return self.forward if phase == "forward" else self.backward
 
 
-def _tensors(*values) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
-
-
 def _product_shape(name: str, args) -> tuple[int, int, int, int]:
     """(batch, m, k, n) of a matrix-product kernel."""
     a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
@@ -224,7 +219,7 @@ class _KernelRecorder(TorchDispatchMode):
             flops = 4 * batch * heads * length * key.shape[-2] * head_dim * (2 if backward else 1)
             self._product(totals, flops, min(length, key.shape[-2], head_dim))
         else:
-            totals["memory_bytes"] += sum(tensor_bytes(t) for t in _tensors(args, kwargs, out))
+            totals["memory_bytes"] += sum(tensor_bytes(t) for t in tensor_leaves(args, kwargs, out))
         return out
 
     @staticmethod
@@ -250,11 +245,10 @@ def _fake_step(program: Program, inputs_require_grad: bool) -> dict[str, PhasePr
     graph = program.runnable
     recorder = _KernelRecorder()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-        inputs = [local_placeholder(n, program.mesh, requires_grad(n, inputs_require_grad)) for n in placeholders]
+        inputs = placeholder_values(graph, program.mesh, inputs_require_grad)
         with use_comm(ShapeComm()), recorder:
             outputs = Interpreter(graph).run(*inputs)
-            roots = [t for t in _tensors(outputs) if t.requires_grad]
+            roots = [t for t in tensor_leaves(outputs) if t.requires_grad]
             del outputs
             recorder.phase = "backward"
             if roots:

@@ -15,10 +15,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tess_compile.core.fake_run import fake_run, local_placeholder, requires_grad, tensor_bytes
+from tess_compile.core.fake_run import fake_run, placeholder_values, tensor_bytes, tensor_leaves
 from tess_compile.core.meta_keys import ROLE, WEIGHT_INPUT
 from tess_compile.core.program import Program
 from tess_compile.ops.collectives import ShapeComm, broadcast_start, use_comm
@@ -132,28 +131,24 @@ def step_peak(program: Program) -> int:
     live; not counted: the allocator's rounding and cached blocks, and a collective
     implementation's own buffers. Cached per program graph.
     """
-    key = (program.mesh, program.training)
-    cached = _PEAKS.setdefault(program.graph, {})
-    if key not in cached:
-        cached[key] = _step_peak(program)
-    return cached[key]
+    if program.graph not in _PEAKS:
+        _PEAKS[program.graph] = _step_peak(program)
+    return _PEAKS[program.graph]
 
 
-_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {(mesh, training): peak}
+_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> its step's peak
 
 
 def _step_peak(program: Program) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker  # imports torch.distributed's tools: only when asked
 
     graph = program.runnable
-    nodes = list(graph.graph.find_nodes(op="placeholder"))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        values = [local_placeholder(n, program.mesh, program.training and requires_grad(n, False)) for n in nodes]
-        values = [nn.Parameter(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in values]
-        params = [v for v in values if isinstance(v, nn.Parameter)]
+        values = placeholder_values(graph, program.mesh)
+        params = [v for v in tensor_leaves(values) if v.requires_grad] if program.training else []
         optimizer = torch.optim.AdamW(params) if params else None
         tracker = MemTracker()
-        tracker.track_external(*[v for v in values if isinstance(v, torch.Tensor)], *([optimizer] if optimizer else []))
+        tracker.track_external(*tensor_leaves(values), *([optimizer] if optimizer else []))
         with tracker:
             for _ in range(2 if optimizer else 1):
                 tracker.reset_mod_stats()  # the tracker refuses a module's second call otherwise
@@ -165,8 +160,7 @@ def _step_peak(program: Program) -> int:
 def _fake_training_step(graph, values: list, optimizer) -> None:
     with use_comm(ShapeComm()), torch.set_grad_enabled(optimizer is not None):
         outputs = graph.forward(*values)
-        roots = [t for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
-                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        roots = [t for t in tensor_leaves(outputs) if t.requires_grad]
         del outputs
         if roots:
             with use_comm(ShapeComm(), "backward"):
@@ -177,10 +171,10 @@ def _fake_training_step(graph, values: list, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def predict_memory(program: Program, *, peak: bool = True) -> MemoryEstimate:
+def predict_memory(program: Program) -> MemoryEstimate:
     """Per-rank bytes: parameter shards, their gradients (same dtype), AdamW state
-    (`OPTIMIZER_BYTES_PER_PARAM` per element) and `activation_bytes`, and with `peak` the step's
-    peak (`step_peak`), which `total` gives.
+    (`OPTIMIZER_BYTES_PER_PARAM` per element) and `activation_bytes`, and the step's peak
+    (`step_peak`), which `total` gives.
 
     Not counted: the allocator's slack, and fp32 master weights of mixed-precision training.
     """
@@ -192,5 +186,5 @@ def predict_memory(program: Program, *, peak: bool = True) -> MemoryEstimate:
         optimizer=OPTIMIZER_BYTES_PER_PARAM * sum(numel for numel, _ in shards),
         activations=activation_bytes(program),
         transient=collective_buffer_bytes(program),
-        peak=step_peak(program) if peak else None,
+        peak=step_peak(program),
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
@@ -38,8 +39,10 @@ __all__ = [
     "global_placeholder",
     "local_bytes",
     "local_placeholder",
+    "placeholder_values",
     "requires_grad",
     "tensor_bytes",
+    "tensor_leaves",
 ]
 
 
@@ -71,6 +74,18 @@ def local_bytes(node, mesh: Mesh) -> int:
     return torch.Size(shape).numel() * DTYPE.of(node).itemsize
 
 
+def placeholder_values(gm: GraphModule, mesh: Mesh, inputs_require_grad: bool = False) -> list:
+    """Every placeholder's local value (`local_placeholder`), parameters requiring grad and, with
+    `inputs_require_grad`, floating user inputs (`requires_grad`); fake inside a FakeTensorMode."""
+    return [local_placeholder(n, mesh, requires_grad(n, inputs_require_grad))
+            for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def tensor_leaves(*values) -> list[torch.Tensor]:
+    """The tensors among `values` and everything nested in them (lists, tuples, dicts)."""
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
 def tensor_bytes(value) -> int:
     return value.numel() * value.element_size()
 
@@ -95,8 +110,7 @@ def fake_run(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False, 
     """
     interpreter = Interpreter(gm, garbage_collect_values=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        inputs = [local_placeholder(n, mesh, requires_grad(n, inputs_require_grad)) for n in placeholders]
+        inputs = placeholder_values(gm, mesh, inputs_require_grad)
         with within or contextlib.nullcontext():
             interpreter.run(*inputs)
     return interpreter.env
