@@ -66,6 +66,32 @@ def test_results_in_rank_order_and_collective_works():
 
 
 @pytest.mark.slow
+def _environment_and_output(rank, world_size):
+    print(f"rank {rank} writes")  # to the stdout the parent has at launch
+    sys.stdout.flush()
+    return os.environ.get("TESS_LAUNCH_SET"), os.environ.get("TESS_LAUNCH_UNSET")
+
+
+def test_each_launch_hands_its_ranks_the_parents_environment_and_output_of_that_moment(monkeypatch, capfd, tmp_path):
+    """Ranks fork from a server started by an earlier launch: they still see the environment and
+    the stdout the parent has at this launch, not the server's."""
+    monkeypatch.setenv("TESS_LAUNCH_UNSET", "before")
+    earlier, stdout = open(tmp_path / "earlier.txt", "w"), os.dup(1)  # noqa: SIM115
+    os.dup2(earlier.fileno(), 1)  # the first launch (which starts the server, if none runs) writes elsewhere
+    try:
+        assert run_local(_environment_and_output, 2) == [(None, "before")] * 2
+    finally:
+        os.dup2(stdout, 1)
+        os.close(stdout)
+        earlier.close()
+    monkeypatch.setenv("TESS_LAUNCH_SET", "now")
+    monkeypatch.delenv("TESS_LAUNCH_UNSET")
+    capfd.readouterr()
+    assert run_local(_environment_and_output, 2) == [("now", None)] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 writes" in out and "rank 1 writes" in out, out
+
+
 def test_raising_rank_gives_runtime_error():
     with pytest.raises(RuntimeError) as info:
         run_local(_raise_on_rank_1, 2, timeout_s=60, collective_timeout_s=30)
