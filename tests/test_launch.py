@@ -65,13 +65,13 @@ def test_results_in_rank_order_and_collective_works():
     assert results == [(rank, 2.0 * sum(range(n))) for rank in range(n)]
 
 
-@pytest.mark.slow
 def _environment_and_output(rank, world_size):
     print(f"rank {rank} writes")  # to the stdout the parent has at launch
     sys.stdout.flush()
     return os.environ.get("TESS_LAUNCH_SET"), os.environ.get("TESS_LAUNCH_UNSET")
 
 
+@pytest.mark.slow
 def test_each_launch_hands_its_ranks_the_parents_environment_and_output_of_that_moment(monkeypatch, capfd, tmp_path):
     """Ranks fork from a server started by an earlier launch: they still see the environment and
     the stdout the parent has at this launch, not the server's."""
@@ -92,6 +92,7 @@ def test_each_launch_hands_its_ranks_the_parents_environment_and_output_of_that_
     assert "rank 0 writes" in out and "rank 1 writes" in out, out
 
 
+@pytest.mark.slow
 def test_raising_rank_gives_runtime_error():
     with pytest.raises(RuntimeError) as info:
         run_local(_raise_on_rank_1, 2, timeout_s=60, collective_timeout_s=30)
