@@ -27,7 +27,7 @@ from tess_compile.passes.bucket_gradients import bucket_gradients
 from tess_compile.passes.capture import capture, shape_env_of
 from tess_compile.passes.merge_products import merge_products
 from tess_compile.passes.observers import PassResult, notify
-from tess_compile.passes.place import place
+from tess_compile.passes.place import batch_parts, place, resolve_batch_split
 from tess_compile.passes.recompute_blocks import mark_blocks
 from tess_compile.passes.recompute_selective import mark_selective
 from tess_compile.passes.repeated_work import report_repeated_work
@@ -108,12 +108,14 @@ def compile_model(
     args, kwargs = split_example_inputs(example_inputs)
     start = time.perf_counter()
     run = _Passes(mesh, options.dynamic)
-    batch_factor = mesh.size("depth") * mesh.size("row") if options.dynamic else None
+    batch_split = resolve_batch_split(options.batch_split, _example_batch(args, kwargs, weight_inputs), mesh)
+    batch_factor = batch_parts(batch_split, mesh) if options.dynamic else None
     gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
              guarded=False)
     # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
     gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
-    placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs)
+    placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs,
+                 batch_split=batch_split)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)
     if options.recompute == "blocks":
@@ -145,6 +147,13 @@ def compile_model(
         runnable=outline_regions(gm),
         dynamic=_dynamic_shapes(placed, mesh) if options.dynamic else None,
     )
+
+
+def _example_batch(args: tuple, kwargs: dict, weight_inputs: dict[int, str] | None) -> int | None:
+    """Dim 0 of the first tensor input that is not a weight (None: there is none)."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return next((x.shape[0] for i, x in enumerate(leaves)
+                 if i not in (weight_inputs or {}) and isinstance(x, torch.Tensor) and x.dim()), None)
 
 
 class _Passes:

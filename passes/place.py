@@ -43,6 +43,7 @@ from tess_compile.passes.rules.uneven import check_uneven
 from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.options import AUTO, BATCH_SPLITS
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
     ARG_LAYOUTS,
@@ -55,7 +56,7 @@ from tess_compile.core.meta_keys import (
     WEIGHT_INPUT,
 )
 
-__all__ = ["PlacementContext", "home_layout", "place"]
+__all__ = ["PlacementContext", "batch_parts", "home_layout", "place", "resolve_batch_split"]
 
 _MAX_ROUNDS = 4
 # Ops whose output layout may take groups on its last dim for free.
@@ -70,8 +71,10 @@ def _last_dim(node: Node) -> int:
 class PlacementContext:
     """What a placement rule may ask: layouts, shapes, the mesh, hints, other families' rules."""
 
-    def __init__(self, mesh: Mesh, hints: dict[Node, int], carried: dict[Node, Layout] | None = None):
+    def __init__(self, mesh: Mesh, hints: dict[Node, int], carried: dict[Node, Layout] | None = None,
+                 batch_split: str = "depth_row"):
         self.mesh = mesh
+        self.batch_split = batch_split  # of the inputs (`home_layout`)
         self.hints = hints
         self.carried = carried if carried is not None else {}  # a carried input -> its layout
         self.layouts: dict[Node, object] = {}
@@ -120,37 +123,61 @@ class PlacementContext:
         return True
 
 
-def home_layout(node: Node, mesh: Mesh) -> Layout | None:
+def home_layout(node: Node, mesh: Mesh, batch_split: str = "depth_row") -> Layout | None:
     """A user input's layout: batch split over depth and row, features ([b, h] or
-    [b, s, h]) over col; whole in mode "1d" (Megatron's inputs are replicated)."""
+    [b, s, h]) over col; whole in mode "1d" (Megatron's inputs are replicated).
+
+    `batch_split` (`CompileOptions.batch_split`, resolved by `resolve_batch_split`) may keep
+    the batch whole over row ("depth") or over both ("none"), for a batch that d*q does not
+    divide (a batch of one) or a decode step: products then keep their weights still and
+    move these few rows instead (`tess_compile.passes.rules.products`).
+    """
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):
         return None  # a flag or number: no layout
     if val.dim() == 0 or mesh.mode == "1d":
         return Layout.replicated()
-    batch, num_batch_parts = val.shape[0], mesh.d * mesh.q
-    if batch % num_batch_parts:
-        raise ValueError(
-            f"input {node.name!r} of shape {list(val.shape)} has batch {batch}, not divisible by "
-            f"d*q = {num_batch_parts} on mesh {mesh}: use a batch that is a multiple of "
-            f"{num_batch_parts}, or a mesh with a smaller d*q"
-        )
     # [b, h] and [b, s, h] split their features; images and other inputs do not.
     features_split = val.is_floating_point() and val.dim() in (2, 3) and val.shape[-1] % mesh.q == 0
     col = Shard(val.dim() - 1) if features_split else Replicate()
-    return Layout(Shard(0), Shard(0), col)
+    depth = Shard(0) if batch_split in ("depth_row", "depth") else Replicate()
+    row = Shard(0) if batch_split == "depth_row" else Replicate()
+    return Layout(depth, row, col)
 
 
-def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_outputs: bool = False) -> GraphModule:
+def batch_parts(batch_split: str, mesh: Mesh) -> int:
+    """How many blocks `batch_split` cuts the batch in on `mesh`."""
+    return {"depth_row": mesh.size("depth") * mesh.size("row"), "depth": mesh.size("depth"), "none": 1}[batch_split]
+
+
+def resolve_batch_split(batch_split: str, batch: int | None, mesh: Mesh) -> str:
+    """`batch_split` for an example `batch` (None: no batch): "auto" is the first split that divides
+    it (so a batch of one stays whole); another is checked against it (ValueError naming the fix)."""
+    if mesh.mode == "1d":
+        return "none"
+    if batch_split == AUTO:
+        fits = [s for s in BATCH_SPLITS if batch is None or batch % batch_parts(s, mesh) == 0]
+        return fits[0]
+    if batch is not None and batch % batch_parts(batch_split, mesh):
+        parts = batch_parts(batch_split, mesh)
+        raise ValueError(f"batch_split={batch_split!r}: the inputs' batch {batch} is not divisible by the {parts} "
+                         f"ranks that split it on mesh {mesh}: use a batch that is a multiple of {parts}, or "
+                         "batch_split='auto'")
+    return batch_split
+
+
+def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_outputs: bool = False,
+          batch_split: str = "depth_row") -> GraphModule:
     """Annotate every node of `gm` with its layout; see the module docstring.
 
     `replicate_outputs`: every output leaves whole on every rank (for callers
-    that go on with plain tensors, as Dynamo's do).
+    that go on with plain tensors, as Dynamo's do). `batch_split`: how the
+    inputs' batch splits (`home_layout`).
     """
     hints: dict[Node, int] = {}
     carried: dict[Node, Layout] = {}
     for _ in range(_MAX_ROUNDS):
-        ctx = PlacementContext(mesh, hints, carried)
+        ctx = PlacementContext(mesh, hints, carried, batch_split)
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun and not _carry_layouts(gm, ctx, carried):
             break
@@ -196,7 +223,7 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
         if CARRIED.has(node):  # free in the first round, then its output's layout (`_carry_layouts`)
             ctx.layouts[node] = ctx.carried.get(node)
         elif role == "input" and not WEIGHT_INPUT.has(node):
-            ctx.layouts[node] = home_layout(node, ctx.mesh)
+            ctx.layouts[node] = home_layout(node, ctx.mesh, ctx.batch_split)
         return Decision({}, ctx.layouts.get(node))
     if node.op == "output":
         return _decide_outputs(node, ctx, replicate_outputs)
@@ -233,7 +260,7 @@ def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decis
     for out in node.all_input_nodes:
         layout = ctx.layouts.get(out) or Layout.replicated()
         if LOCAL_OUTPUTS.has(node):
-            layout = home_layout(out, ctx.mesh) or Layout.replicated()
+            layout = home_layout(out, ctx.mesh, ctx.batch_split) or Layout.replicated()
         args[out] = Layout.replicated() if replicate else Layout(*(_plain(p) for p in layout.placements))
     leaves = pytree.tree_leaves(node.args[0])
     for index, source in CARRIED_OUTPUTS.get(node, {}).items():

@@ -41,7 +41,7 @@ from tess_compile.generation.cache_step import is_causal_lm
 from tess_compile.generation.generate import Generation
 from tess_compile.moved import install as _install_moved_modules
 from tess_compile.runtime.dtensors import full_tensor
-from tess_compile.runtime.groups import check_device_mesh, check_zero, dp_size
+from tess_compile.runtime.groups import check_device_mesh, check_zero
 from tess_compile.runtime.launch import run_local
 from tess_compile.runtime.sharded_module import shard_program
 from tess_compile.runtime.simulator import SimulatedModule
@@ -137,7 +137,7 @@ def simulate(
         return _with_generation(module, model, mesh, compiled)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r} is not a number of data-parallel groups: pass an int >= 1, e.g. dp=2")
-    check_batch(example_inputs, mesh, "tess_compile.simulate(dp=...)", num_groups=dp)
+    check_batch(example_inputs, "tess_compile.simulate(dp=...)", num_groups=dp)
     group_args, group_kwargs = split_batch(*split_example_inputs(example_inputs), dp)[0]
     compiled = compile_for(model, mesh, group_kwargs if group_kwargs else tuple(group_args), options, cluster)
     return SimulatedDataParallel([SimulatedModule(compiled.program, recompile=compiled.recompile, compile=compile)
@@ -193,8 +193,6 @@ def shard(
     if mesh is not None or zero:  # before compiling: a wrong mesh fails at once
         dp_dims = check_device_mesh(mesh, tess_mesh) if mesh is not None else ()
         check_zero(zero, mesh, dp_dims, tess_mesh)
-        if mesh is not None:
-            check_batch(example_inputs, tess_mesh, "mesh=", dp_size(mesh, dp_dims), device_mesh=mesh)
     compiled = compile_for(model, tess_mesh, example_inputs, options, cluster)
     module = shard_program(compiled.program, device=device, timeout=timeout, recompile=compiled.recompile,
                            mesh=mesh, zero=zero, compile=compile)

@@ -148,7 +148,8 @@ def test_run_on_gloo_processes(workdir):
     (["run", "model.py:make_model_only", *MESH], "returned MLP, not a pair (model, example_inputs)"),
     (["run", "model.py:make_mlp", "--q", "2", "--d", "3"], "d=3 > q=2"),
     (["dump", "model.py:make_mlp", "--q", "2", "--d", "3"], "d=3 > q=2"),
-    (["run", "model.py:make_mlp", "--q", "4", "--d", "2", "--simulate"], "not divisible by d*q = 8"),
+    (["run", "model.py:make_mlp", "--q", "4", "--d", "2", "--simulate", "--batch-split", "depth_row"],
+     "not divisible by the 8 ranks that split it"),
 ], ids=["no-factory", "missing-file", "not-py", "import-error", "no-such-factory", "not-a-pair",
         "run-d-gt-q", "dump-d-gt-q", "batch"])
 def test_user_errors(workdir, argv, expected, monkeypatch, capsys):

@@ -114,7 +114,8 @@ def _dp_worker(rank, world_size, checkpoint_dir):
     out["no dims"] = error_text(lambda: tess_compile.shard(model, Q, D, example_inputs=(ids[rows],), mesh=flat))
     out["order"] = error_text(lambda: tess_compile.shard(model, Q, D, example_inputs=(ids[rows],), mesh=swapped))
     out["sizes"] = error_text(lambda: tess_compile.shard(model, Q, 2, example_inputs=(ids[rows],), mesh=root))
-    out["batch"] = error_text(lambda: tess_compile.shard(model, Q, D, example_inputs=(ids[:3],), mesh=root))
+    out["batch"] = error_text(lambda: tess_compile.shard(model, Q, D, example_inputs=(ids[:3],), mesh=root,
+                                                         batch_split="depth_row"))
     out["not a mesh"] = error_text(lambda: tess_compile.shard(model, Q, D, example_inputs=(ids[rows],), mesh="dp"))
     out["zero without mesh"] = error_text(lambda: tess_compile.shard(model, Q, D, example_inputs=(ids[rows],), zero=True))
 
@@ -200,8 +201,8 @@ def test_data_parallel_mesh_and_zero_over_gloo(tmp_path):
                         "mesh_dim_names=(\"dp\", \"depth\", \"row\", \"col\")"],
             "order": ["out of order", "('dp', 'row', 'depth', 'col')"],
             "sizes": ["depth=1, row=2, col=2", "q=2, d=2", "need depth=2, row=2, col=2", "pass q=2, d=1"],
-            "batch": ["shape [3, 4]", "per-group batch of 3, not divisible by d*q = 2",
-                      "2 data-parallel group(s)", "multiple of 2 (a global batch that is a multiple of 4)"],
+            "batch": ["batch_split='depth_row': the inputs' batch 3 is not divisible by the 2 ranks that split it",
+                      "batch_split='auto'"],
             "not a mesh": ["not a torch DeviceMesh", "init_device_mesh"],
             "zero without mesh": ["zero=True", "no mesh was given", "or zero=False"],
             "weights": ["'qkv.weight' [24, 8]: rank(s) [5] differ from rank(s) [0, 1, 2, 3, 4, 6, 7]",
@@ -264,8 +265,8 @@ def test_simulate_dp_bad_input():
     model = TiedAttentionLM().double()
     ids = torch.randint(0, VOCAB, (6, SEQ))
     with pytest.raises(ValueError) as err:
-        tess_compile.simulate(model, 2, 2, example_inputs=(ids,), dp=2)
-    for words in ("shape [6, 4]", "batch of 6, not divisible by dp*d*q = 2*4 = 8", "multiple of 8"):
+        tess_compile.simulate(model, 2, 2, example_inputs=(ids,), dp=4)
+    for words in ("shape [6, 4]", "batch of 6, not divisible by dp = 4", "multiple of 4"):
         assert words in str(err.value), str(err.value)
     with pytest.raises(ValueError, match=r"dp=0 is not a number of data-parallel groups"):
         tess_compile.simulate(model, 2, 2, example_inputs=(ids,), dp=0)

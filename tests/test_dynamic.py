@@ -76,8 +76,24 @@ def test_shapes_it_cannot_take_are_value_errors():
     with pytest.raises(ValueError, match=rf"dim 1 of positional input 0 = {POSITIONS + 1}: the model looks up position "
                                          rf"{POSITIONS} .* in 'positions.weight', which has {POSITIONS} rows, on mesh"):
         sharded(torch.randint(0, VOCAB, (8, POSITIONS + 1)))  # a sequence past the position table
-    with pytest.raises(ValueError, match=r"batch 6 .* not divisible by the 4 ranks that split it: use example inputs"):
-        tess_compile.simulate(tiny_gpt(), 2, 2, example_inputs=(torch.randint(0, VOCAB, (6, 12)),), dynamic=True)
+    with pytest.raises(ValueError, match=r"batch_split='depth_row': the inputs' batch 6 is not divisible by the 4 "
+                                         r"ranks that split it .* or batch_split='auto'"):
+        tess_compile.simulate(tiny_gpt(), 2, 2, example_inputs=(torch.randint(0, VOCAB, (6, 12)),), dynamic=True,
+                              batch_split="depth_row")
+
+
+def test_a_batch_that_does_not_split_over_row_is_taken():
+    """batch_split="auto": an example batch of 6 at [2,2,2] splits over depth alone (a symbolic multiple
+    of 2), and a batch of one stays whole: both programs run every batch they take exactly, their
+    products weight-stationary."""
+    model = tiny_gpt()
+    for example, calls in ((6, (2, 10)), (1, (1,))):
+        sharded = tess_compile.simulate(copy.deepcopy(model), 2, 2,
+                                        example_inputs=(torch.randint(0, VOCAB, (example, 12)),), dynamic=True)
+        for batch in calls:
+            check_call(model, sharded, torch.randint(0, VOCAB, (batch, 9)), f"batch {batch}")
+    with pytest.raises(ValueError, match="an example batch of 1 fixes the batch, as torch.compile specialises it"):
+        sharded(torch.randint(0, VOCAB, (2, 9)))
 
 
 def test_dims_the_weights_fix_stay_fixed():

@@ -169,6 +169,8 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
         )
         return _place_narrow_summa(node, ctx, x, w, bias, w_in, w_out, groups_in)
     check_divisible("out features", w, out_features, mesh.q, groups_out, ctx, fix)
+    if _rows_whole_over_row(x, x_layout):
+        return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, groups_out), transposed)
     rows = _row_blocks(node, ctx, x, x_layout)
     if rows is None:
         return _rows_whole(node, ctx, x, w)
@@ -180,11 +182,50 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     return Decision(args, Layout(*rows, Shard(ndim - 1, groups_out)))
 
 
+def _rows_whole_over_row(x: Node, x_layout: Layout) -> bool:
+    """Whether activations `x` (a model input flows into them) come with their rows whole over
+    row: a batch that did not split over it (`tess_compile.passes.place.home_layout`)."""
+    row = x_layout.row
+    return not (isinstance(row, Shard) and row.dim < len(shape_of(x)) - 1) and _reads_inputs(x)
+
+
+def _place_stationary(x: Node, w: Node, bias, w_in: int, w_out: int, x_layout: Layout, groups: tuple[int, int],
+                      transposed: bool) -> Decision:
+    """x @ W with the weight block kept where it is and x moved (Pope et al.'s weight-stationary
+    layout): for rows that stay whole over row, such as a decode step's few tokens.
+
+    Each rank multiplies x's features of its weight block's in features by the block, a partial
+    sum over the axis that splits the in features: over row for W laid out as Tesseract's B (the
+    output's features over col), over col for W laid out the other way round (over row). The
+    rows keep their split over depth. The consumer that needs the sum reduces it (the rewrite's
+    all-reduce); the bias is added on one rank of that axis (`lower_stationary`).
+    """
+    ndim = len(shape_of(x))
+    groups_in, groups_out = groups
+    depth = x_layout.depth if isinstance(x_layout.depth, Shard) and x_layout.depth.dim < ndim - 1 else R
+    if transposed:
+        w_layout = Layout(R, Shard(w_out, groups_out), Shard(w_in, groups_in))
+        args = {x: Layout(depth, R, Shard(ndim - 1, groups_in)), w: w_layout}
+        out = Layout(depth, Shard(ndim - 1, groups_out), P)
+        bias_layout = Layout(R, Shard(0, groups_out), R)
+    elif groups_out is None:  # a narrow projection: out features whole on every column
+        args = {x: Layout(depth, Shard(ndim - 1, groups_in), R), w: Layout(R, Shard(w_in, groups_in), R)}
+        out, bias_layout = Layout(depth, P, R), WHOLE
+    else:
+        args = {x: Layout(depth, Shard(ndim - 1, groups_in), R), w: Layout(R, Shard(w_in, groups_in), Shard(w_out, groups_out))}
+        out, bias_layout = Layout(depth, P, Shard(ndim - 1, groups_out)), Layout(R, R, Shard(0, groups_out))
+    if bias is not None:
+        args[bias] = bias_layout
+    return Decision(args, out)
+
+
 def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_out: int, groups_in: int) -> Decision:
     """x @ W with W's out features whole on every column: each column computes the
     whole output of its rows (the same SUMMA steps; the output is replicated over col)."""
     x_layout = without_partial(layout_of(ctx, x))
     ndim = len(shape_of(x))
+    if _rows_whole_over_row(x, x_layout):
+        return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, None), transposed=False)
     rows = _row_blocks(node, ctx, x, x_layout)
     if rows is None:
         return _rows_whole(node, ctx, x, w)
@@ -378,15 +419,24 @@ def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, 
     return Decision(args, Layout(R, R, Shard(ndim - 1, groups)))
 
 
-def _bias_once(index: int):
-    """Lowering of a product whose bias is argument `index`: a row-parallel product
-    (partial output) adds the bias on the rank at col 0 only."""
+def _partial_axis(node: Node) -> str | None:
+    """The axis over which a product's output is a partial sum (row-parallel, or weight-stationary)."""
+    return next((axis for axis in AXES if isinstance(LAYOUT.of(node).on(axis), Partial)), None)
+
+
+def _bias_once(index: int, otherwise=lower_default):
+    """Lowering of a product whose bias is argument `index`: a product with a partial output
+    (row-parallel, or weight-stationary) runs locally and adds the bias on the rank at
+    coordinate 0 of that axis only; any other by `otherwise`."""
 
     def lower(b: Builder, node: Node, args, kwargs):
-        if not isinstance(LAYOUT.of(node).col, Partial) or len(args) <= index or args[index] is None:
+        axis = _partial_axis(node)
+        if axis is None:
+            return otherwise(b, node, args, kwargs)
+        if len(args) <= index or args[index] is None:
             return lower_default(b, node, args, kwargs)
         args = list(args)
-        args[index] = b.collective(c.keep_first, args[index], "col")
+        args[index] = b.collective(c.keep_first, args[index], axis)
         return b.call(node.target, *args, **kwargs)
 
     return lower
@@ -398,12 +448,12 @@ PLACEMENT = {
 }
 
 
-LOWERING = {
-    aten.linear.default: lower_linear,
-    aten.matmul.default: lower_matmul,
-    aten.mm.default: lower_matmul,
-    aten.bmm.default: lower_matmul,
-    aten.addmm.default: lower_addmm,
+LOWERING = {  # a weight-stationary product (partial output) runs locally, as a row-parallel one does
+    aten.linear.default: _bias_once(2, lower_linear),
+    aten.matmul.default: _bias_once(2, lower_matmul),
+    aten.mm.default: _bias_once(2, lower_matmul),
+    aten.bmm.default: _bias_once(2, lower_matmul),
+    aten.addmm.default: _bias_once(0, lower_addmm),
 }
 
 

@@ -65,9 +65,10 @@ def export_dims(args: tuple, kwargs: dict, batch_factor: int) -> tuple:
 def export_example(args: tuple, kwargs: dict, batch_factor: int) -> tuple[tuple, dict]:
     """The example inputs a dynamic compile exports on: as given, or, where the batch is one block
     per rank (`batch == batch_factor`, which export would fix as a constant), each batch input
-    repeated twice along the batch. Export reads only their shapes; the program is the same."""
+    repeated twice along the batch. Export reads only their shapes; the program is the same.
+    A batch of one that is not split stays one: export fixes it, as torch.compile specialises it."""
     batch, _ = _example_batch(args, kwargs)
-    if batch is None or batch != batch_factor:
+    if batch is None or batch != batch_factor or batch == 1:
         return args, kwargs
 
     def doubled(x):
@@ -196,16 +197,19 @@ class DynamicShapes:
     def _bind_dim(self, binding: dict, e: sympy.Expr, size: int, where: str, dims: tuple, mesh) -> None:
         if not e.free_symbols:
             if size != int(e):
+                why = ("an example batch of 1 fixes the batch, as torch.compile specialises it; compile with an "
+                       "example batch of 2 or more to take others" if where.startswith("dim 0") and int(e) == 1
+                       else "this dim is fixed by the model's weights or code")
                 raise ValueError(f"{where}: dim is {size}, but the module was compiled for {int(e)} there (the "
-                                 f"compiled shape is {_show(dims)}; this dim is fixed by the model's weights or "
-                                 f"code) on mesh {mesh}: pass {int(e)}")
+                                 f"compiled shape is {_show(dims)}; {why}) on mesh {mesh}: pass {int(e)}")
             return
         symbol = next(iter(e.free_symbols))
         factor = e / symbol
         if len(e.free_symbols) == 1 and factor.is_Integer:
             if size % int(factor):
                 raise ValueError(f"{where}: {size} is not divisible by {int(factor)} (the ranks that split the batch "
-                                 f"on mesh {mesh}): use a batch that is a multiple of {int(factor)}")
+                                 f"on mesh {mesh}): use a batch that is a multiple of {int(factor)}, or "
+                                 "compile with batch_split='none' (a batch whole over depth and row)")
             value = size // int(factor)
             if binding.setdefault(symbol, value) == value:
                 return

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from tess_compile.core.mesh import MODES, Mesh, check_mode
 
-__all__ = ["AUTO", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renamed", "takes_compile_options"]
+__all__ = ["AUTO", "BATCH_SPLITS", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renamed", "takes_compile_options"]
 
 # How the q steps of a matrix product run: "broadcast" one after another (the papers'
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
@@ -45,6 +45,9 @@ AUTO = "auto"
 # What backward recomputes instead of saving: nothing, each repeated block, or runs of
 # cheap local ops (besides the model's own torch.utils.checkpoint regions).
 RECOMPUTE = ("none", "blocks", "selective")
+# How the inputs' batch splits in 2.5-D: over depth and row, over depth alone, or not at
+# all; "auto" (the default): the first of these that divides the example batch.
+BATCH_SPLITS = ("depth_row", "depth", "none")
 # Old keyword -> the option it names now (accepted with a FutureWarning).
 RENAMED = {"checkpoint": "recompute"}
 
@@ -74,6 +77,11 @@ class CompileOptions:
         "choices": RECOMPUTE, "what": "a recompute option",
         "help": "recompute in backward instead of saving: none (the default), blocks (each repeated block) or "
                 "selective (runs of cheap local ops)"})
+    batch_split: str = field(default=AUTO, metadata={
+        "choices": (*BATCH_SPLITS, AUTO), "what": "a batch split",
+        "help": "how the inputs' batch splits in 2.5-D: depth_row (over depth and row), depth (over depth alone), "
+                "none, or auto (the default: the first that divides the example batch); a batch whole over row "
+                "runs the matrix products weight-stationary, moving the rows, not the weights (docs/modes.md)"})
     dynamic: bool = field(default=False, metadata={
         "help": "one program for every batch and sequence length: capture the inputs' batch (a multiple of the "
                 "ranks that split it) and their other dims that no weight fixes as symbols (docs/dynamic.md)"})

@@ -18,35 +18,22 @@ from torch.utils import _pytree as pytree
 
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import Program, input_name, split_example_inputs
-from tess_compile.runtime.groups import describe_mesh
 
 __all__ = ["SimulatedDataParallel", "check_batch", "split_batch"]
 
 
-def check_batch(example_inputs, mesh: Mesh, where: str, num_groups: int = 1, device_mesh=None) -> None:
+def check_batch(example_inputs, where: str, num_groups: int) -> None:
     """ValueError unless every input tensor's batch (dim 0) splits over `num_groups` data-parallel
-    groups and then over d*q (mode "1d" replicates inputs: only the groups split them)."""
-
+    groups (each group's batch then splits as the compile's `batch_split` takes it)."""
     args, kwargs = split_example_inputs(example_inputs)
-    parts = mesh.d * mesh.q if mesh.mode != "1d" else 1
     for path, value in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
-        name = "example " + input_name(path)
         batch = value.shape[0]
-        if device_mesh is not None and batch % parts:
+        if batch % num_groups:
             raise ValueError(
-                f"{name} of shape {list(value.shape)} has a per-group batch of {batch}, not divisible by "
-                f"d*q = {parts} on mesh {mesh} ({where}: {describe_mesh(device_mesh)}, each of its "
-                f"{num_groups} data-parallel group(s) passes its own batch): give each group a batch that "
-                f"is a multiple of {parts} (a global batch that is a multiple of {num_groups * parts})"
-            )
-        if device_mesh is None and batch % (num_groups * parts):
-            raise ValueError(
-                f"{name} of shape {list(value.shape)} has a batch of {batch}, not divisible by "
-                f"dp*d*q = {num_groups}*{parts} = {num_groups * parts} ({where}: {num_groups} data-parallel "
-                f"group(s) of mesh {mesh}, each takes batch/dp = {batch / num_groups:g} rows, split over "
-                f"d*q = {parts}): use a global batch that is a multiple of {num_groups * parts}, or a smaller dp"
+                f"example {input_name(path)} of shape {list(value.shape)} has a batch of {batch}, not divisible by "
+                f"dp = {num_groups} ({where}): use a global batch that is a multiple of {num_groups}, or another dp"
             )
 
 
