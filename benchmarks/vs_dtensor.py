@@ -190,6 +190,9 @@ class Trainer:
         if comm is not None:
             comm.records.clear()
             self.step()
+            if self.module.compile:  # collectives lowered into the compiled graphs: as the graphs hold them
+                graphs = self.module.compiled_program(None).graphs
+                return sum(record.num_bytes for graph in graphs for record in graph.collectives)
             return sum(record.num_bytes for record in comm.records)
         with warnings.catch_warnings(), CommBytes() as counter:
             warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad

@@ -86,11 +86,16 @@ def _with_generation(module, model: torch.nn.Module, mesh: Mesh, compiled: Compi
     return module
 
 
+# compile= besides True and False: inductor's modes, as torch.compile(mode=...) takes them
+# (`tess_compile.runtime.inductor.COMPILE_MODES`, not imported here: importing inductor is slow).
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def _check_compile(compile, where: str) -> None:
-    if not isinstance(compile, bool):
+    if not isinstance(compile, bool) and compile not in _COMPILE_MODES:
         raise ValueError(
             f"{where}(compile={compile!r}): compile is True (run each rank's program through inductor) "
-            "or False (run it as it is)"
+            f"or False (run it as it is), or one of inductor's modes {', '.join(map(repr, _COMPILE_MODES))}"
         )
 
 

@@ -9,9 +9,22 @@ collectives' adjoints, the refetches of `fetched_product` (whose backward
 still keeps only this rank's own blocks) and the all-reduces of
 `split_norm`'s backward land in the compiled graphs as op calls beside
 the local kernels, which inductor compiles, products and norms included:
-no graph break anywhere. At run time each op calls the communicator in
-force (`use_comm`); the compiled backward runs under `backward_comm()`,
-phase "backward", as eager autograd does.
+no graph break anywhere.
+
+Under a real process group (the module's communicator is a `DistComm`) the
+inner compile lowers every `tess::` collective of the forward and the backward
+graph to torch's functional collectives on the axis's process group
+(`tess_compile.runtime.functional_collectives`) before inductor's passes see
+it: the collectives are inductor's nodes, which its communication passes
+(`COMMUNICATION_PASSES`) may reorder and bucket, and no Python runs per
+collective. Elsewhere (the simulator's threads, `threaded=True`, or any other
+communicator) the custom ops stay: at run time each calls the communicator in
+force (`use_comm`); the compiled backward runs under `backward_comm()`, phase
+"backward", as eager autograd does.
+
+`mode` is inductor's, as `torch.compile(mode=...)` takes it (`COMPILE_MODES`):
+"reduce-overhead" runs a rank's compiled graphs as CUDA graphs on CUDA and
+is ignored elsewhere, as torch.compile ignores it.
 
 Recompute regions (`tess_compile.ops.recompute_region`) stay in force: their nodes carry
 `CheckpointPolicy.MUST_RECOMPUTE`, one `ac_graph_id` per region, so the
@@ -21,7 +34,9 @@ it, collectives included, in the backward graph.
 The ops are pure (no mutation, no effect tokens): every rank compiles the
 same graph with the same passes, so whatever inductor reorders or drops,
 it does alike on every rank, and the collectives still meet. (An effectful
-op would also make the partitioner refuse checkpoint regions.)
+op would also make the partitioner refuse checkpoint regions.) Lowered, the
+ranks' graphs differ only in constants (group names, coordinates), and
+inductor issues functional collectives in graph order.
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 from torch._dynamo.source import ConstantSource
+from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
@@ -43,10 +59,21 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from tess_compile.core.meta_keys import RECOMPUTE_REGION
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import Comm, use_comm
+from tess_compile.ops.collectives import Comm, CommRecord, use_comm
 from tess_compile.ops.recompute_region import region_runs
+from tess_compile.runtime.functional_collectives import AxisGroup, axis_groups, collectives_in, lower_collectives
 
-__all__ = ["CompiledRank", "TracingComm", "inductor_graph"]
+__all__ = [
+    "BUCKETING_PASSES",
+    "COMMUNICATION_PASSES",
+    "COMPILE_MODES",
+    "OVERLAP_PASSES",
+    "CompiledGraph",
+    "CompiledRank",
+    "TracingComm",
+    "compile_mode_options",
+    "inductor_graph",
+]
 
 
 class TracingComm(Comm):
@@ -73,8 +100,66 @@ def inductor_graph(graph: GraphModule) -> GraphModule:
 
 # Backward compiled with forward (threads share one compiled function); no common-subexpression
 # elimination over the joint graph, which would merge a product's backward refetch with its
-# forward fetch and so keep the fetched block for backward.
-_COMPILE_CONFIG = dict(force_non_lazy_backward_lowering=True, cse=False)
+# forward fetch and so keep the fetched block for backward. No AOTAutograd cache: its entries are
+# keyed by the per-rank graph, which every rank shares, and a hit skips the inner compile, where
+# this rank's collectives are lowered (and the compiled backward is put under the communicator);
+# inductor's own cache, keyed by the graph inductor gets, serves repeated compiles.
+_COMPILE_CONFIG = dict(force_non_lazy_backward_lowering=True, cse=False, enable_autograd_cache=False)
+
+
+# `compile=` of shard and simulate besides True (inductor's default): inductor's modes, as torch.compile takes them.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode_options(mode: bool | str | None, threaded: bool = False) -> dict:
+    """Inductor's config for `mode` (`torch._inductor.list_mode_options`; True or None: "default"), as
+    torch.compile applies it. `threaded` (the simulator's ranks in threads of one process): without CUDA
+    graphs, whose capture and replay are not made for ranks in threads that meet at collectives."""
+    mode = "default" if mode is None or mode is True else mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(
+            f"compile={mode!r} is not an inductor mode: pass compile=True (inductor's default), "
+            f"or one of {', '.join(map(repr, COMPILE_MODES))}, as torch.compile(mode=...) takes them"
+        )
+    options = dict(list_mode_options(mode))
+    if threaded:
+        options["triton.cudagraphs"] = False
+    return options
+
+
+# Inductor's passes over the collectives of a program lowered to functional collectives (inductor config).
+# OVERLAP_PASSES: the scheduler moves collectives earlier and their waits later, over the compute they can
+# overlap, never raising the peak memory (inductor's recommended passes; they act where inductor estimates
+# runtimes, on GPUs: on CPUs it estimates none and moves nothing). BUCKETING_PASSES: all-gathers, and
+# reduce-scatters, on one process group merged into one collective each (the FX passes of
+# `torch._inductor.fx_passes.bucketing`); it starts the gathers of later products early, so their blocks
+# outlive the product that uses them, against the memory plan (docs/memory.md): off by default.
+OVERLAP_PASSES = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
+BUCKETING_PASSES = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+# The passes a lowered program's compile runs, read at each compile (assign another dict to change them,
+# e.g. `{**OVERLAP_PASSES, **BUCKETING_PASSES}`; `{}`: inductor's defaults).
+COMMUNICATION_PASSES: dict = dict(OVERLAP_PASSES)
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """A graph that inductor compiled for a rank, as inductor got it: its `phase` ("forward", or
+    "backward"), the targets of its calls (`str(node.target)`, e.g. "_c10d_functional.all_reduce.default"
+    or "tess.broadcast.default"), and the collectives that send bytes in it, one `CommRecord` each, as
+    the eager program's communicator records them when they run (`functional_collectives.collectives_in`).
+    `lowered`: its `tess::` collectives were lowered to functional collectives."""
+
+    phase: str
+    ops: tuple[str, ...]
+    collectives: tuple[CommRecord, ...]
+    lowered: bool
 
 
 class CompiledRank:
@@ -85,26 +170,40 @@ class CompiledRank:
     compiles again. `backward_comm()` gives the communicator the compiled backward runs under.
     `threaded`: every rank runs it in its own thread of one process, and its backward is applied
     there, outside the autograd engine (`runtime.threaded.grad_in_thread`), so it is compiled
-    without the saved buffers that AOTAutograd lets backward reuse only inside the engine's call."""
+    without the saved buffers that AOTAutograd lets backward reuse only inside the engine's call.
 
-    def __init__(self, program: Program, backward_comm: Callable[[], Comm], threaded: bool = False):
+    Called with a `DistComm` (and not `threaded`), its collectives are lowered to torch's functional
+    collectives on the comm's process groups (see the module docstring), so `comm.records` gets none of
+    them: `graphs` lists what each compiled graph holds. `mode`: inductor's (`compile_mode_options`)."""
+
+    def __init__(self, program: Program, backward_comm: Callable[[], Comm], threaded: bool = False,
+                 mode: bool | str | None = None):
         self.graph = inductor_graph(program.graph)
         self.config = dict(_COMPILE_CONFIG, donated_buffer=not threaded)
+        self.inductor_config = compile_mode_options(mode, threaded)
+        self.threaded = threaded
         self.dynamic = program.dynamic is not None
         self.sizes = SymbolicSizes.of(program.graph) if self.dynamic else None
         self.backward_comm = backward_comm
+        self.graphs: list[CompiledGraph] = []  # every graph inductor compiled, oldest first
+        self._groups: dict[str, AxisGroup] | None = None  # this rank's process groups, while a compile lowers
         self._compiled: dict[tuple, list[tuple[Callable[[list], bool], Callable]]] = {}
         self._lock = threading.Lock()
 
-    def compiled_for(self, inputs: list) -> Callable:
-        """The compiled function for `inputs` (compiled on first use, backward included)."""
+    def compiled_for(self, inputs: list, comm: Comm | None = None) -> Callable:
+        """The compiled function for `inputs` (compiled on first use, backward included); its collectives
+        lowered to functional collectives on the process groups of `comm`, a `DistComm` (not `threaded`)."""
         key = (torch.is_grad_enabled(), tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs))
         with self._lock:
             compiled = self._compiled.setdefault(key, [])
             for holds, function in compiled:
                 if holds(inputs):
                     return function
-            new = self._compile(inputs, first=not compiled)
+            self._groups = None if self.threaded else axis_groups(comm)
+            try:
+                new = self._compile(inputs, first=not compiled)
+            finally:
+                self._groups = None
             compiled.extend(new)
             return new[-1][1]
 
@@ -115,7 +214,9 @@ class CompiledRank:
     def _compile(self, inputs: list, first: bool) -> list[tuple[Callable[[list], bool], Callable]]:
         """Inductor's code for `inputs`, each with the test of the inputs it serves; the last serves `inputs`
         (`first`: the first compile for this grad mode, which compiles a dynamic program's general code)."""
-        with use_comm(TracingComm()), torch._functorch.config.patch(self.config):
+        passes = COMMUNICATION_PASSES if self._groups is not None else {}
+        with use_comm(TracingComm()), torch._functorch.config.patch(self.config), \
+                torch._inductor.config.patch({**self.inductor_config, **passes}):
             if self.sizes is not None and self.sizes.takes(inputs):
                 return self.sizes.compile(self.graph, inputs, self._inner, general=first)
             function = compile_fx(copy.deepcopy(self.graph), list(inputs), inner_compile=self._inner)
@@ -125,14 +226,23 @@ class CompiledRank:
         return [((lambda xs: _shapes(xs) == shapes), function)]
 
     def __call__(self, comm: Comm, inputs: list) -> list:
-        """This rank's outputs, the forward's collectives carried by `comm`."""
-        function = self.compiled_for(inputs)
+        """This rank's outputs, the forward's collectives carried by `comm` (lowered onto its process
+        groups where it is a `DistComm`)."""
+        function = self.compiled_for(inputs, comm)
         with use_comm(comm):
             return function(*inputs)
 
     def _inner(self, gm: GraphModule, example_inputs, **kwargs):
+        """Inductor's inner compile of a forward or backward graph, its collectives lowered first where
+        this compile runs on process groups; the graph recorded in `graphs`."""
+        phase = "backward" if kwargs.get("is_backward") else "forward"
+        collectives = tuple(collectives_in(gm, phase))
+        if self._groups is not None:
+            lower_collectives(gm, self._groups)
+        ops = tuple(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        self.graphs.append(CompiledGraph(phase, ops, collectives, lowered=self._groups is not None))
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        return _under_comm(compiled, self.backward_comm) if kwargs.get("is_backward") else compiled
+        return _under_comm(compiled, self.backward_comm) if phase == "backward" else compiled
 
 
 def _shapes(inputs: list) -> tuple:

@@ -55,9 +55,10 @@ class ProgramsByMode:
 
 class ModeModule(nn.Module):
     """A runtime module that runs the program of the mode it is in (`train()` / `eval()`),
-    as its `programs` give it; with `compile`, through inductor, one compile per program."""
+    as its `programs` give it; with `compile` (True or an inductor mode), through inductor, one
+    compile per program."""
 
-    def __init__(self, programs: ProgramsByMode, compile: bool):
+    def __init__(self, programs: ProgramsByMode, compile: bool | str):
         super().__init__()
         self.programs, self.compile = programs, compile
         self.training = programs.first.training  # the first program is this mode's until train() / eval()
@@ -101,7 +102,8 @@ class ModeModule(nn.Module):
 
         program = program or self.program
         if id(program) not in self._compiled:
-            self._compiled[id(program)] = CompiledRank(program, backward_comm=backward_comm, threaded=threaded)
+            self._compiled[id(program)] = CompiledRank(program, backward_comm=backward_comm, threaded=threaded,
+                                                       mode=self.compile)
         return self._compiled[id(program)]
 
 
