@@ -72,6 +72,7 @@ def compile_model(
     local_inputs: bool = False,
     local_outputs: bool = False,
     carried: dict[int, int] | None = None,
+    state_layouts: dict[str, Layout] | None = None,
     cluster: Cluster | None = None,
     **keywords,
 ) -> Program:
@@ -96,6 +97,8 @@ def compile_model(
     back (a KV cache, `tess_compile.generation`): each such output leaves as this
     rank's block in the layout it is computed in, and its input arrives as this
     rank's block in that same layout (`tess_compile.passes.place`).
+    `state_layouts` (parameter or buffer name -> layout) fixes those tensors' layouts, for a program
+    that runs on the shards of another (a generation step on a sharded module's).
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.keep_blocks == AUTO:
@@ -115,7 +118,7 @@ def compile_model(
     # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
     gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
     placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs,
-                 batch_split=batch_split)
+                 batch_split=batch_split, state_layouts=state_layouts)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)
     if options.recompute == "blocks":

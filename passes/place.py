@@ -56,7 +56,7 @@ from tess_compile.core.meta_keys import (
     WEIGHT_INPUT,
 )
 
-__all__ = ["PlacementContext", "batch_parts", "home_layout", "place", "resolve_batch_split"]
+__all__ = ["PlacementContext", "batch_parts", "home_layout", "place", "resolve_batch_split", "splits_of"]
 
 _MAX_ROUNDS = 4
 # Ops whose output layout may take groups on its last dim for free.
@@ -150,14 +150,22 @@ def batch_parts(batch_split: str, mesh: Mesh) -> int:
     return {"depth_row": mesh.size("depth") * mesh.size("row"), "depth": mesh.size("depth"), "none": 1}[batch_split]
 
 
+def splits_of(batch: int | None, mesh: Mesh) -> list[str]:
+    """The batch splits that divide `batch` (None: every one) on `mesh`, in `BATCH_SPLITS`' order; "depth"
+    only where depth has more than one rank (else it is "none")."""
+    if mesh.mode == "1d":
+        return ["none"]
+    return [s for s in BATCH_SPLITS if (s != "depth" or mesh.size("depth") > 1)
+            and (batch is None or batch % batch_parts(s, mesh) == 0)]
+
+
 def resolve_batch_split(batch_split: str, batch: int | None, mesh: Mesh) -> str:
     """`batch_split` for an example `batch` (None: no batch): "auto" is the first split that divides
     it (so a batch of one stays whole); another is checked against it (ValueError naming the fix)."""
     if mesh.mode == "1d":
         return "none"
     if batch_split == AUTO:
-        fits = [s for s in BATCH_SPLITS if batch is None or batch % batch_parts(s, mesh) == 0]
-        return fits[0]
+        return splits_of(batch, mesh)[0]
     if batch is not None and batch % batch_parts(batch_split, mesh):
         parts = batch_parts(batch_split, mesh)
         raise ValueError(f"batch_split={batch_split!r}: the inputs' batch {batch} is not divisible by the {parts} "
@@ -167,17 +175,19 @@ def resolve_batch_split(batch_split: str, batch: int | None, mesh: Mesh) -> str:
 
 
 def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_outputs: bool = False,
-          batch_split: str = "depth_row") -> GraphModule:
+          batch_split: str = "depth_row", state_layouts: dict[str, Layout] | None = None) -> GraphModule:
     """Annotate every node of `gm` with its layout; see the module docstring.
 
     `replicate_outputs`: every output leaves whole on every rank (for callers
     that go on with plain tensors, as Dynamo's do). `batch_split`: how the
-    inputs' batch splits (`home_layout`).
+    inputs' batch splits (`home_layout`). `state_layouts`: parameters and
+    buffers (by name) whose layouts are fixed already, not free.
     """
     hints: dict[Node, int] = {}
     carried: dict[Node, Layout] = {}
     for _ in range(_MAX_ROUNDS):
         ctx = PlacementContext(mesh, hints, carried, batch_split)
+        ctx.layouts.update(_fixed_state(gm, state_layouts or {}))
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun and not _carry_layouts(gm, ctx, carried):
             break
@@ -195,6 +205,12 @@ def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_output
             ARG_LAYOUTS.set(node, {source: _permuted_back(layout, order)})
         LAYOUT.set(node, layout)
     return gm
+
+
+def _fixed_state(gm: GraphModule, state_layouts: dict[str, Layout]) -> dict[Node, Layout]:
+    """The placeholders of the parameters and buffers named in `state_layouts`, with their layouts."""
+    return {node: state_layouts[ROLE.of(node)[1]] for node in gm.graph.find_nodes(op="placeholder")
+            if ROLE.of(node)[0] in ("param", "buffer") and ROLE.of(node)[1] in state_layouts}
 
 
 def _carry_layouts(gm: GraphModule, ctx: PlacementContext, carried: dict[Node, Layout]) -> bool:

@@ -147,14 +147,18 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     groups_in = col.groups if isinstance(col, Shard) and col.dim == ndim - 1 else 1
     groups_out = ctx.hints.get(node, 1)
     w_layout = ctx.layout(w)
-    transposed = (
-        w_layout is not None
-        and w_layout.depth == R
-        and w_layout.col == Shard(w_in, groups_in)
-        and isinstance(w_layout.row, Shard)
-        and w_layout.row.dim == w_out
-    )
-    if transposed:
+    stationary = _rows_whole_over_row(x, x_layout)
+    if w_layout is None:  # free: rows whole over row take x's features over col as they come (A @ B^T)
+        splits = shape_of(w)[w_out] % (mesh.q * groups_out) == 0
+        transposed = stationary and splits and isinstance(col, Shard) and col.dim == ndim - 1
+    else:
+        transposed = (
+            w_layout.depth == R
+            and w_layout.col == Shard(w_in, groups_in)
+            and isinstance(w_layout.row, Shard)
+            and w_layout.row.dim == w_out
+        )
+    if transposed and w_layout is not None:
         groups_out = w_layout.row.groups
     in_features, out_features = shape_of(w)[w_in], shape_of(w)[w_out]
     fix = f"use sizes that are multiples of q={mesh.q} (hidden size, heads, MLP width), or another q"
@@ -169,7 +173,7 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
         )
         return _place_narrow_summa(node, ctx, x, w, bias, w_in, w_out, groups_in)
     check_divisible("out features", w, out_features, mesh.q, groups_out, ctx, fix)
-    if _rows_whole_over_row(x, x_layout):
+    if stationary:
         return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, groups_out), transposed)
     rows = _row_blocks(node, ctx, x, x_layout)
     if rows is None:
@@ -198,10 +202,13 @@ def _place_stationary(x: Node, w: Node, bias, w_in: int, w_out: int, x_layout: L
     sum over the axis that splits the in features: over row for W laid out as Tesseract's B (the
     output's features over col), over col for W laid out the other way round (over row). The
     rows keep their split over depth. The consumer that needs the sum reduces it (the rewrite's
-    all-reduce); the bias is added on one rank of that axis (`lower_stationary`).
+    all-reduce); the bias is added on one rank of that axis (`_bias_once`).
     """
     ndim = len(shape_of(x))
     groups_in, groups_out = groups
+    row = x_layout.row
+    if not transposed and isinstance(row, Shard) and row.dim == ndim - 1:
+        groups_in = row.groups  # x's features over row, as an A @ B^T product leaves them
     depth = x_layout.depth if isinstance(x_layout.depth, Shard) and x_layout.depth.dim < ndim - 1 else R
     if transposed:
         w_layout = Layout(R, Shard(w_out, groups_out), Shard(w_in, groups_in))

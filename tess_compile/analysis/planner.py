@@ -51,6 +51,7 @@ __all__ = [
     "HEADER",
     "PlanRow",
     "Progress",
+    "build_inputs",
     "candidate_meshes",
     "format_table",
     "mesh_label",
@@ -201,7 +202,7 @@ def _near(gpus: int, modes: Sequence[str]) -> str:
     return str(above) if below is None or below == above else f"{below} or {above}"
 
 
-def _build(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
+def build_inputs(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
     """The model and its inputs: a model as given, or a factory's result built on the meta device."""
     if isinstance(factory_or_model, nn.Module):
         if example_inputs is None:
@@ -318,7 +319,7 @@ def plan(
     budget = cluster.memory if memory_budget is None else memory_budget
     if not budget > 0:
         raise ValueError(f"memory_budget={memory_budget!r}: use bytes per GPU > 0, e.g. 40e9")
-    model, inputs = _build(factory_or_model, example_inputs)
+    model, inputs = build_inputs(factory_or_model, example_inputs)
     batch = batch_size(inputs)
     configs = []  # (Outer, mesh, microbatch rows)
     for dp_, pp_ in outer_options(gpus, dp, pp, num_blocks(model), batch):

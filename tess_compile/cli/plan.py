@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from tess_compile.analysis.decode_plan import format_decode_table, plan_decode
 from tess_compile.analysis.parallel_plan import batch_size, num_blocks
 from tess_compile.analysis.plan_plot import plan_svg
 from tess_compile.analysis.planner import PlanRow, candidate_meshes, format_table, plan
@@ -82,6 +83,8 @@ def cmd_plan(args) -> int:
         model, inputs = call_factory(factory, path, name)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.decode:
+        return _decode(args, model, inputs, cluster, modes)
     rows = _plan_rows(args, model, inputs, cluster, modes)
     if "-" not in (args.json, args.plot):  # stdout holds the table, or what was sent there instead
         print(_cluster_line(args, cluster))
@@ -94,6 +97,24 @@ def cmd_plan(args) -> int:
         print(f"tess-compile: error: no mesh of {args.gpus} GPUs fits (see the notes): raise --memory-gb, "
               "use more GPUs, or change the model", file=sys.stderr)
         return 1
+    return 0
+
+
+def _decode(args, model: nn.Module, inputs, cluster: Cluster, modes: tuple[str, ...]) -> int:
+    """`--decode`: the decode step's table (`plan_decode`), or its rows as JSON with `--json`."""
+    bar = ProgressBar("plan --decode", "meshes") if show_progress(args) else None
+    with bar or contextlib.nullcontext():
+        try:
+            rows = plan_decode(model, args.gpus, example_inputs=inputs, modes=modes, cluster=cluster,
+                               summa=args.summa, progress=bar)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    if args.json != "-":
+        print(_cluster_line(args, cluster))
+        print(format_decode_table(rows))
+    if args.json is not None:
+        document = {"schema": JSON_SCHEMA, "decode": [row.to_dict() for row in rows]}
+        _write(args.json, json.dumps(document, indent=2) + "\n", "--json")
     return 0
 
 
@@ -265,6 +286,10 @@ def add_command(commands) -> None:
                            "allows and it is faster), on or off (default auto)")
     parser.add_argument("--recompute", "--checkpoint", dest="recompute", choices=RECOMPUTE, default="none",
                         help="recompute in backward: none, blocks (each repeated block) or selective (default none)")
+    parser.add_argument("--decode", action="store_true",
+                        help="price an inference decode step instead of a training step (the example inputs: one "
+                             "new token per sequence): tokens/s and bytes per token on each mesh, in its fastest "
+                             "batch split (docs/planner.md)")
     parser.add_argument("--overlap", action="store_true",
                         help="assume compute and communication overlap (max instead of sum per phase)")
     parser.add_argument("--json", metavar="FILE",

@@ -1,0 +1,134 @@
+"""A decode step priced on every mesh: tokens/s and bytes per token, for inference.
+
+A decode step is the model's forward in eval mode on inputs of one new token
+per sequence (an LM's `input_ids` of shape [batch, 1]; the factory gives them).
+It moves little activation and uses every weight once, so the layout that
+keeps the weights still and moves the activations wins (Pope et al. 2022,
+`docs/generation.md`). `plan_decode` compiles the model for each mesh of
+`gpus` ranks (`planner.candidate_meshes`) in every batch split that divides
+the batch (`CompileOptions.batch_split`: over depth and row, SUMMA; over depth
+alone or not at all, weight-stationary), prices each forward with
+`tess_compile.analysis.cost_model`, and keeps each mesh's fastest: its step
+time, tokens/s (the batch over the step), and the bytes one rank hands its
+collectives per token, and sends on the wire (the ring volume,
+`cost_model.ring_wire_bytes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from tess_compile.analysis.cost_model import profile_program, ring_wire_bytes, step_time
+from tess_compile.analysis.planner import (
+    DEFAULT_MODES,
+    Progress,
+    build_inputs,
+    candidate_meshes,
+    mesh_label,
+    mesh_sides,
+)
+from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
+from tess_compile.core.mesh import Mesh
+from tess_compile.core.options import AUTO, CompileOptions
+from tess_compile.passes.driver import compile_model
+from tess_compile.passes.place import splits_of
+
+__all__ = ["DecodeRow", "format_decode_table", "plan_decode"]
+
+log = logging.getLogger("tess_compile")
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One mesh's decode step, in its fastest batch split (`note`: why none compiled)."""
+
+    mesh: Mesh
+    batch_split: str = ""
+    step_s: float = float("inf")
+    tokens_per_s: float = 0.0
+    bytes_per_token: float = 0.0  # handed to collectives by one rank, per generated token
+    wire_bytes_per_token: float = 0.0  # sent by one rank on the links (ring volume), per token
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mesh.mode, "mesh": mesh_sides(self.mesh), "batch_split": self.batch_split,
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "bytes_per_token": self.bytes_per_token,
+                "wire_bytes_per_token": self.wire_bytes_per_token, "note": self.note}
+
+
+def plan_decode(factory_or_model, gpus: int, *, example_inputs=None, modes: Sequence[str] = DEFAULT_MODES,
+                cluster: Cluster | None = None, summa: str = AUTO,
+                progress: Progress | None = None) -> list[DecodeRow]:
+    """The decode step of the model on every mesh of `gpus` ranks in `modes`, fastest first (those that
+    did not compile last); see the module docstring. `factory_or_model` as `planner.plan` takes it."""
+    model, inputs = build_inputs(factory_or_model, example_inputs)
+    cluster = CALIBRATED_CLUSTER if cluster is None else cluster
+    batch = _batch(inputs)
+    meshes = candidate_meshes(gpus, modes)
+    rows = []
+    for done, mesh in enumerate(meshes):
+        if progress is not None:
+            progress(done, len(meshes), f"{mesh.mode} {mesh_label(mesh)}")
+        rows.append(_fastest(model, inputs, mesh, cluster, summa, batch))
+    if progress is not None:
+        progress(len(meshes), len(meshes), "")
+    return sorted(rows, key=lambda row: (row.note.startswith("does not compile"), row.step_s))
+
+
+def _batch(inputs) -> int:
+    """Sequences in the step: dim 0 of the first tensor input (one new token each)."""
+    first = next((x for x in pytree.tree_leaves(inputs) if hasattr(x, "shape") and len(x.shape)), None)
+    if first is None:
+        raise ValueError("plan_decode: the example inputs hold no tensor with a batch dim: pass input_ids [batch, 1]")
+    return int(first.shape[0])
+
+
+def _fastest(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, summa: str, batch: int) -> DecodeRow:
+    """`mesh`'s row: each batch split that divides the batch, compiled in eval mode and priced; the fastest."""
+    splits = splits_of(batch, mesh)
+    rows, errors = [], []
+    was = model.training
+    model.eval()
+    try:
+        for split in splits:
+            options = CompileOptions(mode=mesh.mode, summa=summa, batch_split=split if mesh.mode != "1d" else AUTO)
+            try:
+                with warnings.catch_warnings():  # the losing splits' repeated work: the table says what wins
+                    warnings.simplefilter("ignore")
+                    program = compile_model(model, mesh, inputs, options=options, cluster=cluster)
+            except (ValueError, RuntimeError) as err:
+                errors.append(f"{split}: {err}")
+                continue
+            rows.append(_priced(program, mesh, cluster, split, batch))
+    finally:
+        model.train(was)
+    if not rows:
+        log.info("plan_decode: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), errors)
+        return DecodeRow(mesh, note=f"does not compile: {'; '.join(errors)}")
+    return min(rows, key=lambda row: row.step_s)
+
+
+def _priced(program, mesh: Mesh, cluster: Cluster, split: str, batch: int) -> DecodeRow:
+    profile = profile_program(program)
+    seconds = step_time(profile, cluster).forward_s
+    payload = sum(cost.forward_bytes or 0 for cost in profile.costs)
+    wire = ring_wire_bytes(profile.costs, mesh)["forward"]
+    return DecodeRow(mesh, split if mesh.mode != "1d" else "", seconds, batch / seconds, payload / batch,
+                     wire / batch)
+
+
+def format_decode_table(rows: Sequence[DecodeRow]) -> str:
+    """The rows as a text table: one line per mesh."""
+    lines = [f"{'mode':5} {'mesh':11} {'batch split':11} {'step s':>10} {'tokens/s':>10} {'bytes/token':>12} "
+             f"{'wire B/token':>12}  note"]
+    for row in rows:
+        lines.append(f"{row.mesh.mode:5} {mesh_label(row.mesh):11} {row.batch_split or '-':11} {row.step_s:10.4g} "
+                     f"{row.tokens_per_s:10.4g} {row.bytes_per_token:12.4g} {row.wire_bytes_per_token:12.4g}  "
+                     f"{row.note}".rstrip())
+    return "\n".join(lines)
