@@ -87,15 +87,14 @@ def test_greedy_generation_equals_the_unsharded_model(q, d, mode):
         assert all(s.layout.on("col") == Shard(1) for s in caches)
         assert mode == "1d" or all(s.layout == Layout(Shard(0), Shard(0), Shard(1)) for s in caches)
         assert program.output_layouts[1:] == [s.layout for s in caches]
-    # what generate refuses, with the fix
-    with pytest.raises(ValueError, match=r"generation settings \{'do_sample': True\} are not supported"):
-        sim.generate(prompt, do_sample=True)
-    with pytest.raises(ValueError, match=r"generation settings \{'repetition_penalty': 1.2\}"):
-        sim.generate(prompt, repetition_penalty=1.2)
-    with pytest.raises(ValueError, match="attention_mask masks some prompt tokens"):
+    # what generate refuses, with the fix (sampling, processors and streamers: tests/test_generation_sampling.py)
+    with pytest.raises(ValueError, match=r"generation settings \{'guidance_scale': 1.5\} are not supported"):
+        sim.generate(prompt, guidance_scale=1.5)
+    with pytest.raises(ValueError, match="attention_mask pads some prompts, but GPT2LMHeadModel looks up its "
+                                         "positions in 'transformer.wpe.weight'"):
         sim.generate(prompt, attention_mask=torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0))
-    with pytest.raises(ValueError, match=r"arguments \['streamer'\] are not supported"):
-        sim.generate(prompt, streamer=object())
+    with pytest.raises(ValueError, match=r"arguments \['token_type_ids'\] are not supported"):
+        sim.generate(prompt, token_type_ids=torch.zeros_like(prompt))
     sim.generation = None  # as a module compiled without dynamic=True has it
     with pytest.raises(ValueError, match="compiled with dynamic=True"):
         sim.generate(prompt)

@@ -28,14 +28,18 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 class CacheStep(nn.Module):
     """`model` on `input_ids` [batch, new] after the cached tokens `past`, one `(keys, values)` per
-    layer, each [batch, kv heads, cached, head dim] (cached may be 0). Returns the logits of the last
-    position [batch, vocab] and the cache with the new tokens appended, in the same form.
+    layer, each [batch, kv heads, cached, head dim] (cached may be 0), with the `attention_mask` of the
+    cached and new tokens [batch, cached + new] and the new tokens' `position_ids` [batch, new], as
+    transformers' `prepare_inputs_for_generation` passes them (and `cache_position` to a remote-code
+    model that takes it). Returns the logits of the last position [batch, vocab] and the cache with
+    the new tokens appended, in the same form. With `positions=False` the model derives the positions
+    from the cache's length itself, as in the module's own program, and `position_ids` is not used.
 
     It shares the model's submodules, parameters and buffers, under the model's own names: the
     programs compiled from it run on the shards of the model's program.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, positions: bool = True):
         super().__init__()
         self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
@@ -44,16 +48,24 @@ class CacheStep(nn.Module):
         names = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in names else "past_key_values"
         self._keep_last = "logits_to_keep" in names
+        self._takes_positions = positions and "position_ids" in names
+        self._cache_positions = "cache_position" in names and model.is_remote_code()
 
     def train(self, mode: bool = True) -> CacheStep:
         self._causal_lm.training = mode
         return super().train(mode)
 
-    def forward(self, input_ids: torch.Tensor, past: tuple[tuple[torch.Tensor, torch.Tensor], ...]):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                past: tuple[tuple[torch.Tensor, torch.Tensor], ...]):
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=list(past), config=self._causal_lm.config)
-        keywords = {self._cache_keyword: cache, "use_cache": True}
+        keywords = {self._cache_keyword: cache, "use_cache": True, "attention_mask": attention_mask}
+        if self._takes_positions:
+            keywords["position_ids"] = position_ids
+        if self._cache_positions:
+            cached = cache.get_seq_length()
+            keywords["cache_position"] = torch.arange(cached, cached + input_ids.shape[1], device=input_ids.device)
         if self._keep_last:
             keywords["logits_to_keep"] = 1
         logits = self._causal_lm(input_ids=input_ids, **keywords).logits[:, -1]

@@ -1,7 +1,10 @@
-"""Greedy generation on a compiled causal LM's shards, its KV cache sharded and never gathered.
+"""Generation on a compiled causal LM's shards, as transformers' `generate` samples or decodes greedily,
+its KV cache sharded and never gathered.
 
-Two programs of `CacheStep` (the model's forward on a cache given as tensors),
-both `dynamic=True` in the batch, the new tokens and the cached length:
+Two programs of `CacheStep` (the model's forward on the new tokens, their
+attention mask and position ids, and a cache given as tensors), both
+`dynamic=True` in the batch, the new tokens, the mask's length and the
+cached length:
 
 - prefill: two or more new tokens after a cache of any length (0 too);
 - decode: one new token. transformers' attention takes another path for one
@@ -13,17 +16,19 @@ on the first `generate`, in eval mode, on the very shards of the module
 checked). The cache is carried from step to step as each
 rank's block (`compile_model(..., carried=...)`): batch over depth and row,
 heads over col, as the attention lays out its keys and values; only the
-last position's logits are gathered, for the next token. No program is
-compiled per token.
+last position's logits are gathered. On them, every rank runs transformers'
+own logits processors, stopping criteria and sampling (`prepare`); over
+processes, the tokens of tensor-parallel rank 0 are broadcast, so ranks never
+diverge. No program is compiled per token.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tess_compile.analysis.compile_entry import compile_for
@@ -32,20 +37,15 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions
 from tess_compile.core.program import Program
 from tess_compile.generation.cache_step import CacheStep
+from tess_compile.generation.prepare import Call, prepare_call
+from tess_compile.runtime.sharded_module import ShardedModule
 
 __all__ = ["Generation"]
 
 log = logging.getLogger("tess_compile")
 
-_DEFAULT_MAX_LENGTH = 20  # transformers' default when neither max_length nor max_new_tokens is given
-# GenerationConfig fields this greedy loop honours (sampling fields are ignored without do_sample, as transformers does).
-_HONOURED = {
-    "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "output_logits",
-    "output_scores", "return_dict_in_generate", "temperature", "top_k", "top_p", "output_attentions",
-    "output_hidden_states",
-}
-_GREEDY = {"do_sample": (None, False), "num_beams": (None, 1)}  # the values of these that decode greedily
 _CACHED_DIM = 2  # [batch, kv heads, cached, head dim]
+_STEP_INPUTS = 3  # the new tokens, the attention mask, the position ids; then the cache
 
 
 class Generation:
@@ -54,79 +54,90 @@ class Generation:
     def __init__(self, model: nn.Module, mesh: Mesh, options: CompileOptions, cluster: Cluster):
         self.model, self.mesh, self.options, self.cluster = model, mesh, options, cluster
         self.programs: tuple[Program, Program] | None = None  # prefill and decode, on the module's shards
+        self.position_table: str | None = None  # a table the model looks up positions from sizes in (see _compiled)
 
-    def generate(self, module, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """`model.generate(...)` on `module`'s shards: greedy decoding; returns the sequences, or a
-        `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True` (`logits` and `scores` per step)."""
-        config, ids = self._config(generation_config, inputs, kwargs)
-        prefill, decode = self._compiled(module, ids)
-        batch, length = ids.shape
-        if config.max_new_tokens is not None:
-            new = config.max_new_tokens
-        else:
-            new = (config.max_length or _DEFAULT_MAX_LENGTH) - length
-        eos = _token_ids(config.eos_token_id)
-        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-        _check_positions(prefill, batch, length, new)
-        blocks = {r: _empty_cache(prefill, batch) for r in module.rank_modules()}
-        unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
-        step_ids, all_logits = ids, []
+    def generate(self, module, inputs: torch.Tensor | None = None, generation_config=None, logits_processor=None,
+                 stopping_criteria=None, prefix_allowed_tokens_fn=None, streamer=None, **kwargs):
+        """`model.generate(...)` on `module`'s shards: greedy or sampled, with transformers' logits processors
+        and stopping criteria; returns the sequences, or a `GenerateDecoderOnlyOutput` with
+        `return_dict_in_generate=True` (`scores` and `logits` per step)."""
+        call = prepare_call(self.model, self.mesh, inputs, generation_config, kwargs, logits_processor,
+                            stopping_criteria, prefix_allowed_tokens_fn)
+        programs = self._compiled(module, call.input_ids)
+        self._check_padding(call)
+        _check_positions(programs[0], call)
+        if streamer is not None:
+            streamer.put(call.input_ids.cpu())
         with torch.no_grad():
-            for _ in range(max(new, 0)):
-                program = prefill if step_ids.shape[1] > 1 else decode
-                logits, blocks = _step(module, program, step_ids, blocks)
-                all_logits.append(logits)
-                token = logits.argmax(-1).to(ids.device)
-                if eos:
-                    token = torch.where(unfinished, token, torch.full_like(token, pad))
-                    unfinished &= ~torch.isin(token, torch.tensor(eos, device=ids.device))
-                ids = torch.cat([ids, token[:, None]], dim=1)
-                step_ids = token[:, None]
-                if eos and not unfinished.any():
-                    break
-        if not config.return_dict_in_generate:
+            ids, scores, logits = self._decode(module, programs, call, streamer)
+        if streamer is not None:
+            streamer.end()
+        if not call.config.return_dict_in_generate:
             return ids
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        logits = tuple(all_logits)
-        return GenerateDecoderOnlyOutput(sequences=ids, logits=logits if config.output_logits else None,
-                                         scores=logits if config.output_scores else None)
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=scores, logits=logits)
 
-    def _config(self, generation_config, inputs, kwargs):
-        """The generation config of this call (the model's, updated by `kwargs`) and the prompt; a
-        ValueError for what this greedy loop does not do."""
-        config = copy.deepcopy(generation_config if generation_config is not None else self.model.generation_config)
-        unused = config.update(**kwargs)
-        ids = unused.pop("input_ids", inputs)
-        mask = unused.pop("attention_mask", None)
-        where = f"generate on mesh {self.mesh}"
-        if unused:
-            raise ValueError(f"{where}: arguments {sorted(unused)} are not supported by sharded generation "
-                             "(greedy, no logits processors, streamers or stopping criteria): leave them out")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError(f"{where}: pass the prompt as input_ids, a tensor [batch, length] of token ids")
-        if mask is not None and not bool((mask == 1).all()):
-            raise ValueError(f"{where}: attention_mask masks some prompt tokens (padding), which sharded "
-                             "generation does not take yet: generate prompts of one length together, unpadded")
-        asked = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")
-                 and k != "transformers_version" and k not in _HONOURED and v not in _GREEDY.get(k, ())}
-        if asked:
-            raise ValueError(f"{where}: generation settings {asked} are not supported by sharded generation, "
-                             "which decodes greedily (do_sample=False, num_beams=1) without logits processors: "
-                             "generate with the unsharded model for them")
-        return config, ids
+    def _decode(self, module, programs: tuple[Program, Program], call: Call, streamer):
+        """transformers' `_sample` loop, each forward a program call: the sequences, and the scores and
+        logits of each step where the config asks for them (else None)."""
+        config, ids = call.config, call.input_ids
+        recorded = config.return_dict_in_generate
+        scores = () if recorded and config.output_scores else None
+        raw_logits = () if recorded and config.output_logits else None
+        state = {"attention_mask": call.attention_mask, "position_ids": call.position_ids}
+        blocks = {r: _empty_cache(programs[0], ids.shape[0]) for r in module.rank_modules()}
+        unfinished = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+        step_ids = ids
+        while True:
+            program = programs[0] if step_ids.shape[1] > 1 else programs[1]
+            positions = state["position_ids"][:, -step_ids.shape[1]:]
+            logits, blocks = _step(module, program, [step_ids, state["attention_mask"], positions], blocks)
+            state = self.model._update_model_kwargs_for_generation({}, state)  # the mask and positions, one longer
+            step_scores = call.processors(ids, logits.to(copy=True, dtype=torch.float32, device=ids.device))
+            scores = scores + (step_scores,) if scores is not None else None
+            raw_logits = raw_logits + (logits,) if raw_logits is not None else None
+            tokens = _choose(call, step_scores, unfinished)
+            ids = torch.cat([ids, tokens[:, None]], dim=-1)
+            unfinished = unfinished & ~call.criteria(ids, scores)
+            tokens, unfinished = _agree(module, tokens, unfinished)
+            ids[:, -1] = tokens
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            if unfinished.max() == 0:
+                return ids, scores, raw_logits
+            step_ids = tokens[:, None]
+
+    def _check_padding(self, call: Call) -> None:
+        """ValueError for padded prompts where the programs take no position ids (`_compiled`)."""
+        if self.position_table is not None and not bool((call.attention_mask == 1).all()):
+            raise ValueError(
+                f"generate on mesh {self.mesh}: attention_mask pads some prompts, but {type(self.model).__name__} "
+                f"looks up its positions in '{self.position_table}', laid out on these shards for positions shared "
+                "by all prompts (the module's program computes them from sizes), so the generation programs cannot "
+                "shift each prompt's positions: generate padded prompts with the unsharded model, or prompts of "
+                "one length together, unpadded")
 
     def _compiled(self, module, ids: torch.Tensor) -> tuple[Program, Program]:
-        """The prefill and decode programs on `module`'s shards, compiled on first use."""
+        """The prefill and decode programs on `module`'s shards, compiled on first use. They take each
+        prompt's position ids, unless the module's program looks up positions computed from sizes in a
+        table (GPT-2's learned positions): position ids of each prompt would lay that table out otherwise
+        than the shards hold it, so the model computes them from the cache's length there, as it does in
+        the module's program, and padded prompts are refused (`_check_padding`)."""
         if self.programs is None:
-            step = CacheStep(self.model)
+            limits = module.program.dynamic.limits if module.program.dynamic is not None else []
+            self.position_table = limits[0].table if limits else None
+            step = CacheStep(self.model, positions=self.position_table is None)
             example = _example_cache(self.model, ids)
             batch = 2 * self.mesh.size("depth") * self.mesh.size("row")  # a symbolic batch in every mode
-            carried = {i: i for i in range(1, 1 + 2 * len(example))}  # each cache tensor, fed back in place
+            # each cache tensor (output i, after the logits) fed back in place (input i + 2, after the step's inputs)
+            carried = {i: i + _STEP_INPUTS - 1 for i in range(1, 1 + 2 * len(example))}
             programs = []
             for length in (2, 1):
-                step_ids = torch.zeros(batch, length, dtype=ids.dtype, device=ids.device)
-                compiled = compile_for(step, self.mesh, (step_ids, _example_past(example, batch)),
+                step_inputs = (torch.zeros(batch, length, dtype=ids.dtype, device=ids.device),
+                               torch.ones(batch, 2 + length, dtype=torch.long, device=ids.device),
+                               torch.zeros(batch, length, dtype=torch.long, device=ids.device))
+                compiled = compile_for(step, self.mesh, (*step_inputs, _example_past(example, batch)),
                                        dataclasses.replace(self.options, dynamic=True), self.cluster, training=False,
                                        carried=carried)
                 programs.append(module.adopt(compiled.program))
@@ -135,6 +146,32 @@ class Generation:
                      self.mesh, next(s.layout for s in programs[0].slots if s.role == "local input"))
             self.programs = tuple(programs)
         return self.programs
+
+
+def _choose(call: Call, scores: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
+    """The next token of each sequence as transformers' `_sample` picks it: sampled from the softmax
+    of the processed scores (on the default generator) or their argmax; the pad token once a
+    sequence has finished, where a stopping criterion watches for an end token."""
+    if call.config.do_sample:
+        tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    else:
+        tokens = torch.argmax(scores, dim=-1)
+    if any(hasattr(criterion, "eos_token_id") for criterion in call.criteria):
+        pad = call.config._pad_token_tensor.to(tokens.device)
+        tokens = tokens * unfinished + pad * (1 - unfinished)
+    return tokens
+
+
+def _agree(module, tokens: torch.Tensor, unfinished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and unfinished flags of tensor-parallel rank 0 on every rank of a module over processes
+    (where ranks seeded alike chose the same already), so that no rank can diverge; in one process, as
+    they are (all ranks share one choice)."""
+    if not isinstance(module, ShardedModule):
+        return tokens, unfinished
+    both = torch.stack([tokens, unfinished]).to(module.device)
+    dist.broadcast(both, src=module.world.members[0], group=module.world.group)
+    both = both.to(tokens.device)
+    return both[0], both[1]
 
 
 def _check_same_cache(prefill: Program, decode: Program) -> None:
@@ -147,24 +184,20 @@ def _check_same_cache(prefill: Program, decode: Program) -> None:
                              "the other: generate with the unsharded model, and report the model")
 
 
-def _check_positions(prefill: Program, batch: int, length: int, new: int) -> None:
-    """ValueError, before any token is generated, if a prompt of `length` tokens and `new` generated
-    ones look up past a position table: the last call sees `length + new - 1` positions, as a prefill
-    of them all on an empty cache would."""
+def _check_positions(prefill: Program, call: Call) -> None:
+    """ValueError, before any token is generated, if the prompt and the new tokens look up past a position
+    table: the last step sees `length + new - 1` positions, as a prefill of them all on an empty cache
+    would."""
+    batch, length = call.input_ids.shape
+    new = call.config.max_length - length
     if new < 2:
         return
     ids = torch.empty(batch, length + new - 1, dtype=torch.long, device="meta")
     try:
-        prefill.call_output_shapes([ids, *_empty_cache(prefill, batch, device="meta")])
+        prefill.call_output_shapes([ids, ids, ids, *_empty_cache(prefill, batch, device="meta")])
     except ValueError as err:
         raise ValueError(f"generate: {batch} prompts of {length} tokens and max_new_tokens={new} (the last step "
                          f"sees {length + new - 1} positions): {err}") from None
-
-
-def _token_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
 def _example_cache(model: nn.Module, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -172,7 +205,7 @@ def _example_cache(model: nn.Module, ids: torch.Tensor) -> list[tuple[torch.Tens
     their heads, head dim and dtype."""
     with torch.no_grad():
         out = model(input_ids=ids[:1, :1], use_cache=True)
-    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -196,10 +229,12 @@ def _empty_cache(program: Program, batch: int, device=None) -> list[torch.Tensor
     return blocks
 
 
-def _step(module, program: Program, step_ids: torch.Tensor, blocks: dict[int, list]) -> tuple[torch.Tensor, dict]:
-    """One program call on every rank `module` runs: the last position's logits (global) and each
-    rank's new cache blocks."""
-    rank_flats = {r: [step_ids, *blocks[r]] for r in blocks}
+def _step(module, program: Program, inputs: list[torch.Tensor], blocks: dict[int, list]) -> tuple[torch.Tensor, dict]:
+    """One program call on every rank `module` runs, on the step's global inputs and each rank's cache
+    blocks: the last position's logits (global) and each rank's new cache blocks. Inputs are made
+    contiguous, as transformers passes them: a strided one would get inductor code of its own shapes."""
+    inputs = [x.contiguous() for x in inputs]
+    rank_flats = {r: [*inputs, *blocks[r]] for r in blocks}
     shapes = program.call_output_shapes(next(iter(rank_flats.values())))  # the check of the sizes, first
     outputs = module.run_program(program, rank_flats)
     logits = module.global_output(program, 0, {r: out[0] for r, out in outputs.items()}, shapes[0])
