@@ -19,8 +19,9 @@ from tess_compile.passes.rules.common import (
 )
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.passes.rules.index_checks import check_lookup_ids
-from tess_compile.core.layout import Layout, Shard, split_size
+from tess_compile.core.layout import Layout, Partial, Shard, split_size
 from tess_compile.core.mesh import AXES
+from tess_compile.core.meta_keys import LAYOUT
 from tess_compile.ops import collectives as c
 
 __all__ = [
@@ -38,8 +39,10 @@ def place_embedding(node: Node, ctx) -> Decision:
     """Token lookup. A free table [V, h] is split vocab over row and hidden over col
     (1/q^2 of it a rank, and a tied output head multiplies it where it lies); each
     rank looks up the ids of its row group that fall in its vocab block, and a
-    reduce-scatter along row sums and splits them. Ids not split over row (e.g.
-    positions) use a table split over col only.
+    reduce-scatter along row sums and splits them; ids whole over row (a batch
+    that did not split over it) are looked up in the rank's block as they are, a
+    partial sum over row. Other ids not split over row (e.g. positions) use a
+    free table split over col only.
 
     `padding_idx` changes backward only (that row gets no gradient), so it splits
     as a plain lookup does. `scale_grad_by_freq` divides each row's gradient by the
@@ -57,6 +60,10 @@ def place_embedding(node: Node, ctx) -> Decision:
     if batch_split and (vocab_parallel(node, w_layout) or (w_layout is None and hidden % q == 0)):
         w_needed = Layout(R, Shard(0), Shard(1))
         return Decision({weight: w_needed, ids: ids_layout}, Layout(ids_layout.depth, Shard(0), Shard(n_ids)))
+    if vocab_parallel(node, w_layout) and ids_layout.row == R and ids_layout.col == R:
+        # ids whole over row (a batch that did not split over it): each rank looks them up in its vocab
+        # block, a partial sum over row, instead of gathering the table
+        return Decision({weight: w_layout, ids: ids_layout}, Layout(ids_layout.depth, P, Shard(n_ids)))
     w_needed, out = [], []
     for axis, p in zip(AXES, ids_layout.placements):
         w_p = w_layout.on(axis) if w_layout else None
@@ -101,9 +108,12 @@ def lower_embedding(b: Builder, node: Node, args, kwargs):
     w_layout = arg_layout(node, weight_node)
     if not vocab_parallel(node, w_layout) or b.mesh.size("row") == 1:
         return lower_default(b, node, args, kwargs)
-    all_ids = b.split_op(c.all_gather, args[1], "row", 0, 1)
     vocab = weight_node.meta["val"].shape[0]
-    rows = masked_lookup(b, args[0], all_ids, vocab, "row", get_arg(node, 2, "padding_idx", -1))
+    padding_idx = get_arg(node, 2, "padding_idx", -1)
+    if isinstance(LAYOUT.of(node).row, Partial):  # ids whole over row: the partial sums are the consumer's
+        return masked_lookup(b, args[0], args[1], vocab, "row", padding_idx)
+    all_ids = b.split_op(c.all_gather, args[1], "row", 0, 1)
+    rows = masked_lookup(b, args[0], all_ids, vocab, "row", padding_idx)
     return b.split_op(c.reduce_scatter, rows, "row", 0, 1)
 
 

@@ -32,14 +32,13 @@ class CacheStep(nn.Module):
     cached and new tokens [batch, cached + new] and the new tokens' `position_ids` [batch, new], as
     transformers' `prepare_inputs_for_generation` passes them (and `cache_position` to a remote-code
     model that takes it). Returns the logits of the last position [batch, vocab] and the cache with
-    the new tokens appended, in the same form. With `positions=False` the model derives the positions
-    from the cache's length itself, as in the module's own program, and `position_ids` is not used.
+    the new tokens appended, in the same form.
 
     It shares the model's submodules, parameters and buffers, under the model's own names: the
     programs compiled from it run on the shards of the model's program.
     """
 
-    def __init__(self, model: nn.Module, positions: bool = True):
+    def __init__(self, model: nn.Module):
         super().__init__()
         self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
@@ -48,7 +47,7 @@ class CacheStep(nn.Module):
         names = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in names else "past_key_values"
         self._keep_last = "logits_to_keep" in names
-        self._takes_positions = positions and "position_ids" in names
+        self._takes_positions = "position_ids" in names
         self._cache_positions = "cache_position" in names and model.is_remote_code()
 
     def train(self, mode: bool = True) -> CacheStep:

@@ -32,12 +32,14 @@ import torch.distributed as dist
 from torch import nn
 
 from tess_compile.analysis.compile_entry import compile_for
+from tess_compile.analysis.cost_model import predict_time
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
-from tess_compile.core.options import CompileOptions
+from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import Program
 from tess_compile.generation.cache_step import CacheStep
 from tess_compile.generation.prepare import Call, prepare_call
+from tess_compile.passes.place import resolve_batch_split, splits_of
 from tess_compile.runtime.sharded_module import ShardedModule
 
 __all__ = ["Generation"]
@@ -53,8 +55,9 @@ class Generation:
 
     def __init__(self, model: nn.Module, mesh: Mesh, options: CompileOptions, cluster: Cluster):
         self.model, self.mesh, self.options, self.cluster = model, mesh, options, cluster
-        self.programs: tuple[Program, Program] | None = None  # prefill and decode, on the module's shards
-        self.position_table: str | None = None  # a table the model looks up positions from sizes in (see _compiled)
+        self.programs: dict[str, tuple[Program, Program]] = {}  # batch split -> prefill and decode, on the shards
+        self._decoders: dict[str, Program] = {}  # batch split -> a decode program compiled to be priced
+        self._choices: dict[tuple[str, ...], str] = {}  # candidate splits -> the one priced fastest
 
     def generate(self, module, inputs: torch.Tensor | None = None, generation_config=None, logits_processor=None,
                  stopping_criteria=None, prefix_allowed_tokens_fn=None, streamer=None, **kwargs):
@@ -63,9 +66,8 @@ class Generation:
         `return_dict_in_generate=True` (`scores` and `logits` per step)."""
         call = prepare_call(self.model, self.mesh, inputs, generation_config, kwargs, logits_processor,
                             stopping_criteria, prefix_allowed_tokens_fn)
+        _check_positions(module, call)
         programs = self._compiled(module, call.input_ids)
-        self._check_padding(call)
-        _check_positions(programs[0], call)
         if streamer is not None:
             streamer.put(call.input_ids.cpu())
         with torch.no_grad():
@@ -108,44 +110,58 @@ class Generation:
                 return ids, scores, raw_logits
             step_ids = tokens[:, None]
 
-    def _check_padding(self, call: Call) -> None:
-        """ValueError for padded prompts where the programs take no position ids (`_compiled`)."""
-        if self.position_table is not None and not bool((call.attention_mask == 1).all()):
-            raise ValueError(
-                f"generate on mesh {self.mesh}: attention_mask pads some prompts, but {type(self.model).__name__} "
-                f"looks up its positions in '{self.position_table}', laid out on these shards for positions shared "
-                "by all prompts (the module's program computes them from sizes), so the generation programs cannot "
-                "shift each prompt's positions: generate padded prompts with the unsharded model, or prompts of "
-                "one length together, unpadded")
-
     def _compiled(self, module, ids: torch.Tensor) -> tuple[Program, Program]:
-        """The prefill and decode programs on `module`'s shards, compiled on first use. They take each
-        prompt's position ids, unless the module's program looks up positions computed from sizes in a
-        table (GPT-2's learned positions): position ids of each prompt would lay that table out otherwise
-        than the shards hold it, so the model computes them from the cache's length there, as it does in
-        the module's program, and padded prompts are refused (`_check_padding`)."""
-        if self.programs is None:
-            limits = module.program.dynamic.limits if module.program.dynamic is not None else []
-            self.position_table = limits[0].table if limits else None
-            step = CacheStep(self.model, positions=self.position_table is None)
-            example = _example_cache(self.model, ids)
-            batch = 2 * self.mesh.size("depth") * self.mesh.size("row")  # a symbolic batch in every mode
-            # each cache tensor (output i, after the logits) fed back in place (input i + 2, after the step's inputs)
-            carried = {i: i + _STEP_INPUTS - 1 for i in range(1, 1 + 2 * len(example))}
-            programs = []
-            for length in (2, 1):
-                step_inputs = (torch.zeros(batch, length, dtype=ids.dtype, device=ids.device),
-                               torch.ones(batch, 2 + length, dtype=torch.long, device=ids.device),
-                               torch.zeros(batch, length, dtype=torch.long, device=ids.device))
-                compiled = compile_for(step, self.mesh, (*step_inputs, _example_past(example, batch)),
-                                       dataclasses.replace(self.options, dynamic=True), self.cluster, training=False,
-                                       carried=carried)
-                programs.append(module.adopt(compiled.program))
-            _check_same_cache(*programs)
-            log.info("generation: prefill and decode programs compiled for mesh %s; the cache is laid out as %s",
-                     self.mesh, next(s.layout for s in programs[0].slots if s.role == "local input"))
-            self.programs = tuple(programs)
-        return self.programs
+        """The prefill and decode programs for a batch of `ids.shape[0]` prompts on `module`'s shards, in the
+        batch split `_split` picks; compiled on first use, on the shards' own layouts (`state_layouts`)."""
+        batch = ids.shape[0]
+        split = self._split(module, ids, batch)
+        if split not in self.programs:
+            prefill = self._program(module, ids, split, new=2)
+            decode = self._decoders.get(split) or self._program(module, ids, split, new=1)
+            _check_same_cache(prefill, decode)
+            log.info("generation: prefill and decode programs compiled for mesh %s, batch split %s; the cache is "
+                     "laid out as %s", self.mesh, split, next(s.layout for s in prefill.slots if s.role == "local input"))
+            self.programs[split] = (prefill, decode)
+        return self.programs[split]
+
+    def _split(self, module, ids: torch.Tensor, batch: int) -> str:
+        """The batch split of `batch` prompts: the options' own, "one" (a program of one sequence, which a
+        symbolic batch does not serve: see `core.dynamic`), or where both divide the batch, SUMMA's
+        ("depth_row") or the weight-stationary one ("depth", else "none"), whichever's decode step
+        the cost model prices faster on the module's cluster (at 2*d*q sequences), chosen once."""
+        if self.options.batch_split != AUTO:
+            resolve_batch_split(self.options.batch_split, batch, self.mesh)  # ValueError if it does not divide
+            return self.options.batch_split
+        if batch == 1:
+            return "one"
+        splits = splits_of(batch, self.mesh)
+        candidates = tuple(dict.fromkeys([splits[0], splits[1] if len(splits) > 1 else splits[0]]))
+        if candidates not in self._choices:
+            priced = {}
+            for split in candidates:
+                self._decoders.setdefault(split, self._program(module, ids, split, new=1))
+                priced[split] = predict_time(self._decoders[split], self.cluster).forward_s
+            self._choices[candidates] = min(priced, key=priced.get)
+            log.info("generation: decode steps priced %s on mesh %s: batch split %s",
+                     {k: f"{v * 1e3:.3g} ms" for k, v in priced.items()}, self.mesh, self._choices[candidates])
+        return self._choices[candidates]
+
+    def _program(self, module, ids: torch.Tensor, split: str, new: int) -> Program:
+        """The step program of `new` tokens (2: prefill, any number of 2 or more; 1: decode) in batch split
+        `split`, compiled symbolic in batch (a multiple of the ranks that split it; "one": a batch of one),
+        the new tokens, the mask and the cache, and adopted on `module`'s shards."""
+        example = _example_cache(self.model, ids)
+        batch = 1 if split == "one" else 2 * self.mesh.size("depth") * self.mesh.size("row")
+        # each cache tensor (output i, after the logits) fed back in place (input i + 2, after the step's inputs)
+        carried = {i: i + _STEP_INPUTS - 1 for i in range(1, 1 + 2 * len(example))}
+        step_inputs = (torch.zeros(batch, new, dtype=ids.dtype, device=ids.device),
+                       torch.ones(batch, 2 + new, dtype=torch.long, device=ids.device),
+                       torch.zeros(batch, new, dtype=torch.long, device=ids.device))
+        options = dataclasses.replace(self.options, dynamic=True, batch_split="none" if split == "one" else split)
+        compiled = compile_for(CacheStep(self.model), self.mesh, (*step_inputs, _example_past(example, batch)),
+                               options, self.cluster, training=False, carried=carried,
+                               state_layouts=module.state_layouts())
+        return module.adopt(compiled.program)
 
 
 def _choose(call: Call, scores: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
@@ -184,20 +200,22 @@ def _check_same_cache(prefill: Program, decode: Program) -> None:
                              "the other: generate with the unsharded model, and report the model")
 
 
-def _check_positions(prefill: Program, call: Call) -> None:
-    """ValueError, before any token is generated, if the prompt and the new tokens look up past a position
-    table: the last step sees `length + new - 1` positions, as a prefill of them all on an empty cache
-    would."""
-    batch, length = call.input_ids.shape
-    new = call.config.max_length - length
-    if new < 2:
+def _check_positions(module, call: Call) -> None:
+    """ValueError, before any token is generated, if the prompts and the new tokens would look up past a
+    position table that the module's program looks up positions in (its `dynamic.limits`: GPT-2's learned
+    positions): the last step feeds the position of the last prompt token plus `new - 1`."""
+    dynamic = module.program.dynamic
+    new = call.config.max_length - call.input_ids.shape[1]
+    if dynamic is None or new < 2:
         return
-    ids = torch.empty(batch, length + new - 1, dtype=torch.long, device="meta")
-    try:
-        prefill.call_output_shapes([ids, ids, ids, *_empty_cache(prefill, batch, device="meta")])
-    except ValueError as err:
-        raise ValueError(f"generate: {batch} prompts of {length} tokens and max_new_tokens={new} (the last step "
-                         f"sees {length + new - 1} positions): {err}") from None
+    largest = int(call.position_ids[:, -1].max()) + new - 1
+    for limit in dynamic.limits:
+        if largest >= limit.rows:
+            batch, length = call.input_ids.shape
+            raise ValueError(f"generate: {batch} prompts of {length} tokens and max_new_tokens={new}: the last step "
+                             f"looks up position {largest} in '{limit.table}', which has {limit.rows} rows, on mesh "
+                             f"{module.mesh}: pass max_new_tokens <= {new - (largest - limit.rows + 1)}, or a model "
+                             "with a longer table")
 
 
 def _example_cache(model: nn.Module, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

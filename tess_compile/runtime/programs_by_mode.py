@@ -77,7 +77,7 @@ class ModeModule(nn.Module):
         return self.program.mesh
 
     def generate(self, *args, **kwargs):
-        """The model's `generate` (greedy) on these shards, for a transformers causal LM compiled with
+        """The model's `generate` on these shards, for a transformers causal LM compiled with
         `dynamic=True` (docs/generation.md)."""
         if self.generation is None:
             raise ValueError("generate runs on a transformers causal LM (a PreTrainedModel with generate) "
@@ -89,6 +89,11 @@ class ModeModule(nn.Module):
         constants added to each rank's (`state.add_constants`)."""
         program = self.programs.adopt(program)
         return state.add_constants(program, self._constants, self.rank_modules(), device=self.device)
+
+    def state_layouts(self) -> dict:
+        """Parameter and buffer name -> its layout on these shards (a program compiled to run on them
+        takes these: `compile_model(..., state_layouts=...)`)."""
+        return {name: slot.layout for name, slot in _state_of(self.programs.first).items()}
 
     def rank_modules(self) -> dict[int, nn.Module]:
         """Rank -> the module of that rank's shards, for the ranks this module runs."""
