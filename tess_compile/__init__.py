@@ -189,9 +189,11 @@ def shard(
     data-parallel dims with FSDP2 (`fully_shard`; parameters become DTensors on
     the whole mesh). Without `mesh`, the whole world is one `[q, q, d]` mesh.
 
-    `compile=True` runs this rank's program, forward and backward, through
-    inductor (torch.compile's compiler), the collectives as custom ops in the
-    compiled graphs, on the first call (docs/compiled.md).
+    `compile=True` (or one of inductor's modes, as torch.compile takes them)
+    runs this rank's program, forward and backward, through inductor
+    (torch.compile's compiler), its collectives lowered to torch's
+    functional collectives in the compiled graphs, on the first call
+    (docs/compiled.md).
     """
     _check_compile(compile, "tess_compile.shard")
     tess_mesh = options.mesh(q, d)

@@ -2,5 +2,5 @@
 
 `cache_step` is the model's forward with the cache as tensors (what the
 generation programs compile); `generate` compiles the prefill and decode
-programs on the model's shards and runs greedy decoding (docs/generation.md).
+programs on the model's shards and decodes or samples as transformers does (docs/generation.md).
 """
