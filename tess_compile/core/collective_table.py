@@ -74,11 +74,21 @@ class Collective:
         """An empty tensor of the result's shape for input `x` and the other arguments
         (axis, then the op's own): the fake kernel."""
         if self.scale == 0:
-            return torch.empty_like(x)
+            return x.new_empty(x.shape)  # contiguous, as every communicator returns it
         _, parts, dim, _ = args
         shape = list(x.shape)
         shape[dim] = shape[dim] * parts if self.scale > 0 else shape[dim] // parts
         return x.new_empty(shape)
+
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `x`: the layout every op's fake kernel gives its result, whatever strides
+    the input came with (inductor checks a custom op's output strides against its fake kernel's)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _zeros(x: torch.Tensor) -> torch.Tensor:
+    return x.new_zeros(x.shape)
 
 
 def _sum(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -105,18 +115,18 @@ _PIPELINED = {"ring": lambda g: (g - 1, 1), "tree": lambda g: (_log2(g), _log2(g
 
 
 def _broadcast_group(xs, src):
-    return [xs[src].clone() for _ in xs]
+    return [_copy(xs[src]) for _ in xs]
 
 
 def _broadcast(comm, x, axis, src):
-    out = x.clone()
+    out = _copy(x)
     dist.broadcast(out, group=comm.groups[axis], group_src=src)
     return out
 
 
 def _broadcast_start(comm, x, axis, src):
     """A broadcast left running until `comm.wait(out)` (the overlap schedule's)."""
-    out = x.clone()
+    out = _copy(x)
     work = dist.broadcast(out, group=comm.groups[axis], group_src=src, async_op=True)
     comm.pending[out.untyped_storage().data_ptr()] = (work, axis)
     return out
@@ -126,14 +136,14 @@ def _broadcast_start(comm, x, axis, src):
 
 
 def _reduce_group(xs, dst):
-    total = _sum(xs)
-    return [total if t == dst else torch.zeros_like(x) for t, x in enumerate(xs)]
+    total = _copy(_sum(xs))
+    return [total if t == dst else _zeros(x) for t, x in enumerate(xs)]
 
 
 def _reduce(comm, x, axis, dst):
-    out = x.clone()
+    out = _copy(x)
     dist.reduce(out, group=comm.groups[axis], group_dst=dst)
-    return out if comm.coord(axis) == dst else torch.zeros_like(x)
+    return out if comm.coord(axis) == dst else _zeros(x)
 
 
 # all_reduce(x, axis): the sum on every member; its own adjoint.
@@ -141,11 +151,11 @@ def _reduce(comm, x, axis, dst):
 
 def _all_reduce_group(xs):
     total = _sum(xs)
-    return [total.clone() for _ in xs]
+    return [_copy(total) for _ in xs]
 
 
 def _all_reduce(comm, x, axis):
-    out = x.clone()
+    out = _copy(x)
     dist.all_reduce(out, group=comm.groups[axis])
     return out
 
@@ -154,11 +164,11 @@ def _all_reduce(comm, x, axis):
 
 
 def _keep_first_group(xs):
-    return [x.clone() if t == 0 else torch.zeros_like(x) for t, x in enumerate(xs)]
+    return [_copy(x) if t == 0 else _zeros(x) for t, x in enumerate(xs)]
 
 
 def _keep_first(comm, x, axis):
-    return x.clone() if comm.coord(axis) == 0 else torch.zeros_like(x)
+    return _copy(x) if comm.coord(axis) == 0 else _zeros(x)
 
 
 # all_gather(x, axis, parts, dim, groups): every member's block along `dim` joined
