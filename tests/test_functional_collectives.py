@@ -7,7 +7,7 @@ compiled forward and backward graphs to `torch.ops._c10d_functional` ops
 Fast (no processes):
 1. Each collective's lowering on every rank of a group of three (threads that meet at the
    functional collectives, run by an FX interpreter) gives bit for bit what the record's
-   `group_results` gives that rank (the simulator's exact collectives), strided as the op's fake
+   `group_results` gives that rank (the simulator's exact collectives), contiguous as the op's fake
    kernel; the lowered graph holds functional collectives and no `tess::` op, and dead-code
    elimination keeps each collective (a reduce's sum that ranks other than its destination drop).
 2. A world of one gloo process in this process: a `CompiledRank` of a program with every

@@ -55,7 +55,7 @@ import torch
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
-from torch._prims_common import compute_elementwise_output_logical_to_physical_perm, is_contiguous_or_false
+from torch._prims_common import is_contiguous_or_false
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -168,27 +168,10 @@ def _flag(value: bool, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=torch.bool, device=like.device)
 
 
-def _strided_like_input(lowering: Callable) -> Callable:
-    """`lowering` of an op whose result has its input's shape, run on the input's dims in memory order
-    and given back strided as the input, as the op's fake kernel (`empty_like`) strides it."""
-
-    @functools.wraps(lowering)
-    def run(group: AxisGroup, *args):
-        x = args[-1]
-        if is_contiguous_or_false(x):
-            return lowering(group, *args)
-        order, _ = compute_elementwise_output_logical_to_physical_perm(x)
-        inverse = sorted(range(len(order)), key=order.__getitem__)
-        return lowering(group, *args[:-1], x.permute(order)).permute(inverse)
-
-    return run
-
-
 def _wait(x: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor.default(x)
 
 
-@_strided_like_input
 def _broadcast(group: AxisGroup, src: int, x: torch.Tensor) -> torch.Tensor:
     return _wait(_c10d.broadcast.default(x.contiguous(), src, group.name))
 
@@ -199,20 +182,18 @@ def _broadcast_start(group: AxisGroup, src: int, x: torch.Tensor) -> torch.Tenso
     return _c10d.broadcast.default(x, src, group.name)
 
 
-@_strided_like_input
 def _reduce(group: AxisGroup, dst: int, x: torch.Tensor) -> torch.Tensor:
     total = _wait(_c10d.all_reduce.default(x.contiguous(), "sum", group.name))
     # Every rank reads the sum (so dead-code elimination keeps the collective); all but `dst` take zeros.
     return torch.where(_flag(group.coord == dst, total), total, torch.zeros_like(total))
 
 
-@_strided_like_input
 def _all_reduce(group: AxisGroup, x: torch.Tensor) -> torch.Tensor:
     return _wait(_c10d.all_reduce.default(x.contiguous(), "sum", group.name))
 
 
-@_strided_like_input
 def _keep_first(group: AxisGroup, x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
     return torch.where(_flag(group.coord == 0, x), x, torch.zeros_like(x))
 
 
