@@ -70,8 +70,9 @@ class Step:
 class Program:
     """A mesh `(q, d, mode)`, sizes, and the ops from the inputs to the outputs.
 
-    The batch is `blocks` times the ranks that split it (`d*q` in 2.5-D, 1 in 1-D);
-    `features` is the width of the float input `x` `[batch, seq, features]`; `vocab` bounds
+    The batch is `blocks` times the ranks that split it (`d*q` in 2.5-D, 1 in 1-D), or with
+    `unsplit` just `blocks`, which d*q does not divide: the rows then stay whole over row and the
+    products run weight-stationary (`batch_split="auto"`); `features` is the width of the float input `x` `[batch, seq, features]`; `vocab` bounds
     the integer input `ids` `[batch, seq]` and the loss's classes."""
 
     mesh: tuple[int, int, str]
@@ -82,11 +83,12 @@ class Program:
     start: int = 0
     steps: tuple[Step, ...] = ()
     end: int = 0
+    unsplit: bool = False
 
     @property
     def batch(self) -> int:
         q, d, mode = self.mesh
-        return self.blocks * (d * q if mode != "1d" else 1)
+        return self.blocks * (d * q if mode != "1d" and not self.unsplit else 1)
 
 
 class Skip(Exception):
@@ -1140,7 +1142,7 @@ def example_inputs(program: Program) -> tuple[torch.Tensor, ...]:
 def describe(program: Program) -> str:
     """The program's description as Python, one step a line (`Program(...)` rebuilds it)."""
     head = ", ".join(f"{name}={getattr(program, name)!r}" for name in
-                     ("mesh", "blocks", "seq", "features", "vocab", "start", "end"))
+                     ("mesh", "blocks", "seq", "features", "vocab", "start", "end", "unsplit"))
     steps = [f"    Step({step.op!r}, {step.args!r})," for step in program.steps]
     return "\n".join([f"Program({head}, steps=(", *steps, "))"])
 
@@ -1186,6 +1188,7 @@ def programs(draw, meshes=MESHES, max_steps: int = MAX_STEPS, ops=tuple(OPS)):
         start=draw(st.integers(0, ARG_MAX)),
         steps=tuple(draw(st.lists(steps(ops), min_size=1, max_size=max_steps))),
         end=draw(st.integers(0, ARG_MAX)),
+        unsplit=draw(st.booleans()),
     )
 
 
@@ -1203,6 +1206,8 @@ def simpler(program: Program):
             if value:
                 args = step.args[:position] + (0,) + step.args[position + 1:]
                 yield dataclasses.replace(program, steps=ops[:index] + (Step(step.op, args),) + ops[index + 1:])
+    if program.unsplit:
+        yield dataclasses.replace(program, unsplit=False)
     for name, low in (("start", 0), ("end", 0), ("blocks", BLOCKS[0]), ("seq", SEQ[0]), ("features", FEATURES[0]),
                       ("vocab", VOCAB[0])):
         value = getattr(program, name)
@@ -1228,6 +1233,7 @@ def random_program(seed: int, meshes=MESHES, max_steps: int = MAX_STEPS) -> Prog
         start=arg(),
         steps=tuple(Step(rng.choice(list(OPS)), tuple(arg() for _ in range(NUM_ARGS))) for _ in range(num_steps)),
         end=arg(),
+        unsplit=rng.random() < 0.3,  # drawn last: the other draws of a seed stay as they were
     )
 
 
