@@ -15,28 +15,15 @@ import copy
 import pytest
 import torch
 from conftest import counting_captures
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from test_generation import VOCAB, gpt2
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import tess_compile
 from tess_compile.runtime.launch import run_local
 
-VOCAB, NEW = 64, 4
+NEW = 4
 SAMPLING = [{"temperature": 0.7, "top_k": 8}, {"top_p": 0.8, "min_p": 0.05}, {"typical_p": 0.9, "temperature": 1.3}]
-
-
-def gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
-                        eos_token_id=None)
-    return GPT2LMHeadModel(config).double().eval()
 
 
 def llama() -> LlamaForCausalLM:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tess_compile.core.layout import put_blocks, take_block
 
-__all__ = ["COLLECTIVES", "Collective", "PriceRule", "in_rank_order"]
+__all__ = ["COLLECTIVES", "Collective", "PriceRule", "in_rank_order", "split_dim"]
 
 # g -> (latency steps, bandwidth factor): a collective of `n` bytes over `g` ranks takes
 # `steps * alpha + factor * n / B` (`tess_compile.core.cluster.collective_time`).
@@ -186,12 +186,12 @@ def _all_gather(comm, x, axis, parts, dim, groups):
     flat = x.reshape(-1)
     gathered = flat.new_empty(parts * flat.numel())
     _all_gather_single(gathered, flat, group=comm.groups[axis])
-    shape = _split_dim(x.shape, dim, parts * x.shape[dim])
+    shape = split_dim(x.shape, dim, parts * x.shape[dim])
     if in_rank_order(x.shape, dim, groups):
         return gathered.view(shape)
     # Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..], as `put_blocks` puts it;
     # contiguous, as the op's fake kernel says (where the reshape is a view, it is not).
-    blocks = gathered.view(parts, *_split_dim(x.shape, dim, groups, x.shape[dim] // groups))
+    blocks = gathered.view(parts, *split_dim(x.shape, dim, groups, x.shape[dim] // groups))
     return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
 
 
@@ -207,11 +207,11 @@ def _reduce_scatter_group(xs, parts, dim, groups):
 def _reduce_scatter(comm, x, axis, parts, dim, groups):
     """One `reduce_scatter_single` of the blocks (`take_block`'s) flattened in rank order (NCCL's
     native call): one copy puts them in that order, none if they are in it already."""
-    shape = _split_dim(x.shape, dim, x.shape[dim] // parts)
+    shape = split_dim(x.shape, dim, x.shape[dim] // parts)
     if in_rank_order(x.shape, dim, groups):
         blocks = x.reshape(-1)
     else:
-        split = _split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
+        split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
         blocks = x.view(split).movedim(dim + 1, 0).reshape(-1)
     out = x.new_empty(blocks.numel() // parts)
     _reduce_scatter_single(out, blocks, group=comm.groups[axis])
@@ -272,7 +272,7 @@ def in_rank_order(shape: torch.Size, dim: int, groups: int) -> bool:
     return groups == 1 and math.prod(shape[:dim]) == 1
 
 
-def _split_dim(shape: torch.Size, dim: int, *sizes: int) -> list[int]:
+def split_dim(shape: torch.Size, dim: int, *sizes: int) -> list[int]:
     """`shape` with `sizes` in place of its size along `dim`."""
     return [*shape[:dim], *sizes, *shape[dim + 1:]]
 
