@@ -69,10 +69,12 @@ def test_decode_moves_no_more_bytes_at_2_2_2_than_1d_at_8():
     prompt = torch.randint(0, 250, (4, 5), generator=torch.Generator().manual_seed(0))
     expected = model.generate(prompt, max_new_tokens=6)
     example = {"input_ids": torch.randint(0, 250, (8, 5))}
-    moved = {}
+    moved, sims = {}, {}
     for mode, split in (("2.5d", "depth"), ("1d", "auto")):
-        sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=example, dynamic=True, mode=mode,
-                                    batch_split=split)
+        sims[mode] = sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=example, dynamic=True,
+                                                 mode=mode, batch_split=split)
         assert torch.equal(sim.generate(prompt, max_new_tokens=6), expected)
         moved[mode] = decode_bytes_per_token(sim, prompt)
     assert moved["2.5d"] <= 0.6 * moved["1d"], moved  # 2,946 against 4,992 bytes a token
+    # one prompt on the module whose batch splits over depth: the programs of one sequence
+    assert torch.equal(sims["2.5d"].generate(prompt[:1], max_new_tokens=3), expected[:1, :8])

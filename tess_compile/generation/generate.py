@@ -125,15 +125,15 @@ class Generation:
         return self.programs[split]
 
     def _split(self, module, ids: torch.Tensor, batch: int) -> str:
-        """The batch split of `batch` prompts: the options' own, "one" (a program of one sequence, which a
-        symbolic batch does not serve: see `core.dynamic`), or where both divide the batch, SUMMA's
-        ("depth_row") or the weight-stationary one ("depth", else "none"), whichever's decode step
-        the cost model prices faster on the module's cluster (at 2*d*q sequences), chosen once."""
+        """The batch split of `batch` prompts: "one" for a single prompt (a program of one sequence, which
+        a symbolic batch does not serve: see `core.dynamic`), the options' own, or where both divide the
+        batch, SUMMA's ("depth_row") or the weight-stationary one ("depth", else "none"), whichever's
+        decode step the cost model prices faster on the module's cluster (at 2*d*q sequences), chosen once."""
+        if batch == 1:
+            return "one"
         if self.options.batch_split != AUTO:
             resolve_batch_split(self.options.batch_split, batch, self.mesh)  # ValueError if it does not divide
             return self.options.batch_split
-        if batch == 1:
-            return "one"
         splits = splits_of(batch, self.mesh)
         candidates = tuple(dict.fromkeys([splits[0], splits[1] if len(splits) > 1 else splits[0]]))
         if candidates not in self._choices:
