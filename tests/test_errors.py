@@ -37,12 +37,13 @@ def test_non_positive_mesh(q, d):
     assert "positive" in msg, msg
 
 
-def test_batch_not_divisible_by_depth_times_q():
-    msg = error_text(2, 2, GPTBlock(8, 2), torch.randn(6, 4, 8))
-    assert "6" in msg and "4" in msg, msg
-    assert "batch" in msg, msg
+def test_batch_not_divisible_by_the_split_asked_for():
+    """A batch of 6 compiles on [2,2,2] (whole over row: tests/test_batch_split.py); asked to split it
+    over depth and row, the compile refuses, naming the batch, the ranks, the mesh and the fix."""
+    msg = error_text(2, 2, GPTBlock(8, 2), torch.randn(6, 4, 8), batch_split="depth_row")
+    assert "batch 6" in msg and "4 ranks" in msg, msg
     assert "[q=2, q=2, d=2]" in msg, msg  # the mesh
-    assert "multiple of 4" in msg, msg  # the fix
+    assert "multiple of 4" in msg and "batch_split='auto'" in msg, msg  # the fix
 
 
 def test_hidden_not_divisible_by_q():

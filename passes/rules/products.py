@@ -147,7 +147,7 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     groups_in = col.groups if isinstance(col, Shard) and col.dim == ndim - 1 else 1
     groups_out = ctx.hints.get(node, 1)
     w_layout = ctx.layout(w)
-    stationary = _rows_whole_over_row(x, x_layout)
+    stationary = _rows_whole_over_row(ctx, x, x_layout)
     if w_layout is None:  # free: rows whole over row take x's features over col as they come (A @ B^T)
         splits = shape_of(w)[w_out] % (mesh.q * groups_out) == 0
         transposed = stationary and splits and isinstance(col, Shard) and col.dim == ndim - 1
@@ -186,11 +186,13 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     return Decision(args, Layout(*rows, Shard(ndim - 1, groups_out)))
 
 
-def _rows_whole_over_row(x: Node, x_layout: Layout) -> bool:
+def _rows_whole_over_row(ctx, x: Node, x_layout: Layout) -> bool:
     """Whether activations `x` (a model input flows into them) come with their rows whole over
-    row: a batch that did not split over it (`tess_compile.passes.place.home_layout`)."""
+    row in a program whose batch does not split over row (`tess_compile.passes.place.home_layout`).
+    Where the batch splits over row, rows an op left whole are split again for SUMMA instead."""
     row = x_layout.row
-    return not (isinstance(row, Shard) and row.dim < len(shape_of(x)) - 1) and _reads_inputs(x)
+    whole = not (isinstance(row, Shard) and row.dim < len(shape_of(x)) - 1)
+    return whole and ctx.batch_split != "depth_row" and _reads_inputs(x)
 
 
 def _place_stationary(x: Node, w: Node, bias, w_in: int, w_out: int, x_layout: Layout, groups: tuple[int, int],
@@ -231,7 +233,7 @@ def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_ou
     whole output of its rows (the same SUMMA steps; the output is replicated over col)."""
     x_layout = without_partial(layout_of(ctx, x))
     ndim = len(shape_of(x))
-    if _rows_whole_over_row(x, x_layout):
+    if _rows_whole_over_row(ctx, x, x_layout):
         return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, None), transposed=False)
     rows = _row_blocks(node, ctx, x, x_layout)
     if rows is None:
