@@ -4,10 +4,17 @@
   whose gradients equal `DTensor.to_local()`'s (values, placements, specs);
 - `DistComm`'s all-gather and reduce-scatter: blocks already in rank order
   skip the copies, with the same results as `put_blocks` / `take_block`;
-- `Comm.records` stays bounded over a long loop.
+- `Comm.records` stays bounded over a long loop;
+- a program of a world of one holds no collective (every axis has size 1);
+- `eager_graph`: the collectives called without custom-op dispatch run the
+  same collectives, records and gradients as the custom ops;
+- `graph_inputs` resolves a module's tensors once per program and still reads
+  a parameter replaced since; `output_dtensor` is `DTensor.from_local`'s DTensor;
+  `Program.flatten_inputs`'s fast path gives what the general one gives.
 
 The DTensor tests run on torch's fake process group (a mesh of 8 in this
 process, no data moved); one test trains on a gloo world of one process.
+Nothing here times anything (benchmarks/overhead.py does).
 """
 
 from __future__ import annotations
@@ -28,13 +35,17 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tess_compile
 from tess_compile.core.collective_table import in_rank_order
-from tess_compile.core.layout import put_blocks, take_block
+from tess_compile.core.layout import pad_block, put_blocks, take_block
 from tess_compile.core.mesh import Mesh
-from tess_compile.ops.collectives import Comm
+from tess_compile.core.program import INPUT_ROLES
+from tess_compile.ops.collectives import COLLECTIVE_OPS, EAGER_TARGETS, Comm, use_comm
+from tess_compile.ops.recompute_region import RecomputeRegion
+from tess_compile.passes.driver import compile_model
 from tess_compile.runtime import state
 from tess_compile.runtime.dist_comm import DistComm
-from tess_compile.runtime.dtensors import local_tensors
+from tess_compile.runtime.dtensors import local_tensors, output_dtensor, output_spec
 from tess_compile.runtime.launch import run_local
+from tess_compile.runtime.sharded_module import eager_graph
 
 
 @pytest.fixture
@@ -150,6 +161,12 @@ def test_world_of_one_trains_exactly(world_of_one):
     storages = {p.to_local().data_ptr() for p in sharded.parameters()}
     params = [x for x, s in zip(inputs, sharded.program.slots) if s.role == "param"]
     assert params and all(x.data_ptr() in storages for x in params)
+    # What each call needs is made on the first: one feed, one output spec, and the graph itself
+    # as the eager graph (no collective to call), however many calls.
+    again = sharded(ids)
+    assert len(sharded.__dict__["_tess_feeds"]) == 1 and len(sharded._output_specs) == 1
+    assert again._spec is sharded(ids)._spec
+    assert [graph for _, graph in sharded._eager_graphs.values()] == [sharded.program.runnable]
 
 
 class _DeviceMesh:
@@ -262,3 +279,132 @@ def test_records_stay_bounded_over_a_training_loop():
     sim.comm.records.clear()
     sim(x).sum().backward()
     assert sim.comm.counts() == per_step
+
+
+# World of one, eager collectives, the per-call caches -----------------------------------------------
+
+
+def _has_collective(gm: torch.fx.GraphModule) -> bool:
+    targets = (*COLLECTIVE_OPS, *EAGER_TARGETS.values())
+    return any(node.op == "call_function" and node.target in targets for node in gm.graph.nodes) or any(
+        _has_collective(module.graph_module) for module in gm.children() if isinstance(module, RecomputeRegion))
+
+
+@pytest.mark.parametrize("mode", ["2.5d", "1d"])
+def test_a_world_of_one_holds_no_collective(mode):
+    """Every axis of a world of one has size 1: its program calls no collective (not even the
+    identities whose backward would communicate), and the eager graph is the program's own."""
+    tiny = compile_model(TinyGPT(vocab=16, hidden=8, heads=2, layers=1, seq=4), Mesh(1, 1, mode),
+                         (torch.randint(0, 16, (2, 4)),))
+    blocks = compile_model(nn.Sequential(GPTBlock(8, 2), GPTBlock(8, 2)), Mesh(1, 1, mode), (torch.randn(2, 4, 8),),
+                           recompute="blocks")
+    assert any(isinstance(m, RecomputeRegion) for m in blocks.runnable.children())
+    for program in (tiny, blocks):
+        assert not _has_collective(program.graph) and not _has_collective(program.runnable)
+        assert not _has_collective(eager_graph(program.runnable))
+    assert eager_graph(tiny.runnable) is tiny.runnable
+
+
+@pytest.fixture(scope="module")
+def block_program():
+    """Two GPT blocks on [2,2,2], in float64, each block a recompute region."""
+    torch.manual_seed(0)
+    model = nn.Sequential(GPTBlock(8, 2), GPTBlock(8, 2)).double()
+    x = torch.randn(4, 4, 8, dtype=torch.float64)
+    return compile_model(model, Mesh(2, 2), (x,), recompute="blocks"), x
+
+
+def test_eager_graph_runs_the_custom_ops_collectives(fake_mesh, block_program):
+    """The eager graph calls no custom op, as many collectives as the program (in its recompute
+    regions too), and gives rank 0 the custom ops' outputs, gradients and records, forward and
+    backward (recomputation included)."""
+    program, x = block_program
+    eager = eager_graph(program.runnable)
+    regions = [m for m in eager.children() if isinstance(m, RecomputeRegion)]
+    assert len(regions) == 2
+
+    def targets(gm, kinds):
+        here = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in kinds]
+        return here + [t for m in gm.children() if isinstance(m, RecomputeRegion) for t in targets(m.graph_module, kinds)]
+
+    custom = targets(program.runnable, EAGER_TARGETS)
+    assert custom and not targets(eager, EAGER_TARGETS)
+    assert targets(eager, set(EAGER_TARGETS.values())) == [EAGER_TARGETS[t] for t in custom]
+    runs = []
+    for graph in (program.runnable, eager):
+        comm = DistComm(program.mesh, fake_mesh, timedelta(seconds=60))
+        module = state.add_local_tensors(nn.Module(), program, 0)
+        inputs = state.graph_inputs(program, module, [x.clone().requires_grad_()])
+        with use_comm(comm):
+            (out,) = graph(*inputs)
+        out.square().sum().backward()
+        runs.append((out.detach(), [p.grad for p in module.parameters()], list(comm.records)))
+    (out, grads, records), (eager_out, eager_grads, eager_records) = runs
+    assert torch.equal(out, eager_out) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+    assert records == eager_records and {r.phase for r in records} == {"forward", "backward"}
+
+
+def test_graph_inputs_resolves_a_module_once_and_reads_replaced_tensors():
+    """One feed per (module, program), made on the first call; the values are the general path's
+    (uneven blocks padded), and a parameter registered anew since is the one the program gets."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 37), nn.GELU(), nn.Linear(37, 8))  # an MLP width of 37 over 2: uneven
+    x = torch.randn(4, 3, 8)
+    program = compile_model(model, Mesh(2, 1), (x,))
+    module = state.add_local_tensors(nn.Module(), program, 1)  # the short blocks
+    inputs = state.graph_inputs(program, module, [x])
+    feed = state._feed(module, program)
+    assert state._feed(module, program) is feed and feed.uneven
+    expected = [x if s.role in INPUT_ROLES else pad_block(state.get_attribute(module, s), s.layout, s.shape, program.mesh)
+                for s in program.slots]
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(inputs, expected))
+    new = nn.Parameter(torch.ones_like(module.get_parameter("0.bias")))
+    module.get_submodule("0").register_parameter("bias", new)
+    index = [s.name for s in program.slots].index("0.bias")
+    assert torch.equal(state.graph_inputs(program, module, [x])[index], pad_block(new, *_where(program, index)))
+
+
+def _where(program, index):
+    slot = program.slots[index]
+    return slot.layout, slot.shape, program.mesh
+
+
+@pytest.mark.parametrize("placements", PLACEMENTS)
+def test_output_dtensor_is_from_locals(fake_mesh, placements):
+    """`output_dtensor` gives `DTensor.from_local`'s DTensor (spec, shape, stride) and gradient."""
+    shape = torch.Size(_global_shape(placements))
+    local = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    ours = output_dtensor(local, output_spec(fake_mesh, placements, shape, local.dtype))
+    theirs = DTensor.from_local(local, fake_mesh, placements, run_check=False, shape=shape,
+                                stride=tuple(torch.empty(shape).stride()))
+    assert ours._spec == theirs._spec and ours.shape == theirs.shape and ours.stride() == theirs.stride()
+    assert torch.equal(ours.to_local(), theirs.to_local()) and ours.requires_grad
+    weight = torch.linspace(-1, 1, 24, dtype=torch.float64).view(4, 6)
+    (grad,) = torch.autograd.grad((ours.to_local() * weight).sum(), local)
+    (expected,) = torch.autograd.grad((theirs.to_local() * weight).sum(), local)
+    assert torch.equal(grad, expected)
+    with torch.no_grad():
+        unrecorded = DTensor.from_local(local, fake_mesh, placements, run_check=False, shape=shape, stride=theirs.stride())
+        assert output_dtensor(local, ours._spec).requires_grad is unrecorded.requires_grad is False
+
+
+def _global_shape(placements) -> list[int]:
+    shape = [4, 6]
+    for axis, placement in enumerate(placements):
+        if placement.is_shard():
+            shape[placement.dim] *= 2  # every axis of the fake mesh has 2 ranks
+    return shape
+
+
+def test_flatten_inputs_fast_path_gives_the_general_paths_leaves():
+    """Positional tensors take the fast path; keywords and other values the general one; both
+    give the same leaves and refuse a tensor of another shape with the same message."""
+    model = GPTBlock(8, 2)
+    x = torch.randn(2, 4, 8)
+    program = compile_model(model, Mesh(1, 1), (x,))
+    assert program._num_positional_leaves == 1
+    assert program.flatten_inputs((x,), {})[0] is x
+    with pytest.raises(ValueError, match=r"positional input 0 has shape \[2, 4, 9\], but the module was compiled"):
+        program.flatten_inputs((torch.randn(2, 4, 9),), {})
+    with pytest.raises(ValueError, match="has dtype torch.float64, but the module was compiled for torch.float32"):
+        program.flatten_inputs((x.double(),), {})

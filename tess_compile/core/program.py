@@ -97,16 +97,43 @@ class Program:
         does not move inputs) a tensor
         on another device. Keywords may come in any order.
         """
-        args, kwargs = self._match_structure(tuple(args), dict(kwargs))
-        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
-        constants = self._compiled_constants
-        for slot in self.slots:
-            if slot.role not in INPUT_ROLES or int(slot.name) >= len(leaves):
+        if not kwargs and len(args) == self._num_positional_leaves and all(isinstance(a, torch.Tensor) for a in args):
+            leaves = list(args)  # the compiled structure: tensors, positional only
+        else:
+            args, kwargs = self._match_structure(tuple(args), dict(kwargs))
+            leaves = pytree.tree_leaves((args, kwargs))
+        for index, slot in self._input_slots:
+            if index >= len(leaves):
                 continue
-            index = int(slot.name)
-            path, value = leaves[index]
-            self._check_input(slot, input_name(path), value, constants.get(index), device)
-        return [value for _, value in leaves]
+            value = leaves[index]
+            if not self._plain_input(slot, index, value, device):  # else: checked already
+                self._check_input(slot, self._input_names[index], value, self._compiled_constants.get(index), device)
+        return leaves
+
+    def _plain_input(self, slot: Slot, index: int, value, device) -> bool:
+        """Whether `value` is a tensor of the slot's compiled shape, dtype (and `device`) for a slot of
+        fixed shape: the common call, checked without `_check_input`'s names."""
+        return (isinstance(value, torch.Tensor) and slot.dtype is not None and slot.role != "local input"
+                and (self.dynamic is None or index not in self.dynamic.inputs)
+                and value.shape == slot.shape and value.dtype == slot.dtype
+                and (device is None or value.device == torch.device(device)))
+
+    @functools.cached_property
+    def _input_slots(self) -> list[tuple[int, Slot]]:
+        """(flat input index, slot) of each input slot."""
+        return [(int(s.name), s) for s in self.slots if s.role in INPUT_ROLES]
+
+    @functools.cached_property
+    def _num_positional_leaves(self) -> int | None:
+        """n if the program takes n positional inputs, each one leaf (a tensor), and no keywords."""
+        n = self.in_spec.child(0).num_children if self.in_spec.num_children == 2 else -1
+        return n if n >= 0 and self.in_spec == pytree.tree_structure(((0,) * n, {})) else None
+
+    @functools.cached_property
+    def whole_inputs(self) -> list[int]:
+        """Flat indices of the inputs that arrive whole on every rank (not a pipeline stage's local
+        blocks): the runtimes sum their gradients over the ranks."""
+        return [index for index, slot in self._input_slots if slot.role != "local input"]
 
     def call_output_shapes(self, flat_inputs: list) -> list[tuple[int, ...] | None]:
         """The global shape of each output of a call with these (flat) inputs: the compiled shapes, or

@@ -31,6 +31,7 @@ __all__ = [
     "ADJOINT",
     "COLLECTIVE_OPS",
     "COMMUNICATING",
+    "EAGER_TARGETS",
     "Comm",
     "CommRecord",
     "ShapeComm",
@@ -288,3 +289,39 @@ _TARGETS.update(grad_sync=grad_sync, seed_once=seed_once)
 
 # Graph targets that the runtimes treat as collectives, by the op they count as (`broadcast_start`: broadcast).
 COLLECTIVE_OPS = {target: COLLECTIVES[name].counts_as for name, target in _TARGETS.items()}
+
+
+class _Collective(torch.autograd.Function):
+    """A collective as an eager run calls it: the running communicator's `run`, and in backward its
+    adjoint under the forward's communicator, phase "backward": what the custom op and its
+    autograd formula (`_backward_through`) do."""
+
+    @staticmethod
+    def forward(ctx, x, op, *args):
+        ctx.op, ctx.args, ctx.comm = op, args, _COMM.get()
+        return _run(op, x, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with use_comm(ctx.comm or current_comm(), phase="backward"):
+            out = _run(COLLECTIVES[ctx.op].adjoint, grad.contiguous(), *ctx.args)
+        return (out, None) + (None,) * len(ctx.args)
+
+
+def _eager(name: str):
+    """The eager target of collective `name`: `_Collective` where autograd records it, else the
+    communicator's `run` itself."""
+
+    def call(x, *args):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _Collective.apply(x, name, *args)
+        return _run(name, x, *args)
+
+    call.__name__ = call.__qualname__ = f"eager_{name}"
+    return call
+
+
+# Custom op of a collective -> the function an eager run calls in its place (`tess_compile.runtime.sharded_module`):
+# the same work, record and gradient without the dispatch of a `torch.library` custom op through autograd
+# (tens of microseconds a call). Traced and compiled graphs keep the custom ops.
+EAGER_TARGETS = {target: _eager(name) for name, target in _TARGETS.items() if COLLECTIVES[name].schema is not None}

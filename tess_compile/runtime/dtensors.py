@@ -16,6 +16,7 @@ import torch
 from torch.distributed import tensor as dt
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -23,7 +24,16 @@ from tess_compile.core.layout import Layout, Partial, Replicate, Shard, assemble
 from tess_compile.core.mesh import Mesh
 from tess_compile.runtime.groups import world_of
 
-__all__ = ["contiguous_stride", "full_tensor", "layout_of", "local_tensors", "placements_of", "tess_mesh"]
+__all__ = [
+    "contiguous_stride",
+    "full_tensor",
+    "layout_of",
+    "local_tensors",
+    "output_dtensor",
+    "output_spec",
+    "placements_of",
+    "tess_mesh",
+]
 
 
 def placements_of(layout: Layout) -> tuple:
@@ -74,14 +84,18 @@ def local_tensors(values: Sequence) -> list:
     does: a DTensor of its global shape and placements (Partial ones as Replicate). `to_local()`
     makes one node per DTensor and validates a new spec per gradient.
     """
+    out = list(values)
+    tracked = []  # positions of the DTensors that require grad (grad mode on)
     grad_mode = torch.is_grad_enabled()
-    tracked = [x for x in values if grad_mode and isinstance(x, DTensor) and x.requires_grad]
-    tracked_locals = iter(_LocalTensors.apply(*tracked) if tracked else ())
-    out = []
-    for x in values:
+    for index, x in enumerate(out):
         if isinstance(x, DTensor):
-            x = next(tracked_locals) if grad_mode and x.requires_grad else x._local_tensor.view_as(x._local_tensor)
-        out.append(x)
+            if grad_mode and x.requires_grad:
+                tracked.append(index)
+            else:
+                out[index] = x._local_tensor.view_as(x._local_tensor)
+    if tracked:
+        for index, local in zip(tracked, _LocalTensors.apply(*(out[i] for i in tracked))):
+            out[index] = local
     return out
 
 
@@ -97,15 +111,21 @@ class _LocalTensors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return tuple(None if grad is None else _as_gradient(grad, spec) for grad, spec in zip(grads, ctx.specs))
+        make = DTensor if torch.compiler.is_compiling() else None
+        return tuple(None if grad is None else _as_gradient(grad, spec, make) for grad, spec in zip(grads, ctx.specs))
 
 
 # (id(spec), local gradient's shape, stride, dtype) -> (spec, its gradients' spec).
 _GRAD_SPECS: dict[tuple, tuple[DTensorSpec, DTensorSpec]] = {}
 _MAX_GRAD_SPECS = 4096
 
+# `DTensor(local, spec, requires_grad=...)` without `DTensor.__init__`, which only calls
+# `Tensor.__init__` through a `torch._disable_dynamo` wrapper (a microsecond a gradient);
+# `__new__` (torch's C++ `_dtensor__new__`) makes the whole DTensor.
+_new_dtensor = DTensor.__new__
 
-def _as_gradient(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
+
+def _as_gradient(grad: torch.Tensor, spec: DTensorSpec, make=None) -> DTensor:
     """`grad`, the gradient of the local tensor of a DTensor of `spec`, as that DTensor's gradient,
     with the spec `to_local()`'s backward gives it. The spec is built once per DTensor and gradient
     stride and shared by its gradients (never the DTensor's own spec, as in torch): nothing is
@@ -116,7 +136,12 @@ def _as_gradient(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
         if len(_GRAD_SPECS) >= _MAX_GRAD_SPECS:
             _GRAD_SPECS.clear()
         known = _GRAD_SPECS[key] = (spec, _grad_spec(spec, grad))  # holding `spec` keeps its id unique
-    return DTensor(grad.view_as(grad), known[1], requires_grad=grad.requires_grad)
+    # `grad` itself as the local tensor (torch's `from_local` makes a view): a gradient gets no
+    # autograd metadata written into it, and AccumulateGrad stores a detached copy of this DTensor.
+    # `make`: DTensor's own constructor where Dynamo traces this (compiled autograd).
+    if make is not None:
+        return make(grad, known[1], requires_grad=grad.requires_grad)
+    return _new_dtensor(DTensor, grad, known[1], requires_grad=grad.requires_grad)
 
 
 def _grad_spec(spec: DTensorSpec, grad: torch.Tensor) -> DTensorSpec:
@@ -125,6 +150,45 @@ def _grad_spec(spec: DTensorSpec, grad: torch.Tensor) -> DTensorSpec:
     _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
     placements = tuple(dt.Replicate() if p.is_partial() else p for p in spec.placements)
     return DTensorSpec(spec.mesh, placements, tensor_meta=TensorMeta(spec.shape, tuple(stride), grad.dtype))
+
+
+def output_spec(device_mesh, placements: tuple, shape: Sequence[int], dtype: torch.dtype) -> DTensorSpec:
+    """The spec of an output DTensor of global `shape` (contiguous strides), as `DTensor.from_local`
+    builds it; made once per output and shared by its DTensors (see `output_dtensor`)."""
+    shape = torch.Size(shape)
+    return DTensorSpec(device_mesh, tuple(placements), tensor_meta=TensorMeta(shape, contiguous_stride(shape), dtype))
+
+
+def output_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """`DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=..., stride=...)`
+    with the spec given (`output_spec`): the same DTensor and the same backward (the gradient
+    redistributed to the placements, Partial ones as Replicate, then its local tensor), without
+    building and validating a spec on every call. `local` is on the mesh's device type."""
+    if torch.is_grad_enabled() and local.requires_grad:
+        return _AsOutput.apply(local, spec)
+    return _new_dtensor(DTensor, local.detach(), spec, requires_grad=False)  # as from_local gives it, unrecorded
+
+
+class _AsOutput(torch.autograd.Function):
+    """`output_dtensor` where autograd records it: torch's `_FromTorchTensor` with a given spec."""
+
+    @staticmethod
+    def forward(ctx, local, spec):
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return _new_dtensor(DTensor, local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None
+        spec = ctx.spec
+        placements = tuple(dt.Replicate() if p.is_partial() else p for p in spec.placements)
+        if grad.placements != placements:
+            target = DTensorSpec(spec.mesh, placements, tensor_meta=grad._spec.tensor_meta)
+            return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
+        # torch returns `grad.to_local()`: a view of the same storage, recorded only for double backward
+        return (grad.to_local() if torch.is_grad_enabled() else grad._local_tensor), None
 
 
 def full_tensor(x):

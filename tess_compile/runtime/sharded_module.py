@@ -1,8 +1,11 @@
 """The distributed runtime: one rank of a compiled program on torch.distributed.
 
 `ShardedModule` runs this rank's per-rank graph with a `DistComm` over the
-mesh's groups. Parameters are DTensors whose placements are their layouts;
-the per-rank program takes their local tensors. At construction every rank
+mesh's groups; eagerly, its collectives are called without the custom ops'
+dispatch (`eager_graph`), and what each call needs (the parameters' places,
+the outputs' DTensor specs) is made once. Parameters are DTensors whose
+placements are their layouts; the per-rank program takes their local
+tensors. At construction every rank
 checks that all ranks hold the same weights and example-input shapes
 (`tess_compile.runtime.consistency`); `TESS_COMPILE_DEBUG=1` also checks
 every call's inputs. `shard_program` builds one from a compiled `Program`.
@@ -19,15 +22,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from tess_compile.core.layout import unpad_block
-from tess_compile.core.program import INPUT_ROLES, Program, Slot
-from tess_compile.ops.collectives import use_comm
+from tess_compile.core.program import Program, Slot
+from tess_compile.ops.collectives import EAGER_TARGETS, use_comm
+from tess_compile.ops.recompute_region import RecomputeRegion
 from tess_compile.runtime import state
 from tess_compile.runtime.consistency import check_same_inputs, check_same_model
 from tess_compile.runtime.dist_comm import DistComm
-from tess_compile.runtime.dtensors import contiguous_stride, gather_blocks, placements_of
+from tess_compile.runtime.dtensors import contiguous_stride, gather_blocks, output_dtensor, output_spec, placements_of
 from tess_compile.runtime.groups import (
     DEFAULT_TIMEOUT,
     check_device_mesh,
@@ -39,7 +44,34 @@ from tess_compile.runtime.groups import (
 from tess_compile.runtime.programs_by_mode import ModeModule, ProgramsByMode
 from tess_compile.runtime.zero import fully_shard_over_dp, load_full_over_dp, refuse_zero, unsharded_over_dp
 
-__all__ = ["ShardedModule", "shard_program"]
+__all__ = ["ShardedModule", "eager_graph", "shard_program"]
+
+_MAX_OUTPUT_SPECS = 256  # (layout, shape, dtype) of outputs (a dynamic program's shapes vary): more are made again
+_MAX_EAGER_GRAPHS = 16  # programs a module runs (a mode's, a generation step's, ...): more are made again
+
+
+def eager_graph(gm: GraphModule) -> GraphModule:
+    """A per-rank graph (`Program.runnable`: recompute regions outlined) whose collectives call
+    their `EAGER_TARGETS` in place of their custom ops, in the regions too: the same collectives,
+    records and gradients, without a `torch.library` dispatch through autograd per call. `gm`
+    itself where it calls no collective."""
+    if not any(node.target in EAGER_TARGETS for node in gm.graph.nodes if node.op == "call_function") and not any(
+            isinstance(module, RecomputeRegion) for module in gm.children()):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    attributes = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in EAGER_TARGETS:
+            node.target = EAGER_TARGETS[node.target]
+        elif node.op in ("call_module", "get_attr"):
+            value = gm.get_submodule(node.target) if node.op == "call_module" else getattr(gm, node.target)
+            if isinstance(value, RecomputeRegion):
+                value = RecomputeRegion(value.name, eager_graph(value.graph_module))
+            attributes[node.target] = value
+    out = GraphModule(attributes, graph)
+    out.meta.update(gm.meta)
+    return out
 
 
 def _default_device() -> torch.device:
@@ -88,27 +120,29 @@ class ShardedModule(ModeModule):
         self.comm = DistComm(mesh, self.device_mesh, timeout, groups=self.groups.axis_groups)
         check_same_model(self.program, self.world, self.groups.everyone)
         self.check_inputs = os.environ.get("TESS_COMPILE_DEBUG", "") not in ("", "0")
+        self._output_specs: dict[tuple, tuple] = {}  # (layout, shape, dtype) -> (true block shape, spec)
+        self._eager_graphs: dict[int, tuple] = {}  # id(program) -> (program, its eager_graph)
         state.add_local_tensors(self, self.program, self.world.rank, device=self.device, wrap_param=self._as_dtensor)
         self.train(program.training)
 
     def forward(self, *args, **kwargs):
-        flat = self.program.flatten_inputs(args, kwargs)
-        shapes = self.program.call_output_shapes(flat)
+        program = self.program
+        flat = program.flatten_inputs(args, kwargs)
+        shapes = program.call_output_shapes(flat)
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat]
         if self.check_inputs:
-            check_same_inputs(self.program, flat, self.world)
-        for slot in self.program.slots:
-            value = flat[int(slot.name)] if slot.role in INPUT_ROLES else None
+            check_same_inputs(program, flat, self.world)
+        for index in program.whole_inputs:
+            value = flat[index]
             # A pipeline stage's local input is this rank's block: its gradient is this rank's.
             # An input that arrives whole (a weight on the torch.compile path, or any input that
             # requires grad) gets each rank's share of its gradient; their sum is its gradient.
-            if isinstance(value, torch.Tensor) and value.requires_grad and slot.role != "local input":
-                flat[int(slot.name)] = reduced_grad(value, self.world, "gradient sum of an input")
-        inputs = state.graph_inputs(self.program, self, flat)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                flat[index] = reduced_grad(value, self.world, "gradient sum of an input")
+        inputs = state.graph_inputs(program, self, flat)
         if self.groups.dp is not None:
-            inputs = self.groups.mean_grads_over_dp(self, self.program, inputs)
-        outs = self._run(self.program, inputs)
-        program = self.program
+            inputs = self.groups.mean_grads_over_dp(self, program, inputs)
+        outs = self._run(program, inputs)
         wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
                    zip(outs, program.output_layouts, shapes)]
         return pytree.tree_unflatten(wrapped, program.out_spec)
@@ -124,11 +158,17 @@ class ShardedModule(ModeModule):
         return {self.world.rank: list(self._run(program, state.graph_inputs(program, self, flat)))}
 
     def _run(self, program: Program, inputs: list) -> list:
-        """This rank's outputs of `program` on its graph inputs: through inductor with `compile`."""
+        """This rank's outputs of `program` on its graph inputs: through inductor with `compile`, else
+        its graph with the collectives called without custom-op dispatch (`eager_graph`)."""
         if self.compile:
             return self.compiled_program(lambda: self.comm, program)(self.comm, inputs)
+        known = self._eager_graphs.get(id(program))
+        if known is None or known[0] is not program:
+            if len(self._eager_graphs) >= _MAX_EAGER_GRAPHS:
+                self._eager_graphs.clear()
+            known = self._eager_graphs[id(program)] = (program, eager_graph(program.runnable))
         with use_comm(self.comm):
-            return program.runnable(*inputs)
+            return known[1](*inputs)
 
     def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:
         """Output `index` of `program` as a global tensor of `shape`, gathered from every rank."""
@@ -139,12 +179,22 @@ class ShardedModule(ModeModule):
         return gather_blocks(self.world, local, layout, shape, f"gather of output {index}")
 
     def _wrap(self, out, layout, shape):
-        """An output as the DTensor of its global `shape`: this rank's true block of it."""
+        """An output as the DTensor of its global `shape`: this rank's true block of it
+        (`DTensor.from_local`'s DTensor, its spec made once per layout, shape and dtype)."""
         if not self.wrap_outputs or layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
             return out
-        local = unpad_block(out, layout, shape, self.mesh, self.world.rank)
-        return DTensor.from_local(local, self.device_mesh, layout.to_dtensor(), run_check=False,
-                                  shape=torch.Size(shape), stride=contiguous_stride(shape))
+        key = (layout, tuple(shape), out.dtype)
+        known = self._output_specs.get(key)
+        if known is None:
+            if len(self._output_specs) >= _MAX_OUTPUT_SPECS:
+                self._output_specs.clear()
+            true = layout.chunk_shape(shape, self.mesh, self.world.rank)
+            spec = output_spec(self.device_mesh, layout.to_dtensor(), shape, out.dtype)
+            known = self._output_specs[key] = (true, spec)
+        true, spec = known
+        if list(out.shape) != true:
+            out = unpad_block(out, layout, shape, self.mesh, self.world.rank)
+        return output_dtensor(out, spec)
 
     def _as_dtensor(self, slot: Slot, local: torch.Tensor) -> nn.Parameter:
         """A parameter's local tensor as the DTensor of the model's global shape, placed by its layout."""

@@ -169,11 +169,72 @@ def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> 
     """The per-rank graph's placeholder values, in order: DTensor parameters as their
     local tensors, whose gradients arrive on the parameters as DTensors of the same placements
     (`local_tensors`: one autograd node for all); the true chunks of uneven splits padded with
-    zeros to the program's block size (`pad_block`); inputs as they are."""
-    held = [s for s in program.slots if s.role not in INPUT_ROLES]
-    blocks = iter(local_tensors([get_attribute(module, s) for s in held]))
-    return [flat_inputs[int(s.name)] if s.role in INPUT_ROLES
-            else pad_block(next(blocks), s.layout, s.shape, program.mesh) for s in program.slots]
+    zeros to the program's block size (`pad_block`); inputs as they are.
+
+    Runs on every call, so what it can know once is resolved once per (module, program)
+    (`_Feed`): where each tensor is registered, which slots are inputs, which need padding."""
+    feed = _feed(module, program)
+    held = local_tensors(feed.tensors())
+    for index, slot in feed.uneven:
+        held[index] = pad_block(held[index], slot.layout, slot.shape, program.mesh)
+    values = [None] * feed.num_slots
+    for position, index in feed.held_at:
+        values[position] = held[index]
+    for position, index in feed.inputs_at:
+        values[position] = flat_inputs[index]
+    return values
+
+
+class _Feed:
+    """What `graph_inputs` reads of one module for one program, resolved once.
+
+    `owners`: for each held slot (parameters, buffers, constants, aliases, in slot
+    order) the submodule it is registered on, the name of its table
+    (`_parameters` or `_buffers`) and its leaf name; the tensor itself is read
+    from the table on every call, so a parameter replaced there (FSDP's
+    unsharded parameters, a load with `assign=True`) is the one the program
+    gets. `uneven`: the held slots whose blocks are padded (`pad_block`).
+    """
+
+    def __init__(self, program: Program, module: nn.Module):
+        self.program = program  # held: keeps id(program), the cache key, unique
+        slots = program.slots
+        self.num_slots = len(slots)
+        self.inputs_at = [(pos, int(s.name)) for pos, s in enumerate(slots) if s.role in INPUT_ROLES]
+        held = [(pos, s) for pos, s in enumerate(slots) if s.role not in INPUT_ROLES]
+        self.held_at = [(pos, index) for index, (pos, _) in enumerate(held)]
+        self.uneven = [(index, s) for index, (_, s) in enumerate(held) if s.layout.uneven_dims(s.shape, program.mesh)]
+        self.owners = [_owner(module, s.name) for _, s in held]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The held slots' tensors as registered now (an attribute no longer in its table: as
+        `getattr` finds it)."""
+        out = []
+        for owner, table, leaf in self.owners:
+            tensor = getattr(owner, table).get(leaf)
+            out.append(getattr(owner, leaf) if tensor is None else tensor)
+        return out
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str, str]:
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, "_parameters" if leaf in module._parameters else "_buffers", leaf
+
+
+def _feed(module: nn.Module, program: Program) -> _Feed:
+    """The module's `_Feed` for `program`, made on its first call."""
+    feeds = module.__dict__.setdefault("_tess_feeds", {})
+    feed = feeds.get(id(program))
+    if feed is None or feed.program is not program:
+        if len(feeds) >= _MAX_FEEDS:
+            feeds.clear()
+        feed = feeds[id(program)] = _Feed(program, module)
+    return feed
+
+
+_MAX_FEEDS = 16  # programs per module (a mode's, a generation step's, ...): more are made again
 
 
 def global_outputs(program: Program, rank_outputs: Sequence[Sequence], shapes: Sequence | None = None) -> list:
