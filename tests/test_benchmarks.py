@@ -78,7 +78,20 @@ def test_generate_benchmark_runs(capsys):
     assert bench.main(["--quick", "-q", "2", "-d", "1"]) == 0
     table = capsys.readouterr().out
     assert "tess 2.5d [2,2,1]" in table and "DTensor TP p=4" in table
-    assert table.count(" True") == 4  # every row's tokens are the unsharded model's
+    assert table.count(" True") == 9  # every row's tokens are the unsharded model's (batch 1: 4 rows, 8: 5)
+
+
+def test_overhead_benchmark_runs(capsys, tmp_path):
+    bench = importlib.import_module("benchmarks.overhead")  # by package name: spawned ranks import it
+    out = tmp_path / "overhead.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| tess eager |" in table and "0 collectives" in table and "| per-rank graph alone |" in table
+    assert "| all_gather along col |" in table and "not measured: --quick or --no-compile" in table
+    record = json.loads(out.read_text())
+    assert [row["configuration"] for row in record["world_of_one"]] == ["unsharded eager", "tess eager",
+                                                                        "per-rank graph alone"]
+    assert len(record["collectives"]) == len(bench.COLLECTIVE_CASES) and record["compiled_222"] == []
 
 
 def test_gpu_check_skips_without_cuda_and_dry_runs_on_cpu(capsys, tmp_path):
