@@ -64,6 +64,7 @@ def decode_bytes_per_token(sim, prompt: torch.Tensor, new: int = 6) -> float:
     return (sum(record.num_bytes for record in sim.comm.records) - prefill) / (new - 1) / prompt.shape[0]
 
 
+@pytest.mark.slow  # two modules' generation programs (about 20 s); the fast tier's batch-one case covers the feature
 def test_decode_moves_no_more_bytes_at_2_2_2_than_1d_at_8():
     model = llama()
     prompt = torch.randint(0, 250, (4, 5), generator=torch.Generator().manual_seed(0))
