@@ -1,32 +1,58 @@
-"""Training step time against PyTorch's DTensor tensor parallelism, over 8 gloo processes.
+"""Training step time against PyTorch's DTensor tensor parallelism at its best, over 8 gloo processes.
 
 The model is PyTorch's own test Transformer
 (`torch.testing._internal.distributed._tensor.common_dtensor`, which needs
-the `expecttest` package: `pip install -e '.[bench]'`): dim 128 (and 256 with
-`--dims 128,256`), 2 layers, 8 heads, vocabulary 512, tied embedding and
-output weights, no dropout; batch 16, sequence 32, fp32. `WithLoss` adds the
-loss, the cross-entropy of the logits against random targets, so both sides
-run the same module and the loss is part of what each one shards: DTensor
-gathers the logits (its plan's output layout is Replicate), tess-compile
-computes it over the vocab-split logits. Each step: zero_grad, forward,
-backward, AdamW (torch's CPU default, its for-loop implementation: the
-foreach and fused ones refuse DTensor's plan, which leaves some parameters
-plain tensors beside DTensors).
+the `expecttest` package: `pip install -e '.[bench]'`): dim 128 (`--dims`),
+2 layers, 8 heads, vocabulary 512, tied embedding and output weights, no
+dropout; batch 16, sequences 32, 64 and 128 (`--seqs`, one launch each, with
+`max_seq_len` the sequence), fp32. `WithLoss` adds the loss, the
+cross-entropy of the logits against random targets, so every row runs the
+same module and the loss is part of what each one shards. Each step:
+zero_grad, forward, backward, AdamW (torch's CPU default, its for-loop
+implementation, on every row: the foreach and fused ones refuse the plans
+that leave some parameters plain tensors beside DTensors).
 
 Configurations (`CONFIGS`), each on all 8 ranks of one launch:
 
-- DTensor: PyTorch's own plan `Transformer.parallelize` on a 1-D DeviceMesh
-  of 8 (`local_output_for_attn=True`, the plan's CPU path: DTensor has no
-  sharding rule for the CPU flash attention kernel), eager and under
-  `torch.compile`;
+- "DTensor eager", "DTensor compiled": PyTorch's own plan
+  `Transformer.parallelize` on a 1-D DeviceMesh of 8
+  (`local_output_for_attn=True`, the plan's CPU path: DTensor has no
+  sharding rule for the CPU flash attention kernel; attention then runs on
+  local tensors in every DTensor row), the logits gathered (its output
+  layout is Replicate) for the loss; eager, and the whole module under
+  `torch.compile`. Kept for reference.
+- DTensor at its best, torchtitan's recipe (`torchtitan.models.llama3` and
+  `torchtitan.distributed.compile.apply_compile`) on the same module
+  (`titan_plan`): the same Megatron plan, but the output projection leaves
+  the logits vocabulary-sharded (`ColwiseParallel(output_layouts=Shard(-1),
+  use_local_output=False)`) and the cross-entropy runs under
+  `torch.distributed.tensor.parallel.loss_parallel()` (forward and
+  backward), so the logits are never gathered; then each transformer block
+  compiled on its own (`block.compile(fullgraph=True)`, as `apply_compile`).
+  The tied weights stay tied: the embedding's `RowwiseParallel` and the
+  output's `ColwiseParallel` both shard the one weight on the vocabulary
+  (`Shard(0)`), which is what `loss_parallel` needs. Rows: "DTensor lp
+  eager" (the plan and loss_parallel, nothing compiled), "DTensor lp
+  blocks" (each block compiled) and "DTensor lp+sp blocks" (with sequence
+  parallelism as well, torchtitan's default `enable_sequence_parallel`:
+  norms and residuals sharded on the sequence, all-gathers and
+  reduce-scatters in place of the all-reduces). Async TP (torchtitan's
+  `enable_async_tensor_parallel`: inductor's `_micro_pipeline_tp` pass over
+  symmetric memory, `torch.distributed._symmetric_memory`) needs CUDA and
+  NCCL: it does not apply on gloo and CPU tensors, and no row pretends to
+  run it.
 - tess-compile: `tess_compile.shard(model, 2, 2, mode="1d")` (Megatron-LM
-  over p=8) and mode "2.5d" (the `[2,2,2]` mesh), eager and with
-  `compile=True` (the per-rank programs through inductor), each with its
-  default options (`summa="auto"`: each product's cheapest schedule on the
-  default cluster). 2.5d runs eagerly in each fixed schedule of its products
-  as well: the papers' (q broadcasts of each operand), "overlap" (the next
-  step's broadcasts in flight) and "gather" (one all-gather of each operand:
-  fewer, larger messages; the same bytes saved for backward).
+  over p=8, the loss over the vocab-split logits) and mode "2.5d" (the
+  `[2,2,2]` mesh), eager and with `compile=True` (each rank's program
+  through inductor, every collective lowered to torch's functional
+  collectives: docs/compiled.md), each with its default options
+  (`summa="auto"`). `--schedules` adds 2.5d eagerly in each fixed schedule
+  of its products: the papers' (q broadcasts of each operand), "overlap"
+  (the next step's broadcasts in flight) and "gather" (one all-gather of
+  each operand).
+
+"DTensor at its best" is, per sequence, the fastest DTensor row of that
+launch; the table names it, and gives every row's time over it.
 
 Every configuration is built and runs `--warmup` steps (compilation
 included), then two measured steps, then `--rounds` rounds: round r runs
@@ -34,36 +60,43 @@ included), then two measured steps, then `--rounds` rounds: round r runs
 time of a round is the slowest rank's; the table gives the median over
 rounds. Alternating rounds spread the machine's drift over all rows.
 
-Columns: ms/step, its ratio to DTensor eager and to DTensor compiled, bytes
-saved for backward per rank in one forward (`tess_compile.analysis.accounting.saved_bytes`: storages
-autograd keeps, each once, parameters' left out, a DTensor by its local
-tensor), and bytes moved per rank per step: the
-payload a rank hands each collective (its input tensor's bytes, the
-convention of `tess_compile.analysis.accounting`). For tess-compile these are the
-runtime's `comm.records`; for DTensor, the collectives that `CommDebugMode`
+Columns: ms/step; its ratio to DTensor at its best and to DTensor eager;
+the loss of the first step and of the last (every row starts from the same
+weights and batch and takes the same steps: a row whose losses differ from
+the others' beyond float rounding is a bug); bytes saved for backward per
+rank in one forward (`tess_compile.analysis.accounting.saved_bytes`:
+storages autograd keeps, each once, parameters' left out, a DTensor by its
+local tensor); bytes moved per rank per step: the payload a rank hands each
+collective (its input tensor's bytes, the convention of
+`tess_compile.analysis.accounting`). For eager tess these are the runtime's
+`comm.records`; for compiled tess, the collectives its compiled graphs hold
+(`CompiledRank.graphs`); for DTensor, the collectives that `CommDebugMode`
 counts (`CommBytes` adds their input bytes). Under a dispatch mode such as
-CommDebugMode dynamo runs the module eagerly, so the compiled row's are
-counted on an eager step; torch.profiler shows the compiled step running the
-same collectives on the same shapes (checked at the `--quick` sizes: 9
-all-reduces and one all-gather of the logits; 15 and one at full size).
-CPU cores are shared by all 8 processes: the times rank configurations on
-this machine, they are not GPU predictions.
+CommDebugMode dynamo cannot trace, so the compiled DTensor rows' bytes are
+counted on an eager step (`torch.compiler.set_stance("force_eager")`). CPU
+cores are shared by all 8 processes: the times rank configurations on this
+machine, they are not GPU predictions.
 
-    python3 benchmarks/vs_dtensor.py [--dims 128,256] [--rounds 7] [--steps 5] [--warmup 3] [--quick]
+    python3 benchmarks/vs_dtensor.py [--dims 128,256] [--seqs 32,64,128] [--rounds 7] [--steps 5]
+        [--warmup 3] [--configs NAME,...] [--schedules] [--quick] [--out benchmarks/results/vs_dtensor.json]
 
-`--quick` runs tiny sizes on 4 ranks (`[2,2,1]`), eager rows only
-(compiling costs minutes), for the tests.
+`--quick` runs tiny sizes (one sequence, 8) on 4 ranks (`[2,2,1]`), eager
+rows only (compiling costs minutes), for the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
+import json
 import os
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -80,8 +113,11 @@ from tess_compile.analysis.accounting import saved_bytes
 from tess_compile.core.options import SCHEDULES
 from tess_compile.runtime.launch import run_local
 
+__all__ = ["CONFIGS", "Config", "WithLoss", "main", "make_model", "titan_plan"]
+
 SIZES = {"dim": 128, "layers": 2, "heads": 8, "vocab": 512, "batch": 16, "seq": 32}
 QUICK_SIZES = {"dim": 32, "layers": 1, "heads": 8, "vocab": 64, "batch": 8, "seq": 8}
+DEFAULT_SEQS = "32,64,128"
 
 
 class WithLoss(nn.Module):
@@ -115,12 +151,73 @@ def make_batch(sizes: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dtensor(model: WithLoss, batch, q: int, d: int, *, compiled: bool) -> nn.Module:
-    """PyTorch's own tensor-parallel plan of the Transformer on a 1-D mesh of all q*q*d ranks."""
+    """PyTorch's own tensor-parallel plan of the Transformer on a 1-D mesh of all q*q*d ranks,
+    the logits gathered; `compiled`: the whole module under torch.compile."""
     from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
 
     mesh = init_device_mesh("cpu", (q * q * d,))
     Transformer.parallelize(model.model, mesh, use_seq_parallel=False, local_output_for_attn=True)
     return torch.compile(model) if compiled else model
+
+
+def titan_plan(transformer: nn.Module, mesh, *, sequence_parallel: bool) -> nn.Module:
+    """torchtitan's tensor-parallel plan of PyTorch's test Transformer on the 1-D `mesh`:
+    `Transformer.parallelize`'s Megatron plan (attention on local tensors, its CPU path) with the
+    logits left vocabulary-sharded, a `Shard(-1)` DTensor, for `loss_parallel`;
+    `sequence_parallel`: norms and residuals sharded on the sequence (torchtitan's default)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    residual = Shard(1) if sequence_parallel else Replicate()  # layout of the activations between blocks
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        # positions are [seq, dim]: the sequence is their dim 0
+        "pos_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(transformer, mesh, root_plan)
+    for block in transformer.layers:
+        block_plan = {
+            "attention.wq": ColwiseParallel(use_local_output=True),
+            "attention.wk": ColwiseParallel(use_local_output=True),
+            "attention.wv": ColwiseParallel(use_local_output=True),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w1": ColwiseParallel(input_layouts=residual),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            block_plan["attention"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+            block_plan["attention_norm"] = SequenceParallel()
+            block_plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, mesh, block_plan)
+        block.attention.n_heads //= mesh.size()  # each rank's heads, on local tensors
+    if transformer.model_args.weight_tying:
+        # both plans shard the one weight on the vocabulary (Shard(0)): tie the two DTensors again
+        transformer.output.weight = transformer.tok_embeddings.weight
+    return transformer
+
+
+def dtensor_titan(model: WithLoss, batch, q: int, d: int, *, sequence_parallel: bool, compiled: str) -> nn.Module:
+    """torchtitan's recipe on a 1-D mesh of all q*q*d ranks: `titan_plan`, then `compiled`:
+    "blocks", each transformer block compiled on its own (`apply_compile`), "model", the whole
+    Transformer (the loss stays outside), or "" nothing; the step runs the loss under `loss_parallel`."""
+    mesh = init_device_mesh("cpu", (q * q * d,))
+    titan_plan(model.model, mesh, sequence_parallel=sequence_parallel)
+    if compiled == "blocks":
+        for block in model.model.layers:
+            block.compile(fullgraph=True)
+    elif compiled == "model":
+        model.model.compile()
+    return model
 
 
 def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool, **options) -> nn.Module:
@@ -130,17 +227,39 @@ def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool, *
     return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300, compile=compiled, **options)
 
 
-# name: (build(model, batch, q, d) -> module, compiled)
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A row: `build(model, batch, q, d) -> module`; `compiled`: it compiles (left out by
+    `--quick`); `dtensor`: a candidate for DTensor at its best; `loss_parallel`: the step
+    runs forward and backward under `loss_parallel()`; `extra`: only with `--schedules`."""
+
+    build: Callable
+    compiled: bool = False
+    dtensor: bool = False
+    loss_parallel: bool = False
+    extra: bool = False
+
+
 CONFIGS = {
-    "DTensor eager": (functools.partial(dtensor, compiled=False), False),
-    "DTensor compiled": (functools.partial(dtensor, compiled=True), True),
-    "tess 1d": (functools.partial(tess, mode="1d", compiled=False), False),
-    "tess 2.5d": (functools.partial(tess, mode="2.5d", compiled=False), False),
-    **{f"tess 2.5d {summa}": (functools.partial(tess, mode="2.5d", compiled=False, summa=summa), False)
+    "DTensor eager": Config(functools.partial(dtensor, compiled=False), dtensor=True),
+    "DTensor compiled": Config(functools.partial(dtensor, compiled=True), compiled=True, dtensor=True),
+    "DTensor lp eager": Config(functools.partial(dtensor_titan, sequence_parallel=False, compiled=""),
+                               dtensor=True, loss_parallel=True),
+    "DTensor lp blocks": Config(functools.partial(dtensor_titan, sequence_parallel=False, compiled="blocks"),
+                                compiled=True, dtensor=True, loss_parallel=True),
+    "DTensor lp+sp blocks": Config(functools.partial(dtensor_titan, sequence_parallel=True, compiled="blocks"),
+                                   compiled=True, dtensor=True, loss_parallel=True),
+    "DTensor lp model": Config(functools.partial(dtensor_titan, sequence_parallel=False, compiled="model"),
+                               compiled=True, dtensor=True, loss_parallel=True),
+    "tess 1d": Config(functools.partial(tess, mode="1d", compiled=False)),
+    "tess 2.5d": Config(functools.partial(tess, mode="2.5d", compiled=False)),
+    **{f"tess 2.5d {summa}": Config(functools.partial(tess, mode="2.5d", compiled=False, summa=summa), extra=True)
        for summa in SCHEDULES},
-    "tess 1d compiled": (functools.partial(tess, mode="1d", compiled=True), True),
-    "tess 2.5d compiled": (functools.partial(tess, mode="2.5d", compiled=True), True),
+    "tess 1d compiled": Config(functools.partial(tess, mode="1d", compiled=True), compiled=True),
+    "tess 2.5d compiled": Config(functools.partial(tess, mode="2.5d", compiled=True), compiled=True),
 }
+# the ratios of the summary: tess's rows over DTensor at its best
+SUMMARY_ROWS = ["tess 1d", "tess 1d compiled", "tess 2.5d", "tess 2.5d compiled"]
 
 
 class CommBytes(CommDebugMode):
@@ -159,28 +278,48 @@ class CommBytes(CommDebugMode):
         return out
 
 
+def _loss_value(loss: torch.Tensor) -> float:
+    """The loss as a float on this rank (a replicated DTensor's full value)."""
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return float(loss)
+
+
 class Trainer:
     """One configuration on this rank: its module, AdamW, and the global batch."""
 
     def __init__(self, name: str, sizes: dict, q: int, d: int):
-        build, _ = CONFIGS[name]
+        self.config = CONFIGS[name]
         self.batch = make_batch(sizes)
-        self.module = build(make_model(sizes), self.batch, q, d)
+        self.module = self.config.build(make_model(sizes), self.batch, q, d)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
+        self.last_loss = None
+
+    def context(self):
+        """Where forward and backward run: under `loss_parallel()` for the rows that use it."""
+        if self.config.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def forward(self) -> torch.Tensor:
         return self.module(*self.batch)
 
     def step(self, forward=None) -> None:
         self.optimizer.zero_grad()
-        (forward or self.forward)().backward()
+        with self.context():
+            loss = (forward or self.forward)()
+            loss.backward()
         self.optimizer.step()
+        self.last_loss = loss.detach()
 
     def saved_bytes(self) -> int:
         """One step; the bytes its forward saves for backward."""
         parameters = [p.to_local() if isinstance(p, DTensor) else p for p in self.module.parameters()]
         losses = []
-        saved = saved_bytes(lambda: losses.append(self.forward()), parameters)
+        with self.context():  # entered once around forward, once around backward in `step`: never nested
+            saved = saved_bytes(lambda: losses.append(self.forward()), parameters)
         self.step(lambda: losses[0])
         return saved
 
@@ -194,7 +333,8 @@ class Trainer:
                 graphs = self.module.compiled_program(None).graphs
                 return sum(record.num_bytes for graph in graphs for record in graph.collectives)
             return sum(record.num_bytes for record in comm.records)
-        with warnings.catch_warnings(), CommBytes() as counter:
+        # dynamo cannot trace under CommDebugMode (and fullgraph=True refuses to fall back): an eager step
+        with warnings.catch_warnings(), torch.compiler.set_stance("force_eager"), CommBytes() as counter:
             warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad
             self.step()
         return counter.num_bytes
@@ -212,63 +352,146 @@ class Trainer:
 def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int,
             rounds: int, steps: int, warmup: int) -> list:
     trainers = [Trainer(name, sizes, q, d) for name in names]
+    first_losses = []
     for trainer in trainers:
-        for _ in range(warmup):
+        for index in range(warmup):
             trainer.step()
-    rows = [{"saved": trainer.saved_bytes(), "moved": trainer.moved_bytes(), "times": []} for trainer in trainers]
+            if index == 0:
+                first_losses.append(_loss_value(trainer.last_loss))
+    rows = [{"saved": trainer.saved_bytes(), "moved": trainer.moved_bytes(), "times": [], "loss_first": loss}
+            for trainer, loss in zip(trainers, first_losses)]
     for _ in range(rounds):
         for trainer, row in zip(trainers, rows):
             row["times"].append(trainer.timed_round(steps))
+    for trainer, row in zip(trainers, rows):
+        row["loss_last"] = _loss_value(trainer.last_loss)
     return rows
+
+
+def _parse_ints(parser, flag: str, text: str) -> list[int]:
+    try:
+        values = [int(value) for value in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} {text!r}: give whole numbers separated by commas, e.g. {flag} 32,64,128")
+    if any(value <= 0 for value in values):
+        parser.error(f"{flag} {text!r}: every value must be positive")
+    return values
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", default=str(SIZES["dim"]), help="model dims, one launch each, e.g. 128,256")
+    parser.add_argument("--dims", default=str(SIZES["dim"]), help="model dims, e.g. 128,256")
+    parser.add_argument("--seqs", default=DEFAULT_SEQS, help="sequence lengths, one launch each per dim")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--configs", help="only these rows, by name, separated by commas (default: all)")
+    parser.add_argument("--schedules", action="store_true", help="also tess 2.5d in each fixed schedule")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes on 4 ranks ([2,2,1]), eager rows only, 2 rounds of 1 step")
+                        help="tiny sizes (sequence 8) on 4 ranks ([2,2,1]), eager rows only, 2 rounds of 1 step")
+    parser.add_argument("--out", help="also write the results as JSON here (e.g. benchmarks/results/vs_dtensor.json)")
     args = parser.parse_args(argv)
-    try:
-        dims = [int(dim) for dim in args.dims.split(",")]
-    except ValueError:
-        parser.error(f"--dims {args.dims!r}: give model dims separated by commas, e.g. 128,256")
+    dims = _parse_ints(parser, "--dims", args.dims)
+    seqs = _parse_ints(parser, "--seqs", args.seqs)
+    if min(args.rounds, args.steps, args.warmup) < 1:
+        parser.error("--rounds, --steps and --warmup must each be at least 1")
+    if args.configs:
+        names = [name.strip() for name in args.configs.split(",")]
+        unknown = [name for name in names if name not in CONFIGS]
+        if unknown:
+            parser.error(f"--configs: unknown {unknown}; the configurations are {list(CONFIGS)}")
+    else:
+        names = [name for name, config in CONFIGS.items() if args.schedules or not config.extra]
     if args.quick:
         runs, (q, d), (rounds, steps, warmup) = [QUICK_SIZES], (2, 1), (2, 1, 1)
+        names = [name for name in names if not CONFIGS[name].compiled]
     else:
-        runs, (q, d), (rounds, steps, warmup) = [dict(SIZES, dim=dim) for dim in dims], (2, 2), (
-            args.rounds, args.steps, args.warmup)
-    names = [name for name, (_, compiled) in CONFIGS.items() if not (args.quick and compiled)]
+        runs = [dict(SIZES, dim=dim, seq=seq) for dim in dims for seq in seqs]
+        (q, d), (rounds, steps, warmup) = (2, 2), (args.rounds, args.steps, args.warmup)
     start = time.perf_counter()
+    tables = []
     for sizes in runs:
         results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup),
                             timeout_s=3600, collective_timeout_s=600)
         print(f"\nPyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
-              f"vocabulary {sizes['vocab']}, batch {sizes['batch']}, sequence {sizes['seq']}, fp32, cross-entropy, "
-              f"AdamW; {q * q * d} gloo processes on {os.cpu_count()} CPU cores (DTensor and "
+              f"vocabulary {sizes['vocab']} (tied), batch {sizes['batch']}, sequence {sizes['seq']}, fp32, "
+              f"cross-entropy, AdamW; {q * q * d} gloo processes on {os.cpu_count()} CPU cores (DTensor and "
               f"tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after "
               f"{warmup} warm-up")
-        print_table(names, results)
-    print(f"(ms/step: the slowest rank's; wall time of the whole run {time.perf_counter() - start:.0f} s)")
+        table = make_table(names, results)
+        print_table(table)
+        tables.append({"sizes": sizes, **table})
+    wall_s = time.perf_counter() - start
+    if len(tables) > 1:
+        print_summary(tables)
+    print(f"(ms/step: the slowest rank's; wall time of the whole run {wall_s:.0f} s)")
+    if args.out:
+        record = {"command": "python3 benchmarks/vs_dtensor.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "torch": torch.__version__, "cpu_count": os.cpu_count(), "world_size": q * q * d,
+                  "mesh_2_5d": [q, q, d], "rounds": rounds, "steps": steps, "warmup": warmup,
+                  "wall_s": round(wall_s, 1), "runs": tables}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
     return 0
 
 
-def print_table(names: list, results: list) -> None:
-    """One row per configuration: median ms/step over rounds (slowest rank per round), its ratio to
-    DTensor eager and (where it ran) DTensor compiled, bytes of rank 0."""
-    print(f"{'configuration':<26} {'ms/step':>9} {'vs eager':>9} {'vs compiled':>11} {'saved B/rank':>13} "
-          f"{'moved B/rank/step':>18}")
-    medians = [statistics.median(max(times) for times in zip(*(rank[index]["times"] for rank in results)))
-               for index in range(len(names))]
-    eager = medians[names.index("DTensor eager")]
-    compiled = medians[names.index("DTensor compiled")] if "DTensor compiled" in names else None
+def make_table(names: list, results: list) -> dict:
+    """The rows of one launch: median ms/step over rounds (slowest rank per round), the ratios to
+    DTensor at its best (the fastest DTensor row) and to DTensor eager, rank 0's losses and bytes."""
+    medians = {name: statistics.median(max(times) for times in zip(*(rank[index]["times"] for rank in results)))
+               for index, name in enumerate(names)}
+    candidates = [name for name in names if CONFIGS[name].dtensor]
+    best = min(candidates, key=medians.get) if candidates else None
+    eager = medians.get("DTensor eager")
+    rows = []
     for index, name in enumerate(names):
         row = results[0][index]
-        versus = f"{medians[index] / compiled:11.2f}" if compiled else f"{'-':>11}"
-        print(f"{name:<26} {medians[index] * 1e3:9.1f} {medians[index] / eager:9.2f} {versus} "
-              f"{row['saved']:>13,} {row['moved']:>18,}")
+        rows.append({
+            "configuration": name,
+            "ms_per_step": round(medians[name] * 1e3, 2),
+            "vs_best": round(medians[name] / medians[best], 3) if best else None,
+            "vs_dtensor_eager": round(medians[name] / eager, 3) if eager else None,
+            "loss_first": row["loss_first"],
+            "loss_last": row["loss_last"],
+            "saved_bytes": row["saved"],
+            "moved_bytes": row["moved"],
+            "round_ms": [round(max(times) * 1e3, 2) for times in zip(*(rank[index]["times"] for rank in results))],
+        })
+    return {"best": best, "rows": rows}
+
+
+def _ratio(value) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+def print_table(table: dict) -> None:
+    """One row per configuration, DTensor at its best named above."""
+    best = table["best"]
+    if best is not None:
+        ms = next(row["ms_per_step"] for row in table["rows"] if row["configuration"] == best)
+        print(f"DTensor at its best: {best} ({ms:.1f} ms/step)")
+    print(f"{'configuration':<22} {'ms/step':>8} {'vs best':>8} {'vs DT eager':>11} {'loss first':>11} "
+          f"{'loss last':>10} {'saved B/rank':>13} {'moved B/rank/step':>18}")
+    for row in table["rows"]:
+        print(f"{row['configuration']:<22} {row['ms_per_step']:8.1f} {_ratio(row['vs_best']):>8} "
+              f"{_ratio(row['vs_dtensor_eager']):>11} {row['loss_first']:11.6f} {row['loss_last']:10.6f} "
+              f"{row['saved_bytes']:>13,} {row['moved_bytes']:>18,}")
+    losses = [row["loss_first"] for row in table["rows"]]
+    print(f"(first-step losses agree to {max(losses) - min(losses):.1e})")
+
+
+def print_summary(tables: list) -> None:
+    """Per launch: DTensor at its best, and tess's rows over it."""
+    present = [name for name in SUMMARY_ROWS if any(row["configuration"] == name for row in tables[0]["rows"])]
+    print("\nSummary: ms/step of DTensor at its best, and tess's over it (goal for compiled tess: <= 0.80)")
+    print(f"{'dim':>4} {'seq':>4} {'DTensor at its best':<22} {'ms/step':>8} "
+          + " ".join(f"{name:>18}" for name in present))
+    for table in tables:
+        by_name = {row["configuration"]: row for row in table["rows"]}
+        best = table["best"]
+        ms = by_name[best]["ms_per_step"] if best else float("nan")
+        print(f"{table['sizes']['dim']:>4} {table['sizes']['seq']:>4} {best or '-':<22} {ms:8.1f} "
+              + " ".join(f"{_ratio(by_name[name]['vs_best']):>18}" for name in present))
 
 
 if __name__ == "__main__":

@@ -55,12 +55,16 @@ def test_memory_benchmark_runs(capsys):
     assert "2.5d  [4,4,2]" in out and "none+keep" in out and "selective" in out
 
 
-def test_vs_dtensor_benchmark_runs(capsys):
+def test_vs_dtensor_benchmark_runs(capsys, tmp_path):
     pytest.importorskip("expecttest")  # PyTorch's test Transformer imports it; CI installs only .[test]
     bench = importlib.import_module("benchmarks.vs_dtensor")  # by package name: spawned ranks import it
-    assert bench.main(["--quick"]) == 0
+    assert bench.main(["--quick", "--out", str(tmp_path / "vs_dtensor.json")]) == 0
     out = capsys.readouterr().out
-    assert "DTensor eager" in out and "tess 2.5d" in out and "saved B/rank" in out
+    assert "DTensor eager" in out and "DTensor lp eager" in out and "tess 2.5d" in out and "saved B/rank" in out
+    assert "DTensor at its best:" in out
+    (run,) = json.loads((tmp_path / "vs_dtensor.json").read_text())["runs"]
+    losses = [row["loss_first"] for row in run["rows"]]  # the same model, weights and batch in every row
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
 
 
 def test_plan_accuracy_benchmark_runs(capsys, tmp_path):
