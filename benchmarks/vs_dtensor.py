@@ -108,7 +108,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils import _pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tess_compile  # noqa: E402
+import tess_compile
 from tess_compile.analysis.accounting import saved_bytes
 from tess_compile.core.options import SCHEDULES
 from tess_compile.runtime.launch import run_local
