@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tess_compile.core.layout import put_blocks, take_block
 
-__all__ = ["COLLECTIVES", "Collective", "PriceRule", "in_rank_order", "split_dim"]
+__all__ = ["COLLECTIVES", "Collective", "PriceRule", "in_rank_order", "put_in_place", "rank_ordered", "split_dim"]
 
 # g -> (latency steps, bandwidth factor): a collective of `n` bytes over `g` ranks takes
 # `steps * alpha + factor * n / B` (`tess_compile.core.cluster.collective_time`).
@@ -186,12 +186,19 @@ def _all_gather(comm, x, axis, parts, dim, groups):
     flat = x.reshape(-1)
     gathered = flat.new_empty(parts * flat.numel())
     _all_gather_single(gathered, flat, group=comm.groups[axis])
-    shape = split_dim(x.shape, dim, parts * x.shape[dim])
-    if in_rank_order(x.shape, dim, groups):
+    return put_in_place(gathered, x.shape, parts, dim, groups, in_rank_order(x.shape, dim, groups))
+
+
+def put_in_place(gathered: torch.Tensor, block_shape, parts: int, dim: int, groups: int,
+                 in_order: bool) -> torch.Tensor:
+    """`parts` blocks of `block_shape`, one after another in rank order in the flat `gathered`, put in
+    place along `dim` as `put_blocks` puts them; no copy where they are in that order already
+    (`in_order`). Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..]; the result is
+    contiguous, as the all-gather's fake kernel says (where the reshape is a view, it is not)."""
+    shape = split_dim(block_shape, dim, parts * block_shape[dim])
+    if in_order:
         return gathered.view(shape)
-    # Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..], as `put_blocks` puts it;
-    # contiguous, as the op's fake kernel says (where the reshape is a view, it is not).
-    blocks = gathered.view(parts, *split_dim(x.shape, dim, groups, x.shape[dim] // groups))
+    blocks = gathered.view(parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
     return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
 
 
@@ -207,15 +214,19 @@ def _reduce_scatter_group(xs, parts, dim, groups):
 def _reduce_scatter(comm, x, axis, parts, dim, groups):
     """One `reduce_scatter_single` of the blocks (`take_block`'s) flattened in rank order (NCCL's
     native call): one copy puts them in that order, none if they are in it already."""
-    shape = split_dim(x.shape, dim, x.shape[dim] // parts)
-    if in_rank_order(x.shape, dim, groups):
-        blocks = x.reshape(-1)
-    else:
-        split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
-        blocks = x.view(split).movedim(dim + 1, 0).reshape(-1)
+    blocks = rank_ordered(x, parts, dim, groups, in_rank_order(x.shape, dim, groups))
     out = x.new_empty(blocks.numel() // parts)
     _reduce_scatter_single(out, blocks, group=comm.groups[axis])
-    return out.view(shape)
+    return out.view(split_dim(x.shape, dim, x.shape[dim] // parts))
+
+
+def rank_ordered(x: torch.Tensor, parts: int, dim: int, groups: int, in_order: bool) -> torch.Tensor:
+    """The blocks of contiguous `x` along `dim` (`take_block`'s), flattened one after another in rank
+    order; no copy where they are in that order already (`in_order`)."""
+    if in_order:
+        return x.reshape(-1)
+    split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
+    return x.view(split).movedim(dim + 1, 0).reshape(-1)
 
 
 # shard_slice(x, axis, parts, dim, groups): member t keeps its block t, no traffic; adjoint

@@ -134,8 +134,8 @@ class Generation:
         if self.options.batch_split != AUTO:
             resolve_batch_split(self.options.batch_split, batch, self.mesh)  # ValueError if it does not divide
             return self.options.batch_split
-        splits = splits_of(batch, self.mesh)
-        candidates = tuple(dict.fromkeys([splits[0], splits[1] if len(splits) > 1 else splits[0]]))
+        splits = splits_of(batch, self.mesh)  # SUMMA's first where it divides, then the weight-stationary ones
+        candidates = tuple(splits[:2] if splits[0] == "depth_row" else splits[:1])
         if candidates not in self._choices:
             priced = {}
             for split in candidates:

@@ -60,7 +60,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from tess_compile.core.collective_table import COLLECTIVES, in_rank_order, split_dim
+from tess_compile.core.collective_table import COLLECTIVES, in_rank_order, put_in_place, rank_ordered, split_dim
 from tess_compile.core.mesh import AXES
 from tess_compile.ops.collectives import CommRecord
 from tess_compile.runtime.dist_comm import DistComm
@@ -202,24 +202,16 @@ def _all_gather(group: AxisGroup, parts: int, dim: int, groups: int, x: torch.Te
     in place along `dim` as `put_blocks` puts them; contiguous, as the op's fake kernel says."""
     x = x.contiguous()
     gathered = _wait(_c10d.all_gather_into_tensor.default(x.view(-1), parts, group.name))
-    shape = split_dim(x.shape, dim, parts * x.shape[dim])
-    if _in_rank_order(x.shape, dim, groups):
-        return gathered.view(shape)
-    blocks = gathered.view(parts, *split_dim(x.shape, dim, groups, x.shape[dim] // groups))
-    return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
+    return put_in_place(gathered, x.shape, parts, dim, groups, _in_rank_order(x.shape, dim, groups))
 
 
 def _reduce_scatter(group: AxisGroup, parts: int, dim: int, groups: int, x: torch.Tensor) -> torch.Tensor:
     """The sum's block of this rank (`take_block`): the blocks flattened in rank order through one
     `reduce_scatter_tensor`."""
     x = x.contiguous()
-    shape = split_dim(x.shape, dim, x.shape[dim] // parts)
-    if _in_rank_order(x.shape, dim, groups):
-        blocks = x.view(-1)
-    else:
-        split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
-        blocks = x.view(split).movedim(dim + 1, 0).reshape(-1)
-    return _wait(_c10d.reduce_scatter_tensor.default(blocks, "sum", parts, group.name)).view(shape)
+    blocks = rank_ordered(x, parts, dim, groups, _in_rank_order(x.shape, dim, groups))
+    summed = _wait(_c10d.reduce_scatter_tensor.default(blocks, "sum", parts, group.name))
+    return summed.view(split_dim(x.shape, dim, x.shape[dim] // parts))
 
 
 class _Coordinate:
