@@ -318,8 +318,9 @@ def test_plan_defaults_are_the_calibrated_cluster():
 JSON_KEYS = {"schema", "tess_compile", "target", "gpus", "options", "model", "cluster", "memory_budget_bytes", "pick",
              "rows"}
 ROW_KEYS = {"mode", "mesh", "tp_ranks", "dp", "pp", "microbatches", "zero", "compiled", "fits", "step_s", "time_s",
-            "comm_bytes", "memory_bytes", "redundant_work", "summa", "keep_blocks", "schedules", "note", "pick"}
-TIME_KEYS = {"forward", "backward", "optimizer", "forward_compute", "forward_comm", "backward_compute", "backward_comm"}
+            "comm_bytes", "memory_bytes", "redundant_work", "summa", "keep_blocks", "schedules", "note", "error", "tie",
+            "pick"}
+TIME_KEYS = {"forward", "backward", "optimizer", "calls", "forward_compute", "forward_comm", "backward_compute", "backward_comm"}
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "transient", "at_backward", "total"}
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -457,4 +458,4 @@ def test_profile_command_draws_its_bar_on_a_terminal(tmp_path, monkeypatch, capf
     assert cli.main(["profile", "--processes", "2", "--repeats", "1", "-o", str(tmp_path / "cluster.json")]) == 0
     out, err = capfd.readouterr()
     assert "wrote" in out and "measurements" not in out, out
-    assert "tess-compile profile [" in err and "32/32 measurements" in err and "all_reduce over 2 ranks" in err, err
+    assert "tess-compile profile [" in err and "41/41 measurements" in err and "all_reduce over 2 ranks" in err, err

@@ -186,10 +186,10 @@ def test_profile_of_one_rank_by_hand():
     profile = profile_program(program)
     assert profile.forward == PhaseProfile(matmul_flops=2 * 6144, matmul_flops_per_size=2 * 6144 / 8,
                                            memory_bytes=4 * (384 + 16 + 384 + 2 * 384 + 192 + 8 + 192),
-                                           num_kernels=5, num_matmuls=2)
+                                           num_kernels=5, num_matmuls=2, num_ops=5)
     assert profile.backward == PhaseProfile(matmul_flops=3 * 6144, matmul_flops_per_size=3 * 6144 / 8,
                                             memory_bytes=4 * (3 * 384 + 192 + 8 + 384 + 16),
-                                            num_kernels=6, num_matmuls=3)
+                                            num_kernels=6, num_matmuls=3, num_ops=6)
     with_input = profile_program(program, inputs_require_grad=True)
     assert with_input.backward.matmul_flops == 4 * 6144 and with_input.backward.num_kernels == 7
     assert profile_program(program) is profile  # cached per program

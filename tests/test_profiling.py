@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import tess_compile
-from tess_compile.analysis.cost_model import optimizer_seconds, predict_time
+from tess_compile.analysis.cost_model import lone_axis, optimizer_seconds, predict_time, profile_program
 from tess_compile.analysis.memory import predict_memory
-from tess_compile.analysis.parallel_plan import Outer, price
+from tess_compile.analysis.parallel_plan import Outer, boundary_bytes, price
 from tess_compile.analysis.profiling import MESSAGE_BYTES, _group_layouts, _payload_elements, profile_cluster
 from tess_compile.cli import main
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
@@ -157,6 +157,60 @@ def test_data_parallel_sync_is_one_measured_all_reduce_per_parameter_shard():
     assert zero.optimizer_s == pytest.approx(time.optimizer_s / 2)
 
 
+def test_host_time_prices_every_op_and_each_call():
+    """`op_overhead` per op dispatched (kernels, views and the runtime's own ops; collectives priced
+    apart) and `call_overhead` once a call; a pipeline calls its stage's program once a slot."""
+    model, x = make_stack()
+    program = tess_compile.simulate(model, 2, 2, example_inputs=(x,)).program
+    base = predict_time(program, PROFILED)
+    host = predict_time(program, dataclasses.replace(PROFILED, op_overhead=1e-5, call_overhead=3e-3))
+    profile = profile_program(program)
+    for phase in ("forward", "backward"):
+        kernels = profile.phase(phase)
+        assert kernels.num_ops >= kernels.num_kernels > 0  # the runtime's own ops too (views not counted)
+        added = getattr(host, f"{phase}_compute_s") - getattr(base, f"{phase}_compute_s")
+        assert added == pytest.approx(1e-5 * kernels.num_ops)
+    assert host.call_s == 3e-3 and base.call_s == 0.0
+    assert host.step_s == pytest.approx(host.forward_s + host.backward_s + host.optimizer_s + 3e-3)
+    piped, _ = price(host, predict_memory(program), Outer(pp=2, microbatches=4), program.mesh.num_ranks, PROFILED)
+    assert piped.call_s == pytest.approx(5 * 3e-3)  # 4 microbatches + 1 slot of bubble
+
+
+def test_pipeline_sends_its_boundary_block_each_slot_both_ways():
+    model, x = make_stack()
+    program = tess_compile.simulate(model, 2, 1, example_inputs=(x,)).program
+    time, memory = predict_time(program, PROFILED), predict_memory(program)
+    assert boundary_bytes(model, (x,)) == x.numel() * x.element_size()  # a block's output: the hidden state
+    outer = Outer(pp=2, microbatches=4)
+    plain, _ = price(time, memory, outer, 4, PROFILED)
+    sent, _ = price(time, memory, outer, 4, PROFILED, block_bytes=1000)
+    # stages 4 ranks apart: on two nodes of PROFILED's 4 GPUs
+    one = PROFILED.collective_seconds("broadcast", 2, 1000, False)
+    assert sent.step_s - plain.step_s == pytest.approx(2 * (4 + 2 - 2) * one)
+    assert price(time, memory, Outer(dp=2), 4, PROFILED, block_bytes=1000)[0] == price(
+        time, memory, Outer(dp=2), 4, PROFILED)[0]  # no stages, no sends
+
+
+def test_lone_points_price_an_axis_no_other_of_its_size_alternates_with():
+    """A 1-D program's axis and a data-parallel axis of a size no mesh axis has run their groups
+    alone: `Cluster.lone_collectives`; the axes of [2, 2, 2] alternate: `Cluster.collectives`."""
+    lone = tuple((op, size, "intra", 1e-4 * size, 1e-10) for op in COMMUNICATING for size in (2, 4))
+    cluster = dataclasses.replace(PROFILED, lone_collectives=lone)
+    assert lone_axis(tess_compile.Mesh(1, 4, "1d"), "col") and not lone_axis(tess_compile.Mesh(2, 2), "row")
+    model, x = make_stack()
+    one_d = tess_compile.simulate(model, 1, 4, example_inputs=(x,), mode="1d").program
+    cube = tess_compile.simulate(model, 2, 2, example_inputs=(x,)).program
+    assert predict_time(one_d, cluster).forward_comm_s < predict_time(one_d, PROFILED).forward_comm_s
+    assert predict_time(cube, cluster) == predict_time(cube, PROFILED)
+    time, memory = predict_time(one_d, cluster), predict_memory(one_d)
+    node = dataclasses.replace(cluster, gpus_per_node=8)
+    alone, _ = price(time, memory, Outer(dp=2), 4, node, mesh=one_d.mesh)
+    alternating, _ = price(time, memory, Outer(dp=2), 4, node)
+    tensors = len(one_d.params)
+    assert alternating.backward_comm_s - alone.backward_comm_s == pytest.approx(
+        tensors * ((2e-3 + 1e-9 * (memory.grads // tensors)) - (2e-4 + 1e-10 * (memory.grads // tensors))))
+
+
 def _init_world_of_one(tmp_path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
 
@@ -170,6 +224,7 @@ def test_profile_cluster_on_a_world_of_one(tmp_path):
     assert cluster.gpus_per_node == 1 and cluster.memory == 1e9
     assert cluster.flops > 1e8 and cluster.memory_bandwidth > 1e8 and cluster.kernel_overhead > 0
     assert cluster.optimizer_overhead >= 0 and cluster.collectives == ()  # no group of two ranks
+    assert cluster.op_overhead >= 0 and cluster.call_overhead >= 0  # the reference programs' host time
     path = tmp_path / "one.json"
     cluster.save(path)
     assert Cluster.load(path) == cluster
@@ -192,6 +247,8 @@ def test_profile_over_four_processes_is_the_same_on_every_rank(tmp_path):
     assert cluster.gpus_per_node == 4
     measured = {(op, size) for op, size, link, *_ in cluster.collectives}
     assert measured == {(op, size) for op in COMMUNICATING for size in (2, 4)}
+    # pairs cut 4 ranks two ways (a [2, 2] mesh's axes): also timed on one layout alone
+    assert {(op, size) for op, size, *_ in cluster.lone_collectives} == {(op, 2) for op in COMMUNICATING}
     assert all(link == "intra" for _, _, link, *_ in cluster.collectives)
     sizes = {tuple(num_bytes for num_bytes, _ in points) for *_, points in cluster.collectives}
     assert {len(s) for s in sizes} == {len(MESSAGE_BYTES)}  # a point per message size
@@ -204,4 +261,6 @@ def test_profile_command_writes_a_cluster_plan_reads(tmp_path, capsys):
     assert main(["profile", "--processes", "2", "--repeats", "1", "-o", str(path)]) == 0
     out = capsys.readouterr().out
     assert "all_reduce over 2" in out and str(path) in out
-    assert Cluster.load(path).gpus_per_node == 2
+    assert "self-check: predicted step times" in out and "(1 configuration)" in out, out
+    cluster = Cluster.load(path)
+    assert cluster.gpus_per_node == 2 and cluster.time_error >= 0

@@ -82,6 +82,7 @@ _POWERS: dict[str, dict[str, int]] = {
     "matmul_flops_per_size": {"matmul_half_size": 1, "flops": -1},
     "memory_bytes": {"memory_bandwidth": -1},
     "kernels": {"kernel_overhead": 1},
+    "ops": {"op_overhead": 1},
     "intra_steps": {"intra_latency": 1},
     "inter_steps": {"inter_latency": 1},
     "intra_wire_bytes": {"intra_bandwidth": -1},

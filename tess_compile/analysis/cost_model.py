@@ -19,8 +19,14 @@ both. Per phase (forward, backward):
 - `kernel_overhead` seconds per kernel launched (views and allocations
   launch none; collectives are priced below, with the copies that pack a
   gradient bucket, `tess_compile.ops.grad_bucket`, as part of its all-reduce);
+- `op_overhead` seconds of host time per kernel and per op of the runtime's
+  own (`tess::keep_first`, ...; views, allocations and collectives not
+  counted): what a program's runtime spends around its kernels;
+- `call_overhead` seconds per call of the program, forward and backward
+  (`StepTime.call_s`);
 - each collective by `Cluster.collective_seconds` on the link of its axis
-  (its profiled line, else `collective_time`'s rule);
+  (its profiled line, else `collective_time`'s rule; the lone line of an axis
+  no other of its size alternates with, `lone_axis`);
 - the optimizer step (AdamW) on the rank's parameter shards, where the
   cluster prices it (a profiled one does).
 
@@ -49,7 +55,7 @@ from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule, p
 from tess_compile.core.fake_run import placeholder_values, tensor_bytes, tensor_leaves
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import ShapeComm, broadcast_start, use_comm
+from tess_compile.ops.collectives import COLLECTIVE_OPS, ShapeComm, broadcast_start, use_comm
 from tess_compile.ops.grad_bucket import packing
 
 __all__ = [
@@ -62,6 +68,7 @@ __all__ = [
     "coefficients",
     "comm_seconds",
     "kernel_profile",
+    "lone_axis",
     "optimizer_seconds",
     "predict_time",
     "profile_program",
@@ -85,12 +92,20 @@ def ring_wire_bytes(costs: Iterable[CollectiveCost], mesh: Mesh) -> dict[str, fl
 
 def comm_seconds(costs: Iterable[CollectiveCost], mesh: Mesh, cluster: Cluster) -> dict[str, float]:
     """`{"forward": s, "backward": s}`: the time of the collectives in `costs`, one after another
-    (`Cluster.collective_seconds`: profiled lines where the cluster has them)."""
+    (`Cluster.collective_seconds`: profiled lines where the cluster has them; an axis that no
+    other of its size alternates with, `lone_axis`, at its lone points)."""
     intra = {axis: cluster.is_intra_node(mesh, axis) for axis in AXES}
     seconds = dict.fromkeys(PHASES, 0.0)
     for phase, op, axis, num_bytes in transfers(costs):
-        seconds[phase] += cluster.collective_seconds(op, mesh.size(axis), num_bytes, intra[axis])
+        seconds[phase] += cluster.collective_seconds(op, mesh.size(axis), num_bytes, intra[axis],
+                                                     lone_axis(mesh, axis))
     return seconds
+
+
+def lone_axis(mesh: Mesh, axis: str) -> bool:
+    """Whether no other axis of `mesh` has the size of `axis` (its collectives never alternate
+    with those of another group layout of their size, `Cluster.lone_collectives`)."""
+    return sum(mesh.size(other) == mesh.size(axis) for other in AXES) == 1
 
 
 def _started_ahead(costs: Iterable[CollectiveCost]) -> list[CollectiveCost]:
@@ -112,6 +127,7 @@ class StepTime:
     optimizer_s: float = 0.0  # the optimizer step on this rank's parameters
     grad_tensors: int = 0  # parameter shards whose gradients this rank holds (a data-parallel all-reduce each)
     forward_ahead_s: float = 0.0  # forward's broadcasts started ahead, behind its compute (the overlap schedule)
+    call_s: float = 0.0  # host time of the program's calls (forward and backward) beyond their ops
 
     def _phase(self, phase: str, compute: float, comm: float) -> float:
         return max(compute, comm) if phase in self.overlap else compute + comm
@@ -128,7 +144,7 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.forward_s + self.backward_s + self.optimizer_s
+        return self.forward_s + self.backward_s + self.optimizer_s + self.call_s
 
     @property
     def comm_bytes(self) -> int:
@@ -151,6 +167,10 @@ _BIASED = ("addmm", "baddbmm")
 _ATTENTION_PREFIX = "_scaled_dot_product"
 
 
+# The namespaces of the ops whose kernels or own work cost `Cluster.op_overhead` of host time each.
+_HOST_NAMESPACES = ("aten", "tess")
+
+
 # Ops that launch no kernel: views, aliases, allocations.
 _NO_KERNEL = ("detach", "alias", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty",
               "new_empty_strided", "_unsafe_view", "_reshape_alias", "split", "split_with_sizes", "unbind", "chunk")
@@ -166,6 +186,7 @@ class PhaseProfile:
     num_kernels: int = 0  # kernels launched (products and others; collectives not counted)
     num_matmuls: int = 0
     bias_bytes: float = 0.0  # bytes the products with a bias term copy it with (`Cluster.bias_copy`)
+    num_ops: int = 0  # kernels and the runtime's own non-collective ops (views and allocations not counted)
 
 
 @dataclass(frozen=True)
@@ -195,15 +216,20 @@ class _KernelRecorder(TorchDispatchMode):
         super().__init__()
         self.phase = "forward"
         self.totals = {phase: {"matmul_flops": 0.0, "matmul_flops_per_size": 0.0, "memory_bytes": 0.0,
-                               "bias_bytes": 0.0, "num_kernels": 0, "num_matmuls": 0} for phase in PHASES}
+                               "bias_bytes": 0.0, "num_kernels": 0, "num_matmuls": 0, "num_ops": 0}
+                       for phase in PHASES}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._overloadpacket.__name__
-        if func.namespace != "aten" or func.is_view or name in _NO_KERNEL or packing():
-            return out  # collectives (priced apart, a gradient bucket's copies with them), views and allocations
+        if packing() or func in COLLECTIVE_OPS or func.namespace not in _HOST_NAMESPACES or func.is_view \
+                or name in _NO_KERNEL:
+            return out  # collectives (priced apart, a gradient bucket's copies with them), views, allocations
         totals = self.totals[self.phase]
+        totals["num_ops"] += 1
+        if func.namespace != "aten":
+            return out  # the runtime's own ops launch no kernel of their own
         totals["num_kernels"] += 1
         if name in _MATMULS:
             batch, m, k, n = _product_shape(name, args)
@@ -307,7 +333,7 @@ def time_terms(profile: ProgramProfile, cluster: Cluster, *, grad_sync: bool = T
     for phase in PHASES:
         kernels = profile.phase(phase)
         terms[phase] = {"matmul_flops": kernels.matmul_flops, "matmul_flops_per_size": kernels.matmul_flops_per_size,
-                        "memory_bytes": kernels.memory_bytes, "kernels": kernels.num_kernels,
+                        "memory_bytes": kernels.memory_bytes, "kernels": kernels.num_kernels, "ops": kernels.num_ops,
                         **dict.fromkeys(COMM_TERMS, 0.0)}
     for phase, op, axis, num_bytes in transfers(_priced_costs(profile, grad_sync)):
         group = mesh.size(axis)
@@ -342,6 +368,7 @@ def step_time(profile: ProgramProfile, cluster: Cluster, *, overlap: bool | str 
         optimizer_s=optimizer_s,
         grad_tensors=grad_tensors,
         forward_ahead_s=ahead,
+        call_s=cluster.call_overhead,
     )
 
 

@@ -9,14 +9,17 @@ apart. The tensor-parallel program is compiled for one microbatch,
 - pipeline: the model's repeated blocks split evenly over `pp` stages, so a
   stage runs `1/pp` of the program per microbatch, and a GPipe or 1F1B
   schedule takes `microbatches + pp - 1` stage slots (the bubble is
-  `pp - 1` of them); the activations crossing a stage boundary are not
-  priced (one block a microbatch, small beside the stage's own
-  collectives);
+  `pp - 1` of them), each slot one call of the stage's program
+  (`Cluster.call_overhead`); in each slot but the last a stage sends the
+  microbatch's activation at a stage boundary forward and receives its
+  gradient (`boundary_bytes`, this rank's block of it, priced as a
+  broadcast over two ranks on the link between stages);
 - data parallel: each stage's gradients are all-reduced over the `dp`
   replicas in backward, one all-reduce per parameter shard as the runtime
   runs them (ZeRO: reduce-scattered, and the parameters all-gathered, the
   same bytes on a ring, priced as one), on the intra-node link if the
-  replicas share a node, else the inter-node one; the optimizer steps the
+  replicas share a node, else the inter-node one (at the cluster's lone
+  points where no axis of the mesh has dp's size); the optimizer steps the
   stage's parameters (ZeRO: their 1/dp share);
 - memory per rank: the stage's share (1/pp) of the parameters, gradients and
   AdamW state (gradients and AdamW state also 1/dp with ZeRO), and the saved
@@ -25,26 +28,35 @@ apart. The tensor-parallel program is compiled for one microbatch,
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from tess_compile.analysis.cost_model import StepTime
 from tess_compile.analysis.memory import MemoryEstimate
 from tess_compile.core.cluster import Cluster
+from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
+from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.program import split_example_inputs
 
 __all__ = [
     "Outer",
     "batch_size",
+    "boundary_bytes",
     "default_microbatches",
     "dp_link_is_intra",
     "microbatch_inputs",
     "num_blocks",
     "outer_options",
     "price",
+    "repeated_blocks",
 ]
+
+log = logging.getLogger("tess_compile")
 
 
 @dataclass(frozen=True)
@@ -58,15 +70,40 @@ class Outer:
     zero: bool = False
 
 
-def num_blocks(model: nn.Module) -> int:
-    """The number of repeated blocks a pipeline can split: the longest ModuleList or
-    Sequential of one class (1 if the model has none)."""
-    best = 1
+def repeated_blocks(model: nn.Module) -> nn.Module | None:
+    """The blocks a pipeline can split: the longest ModuleList or Sequential of one class, if any."""
+    best = None
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1:
-            if len({type(child) for child in module}) == 1:
-                best = max(best, len(module))
+            if len({type(child) for child in module}) == 1 and (best is None or len(module) > len(best)):
+                best = module
     return best
+
+
+def num_blocks(model: nn.Module) -> int:
+    """The number of repeated blocks a pipeline can split (1 if the model has none)."""
+    blocks = repeated_blocks(model)
+    return 1 if blocks is None else len(blocks)
+
+
+def boundary_bytes(model: nn.Module, inputs) -> int:
+    """Bytes of the activation that crosses a stage boundary for `inputs`: the output of the
+    first repeated block, from a forward on fake tensors (0 if the model has no repeated
+    blocks or the fake forward fails)."""
+    blocks = repeated_blocks(model)
+    if blocks is None:
+        return 0
+    seen = []
+    handle = next(iter(blocks.children())).register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+            args, kwargs = split_example_inputs(pytree.tree_map_only(torch.Tensor, fake.from_tensor, inputs))
+            model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a model fake tensors cannot run: its sends go unpriced
+        log.info("plan: the stage boundary's activation is not priced (a fake forward failed: %s)", exc)
+    finally:
+        handle.remove()
+    return sum(tensor_bytes(t) for t in tensor_leaves(seen[:1]))
 
 
 def batch_size(inputs) -> int | None:
@@ -118,33 +155,51 @@ def dp_link_is_intra(cluster: Cluster, outer: Outer, tp: int) -> bool:
     return outer.dp * tp * outer.pp <= cluster.gpus_per_node
 
 
-def _dp_sync_seconds(cluster: Cluster, outer: Outer, tp: int, grad_bytes: int, tensors: int) -> float:
+def _dp_sync_seconds(cluster: Cluster, outer: Outer, tp: int, grad_bytes: int, tensors: int, alone: bool) -> float:
     """The data-parallel gradient sync: one all-reduce per parameter shard, as the runtime
-    reduces each gradient in backward (ZeRO: FSDP2's reduce-scatter and all-gather, bucketed: one)."""
+    reduces each gradient in backward (ZeRO: FSDP2's reduce-scatter and all-gather, bucketed: one);
+    `alone`: no mesh axis has the size of dp (`Cluster.lone_collectives`)."""
     intra = dp_link_is_intra(cluster, outer, tp)
     if outer.zero:
-        return cluster.collective_seconds("all_reduce", outer.dp, grad_bytes, intra)
-    return tensors * cluster.collective_seconds("all_reduce", outer.dp, grad_bytes // tensors, intra)
+        return cluster.collective_seconds("all_reduce", outer.dp, grad_bytes, intra, alone)
+    return tensors * cluster.collective_seconds("all_reduce", outer.dp, grad_bytes // tensors, intra, alone)
 
 
-def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster) -> tuple[StepTime, MemoryEstimate]:
+def _sends_seconds(cluster: Cluster, outer: Outer, tp: int, block_bytes: int) -> float:
+    """The sends at stage boundaries on a step's critical path: in each stage slot but the last,
+    a microbatch's activation forward and its gradient back, `block_bytes` each, between ranks
+    `tp` apart (a broadcast over two ranks)."""
+    if outer.pp == 1 or block_bytes == 0:
+        return 0.0
+    intra = 2 * tp <= cluster.gpus_per_node
+    one = cluster.collective_seconds("broadcast", 2, block_bytes, intra, alone=True)  # between two fixed ranks
+    return 2 * (outer.microbatches + outer.pp - 2) * one
+
+
+def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster,
+          block_bytes: int = 0, mesh: Mesh | None = None) -> tuple[StepTime, MemoryEstimate]:
     """The step time and per-rank memory of `outer` around a tensor-parallel program whose one
-    microbatch costs `time` and `memory` (see the module docstring)."""
+    microbatch costs `time` and `memory` (see the module docstring); `block_bytes`: this rank's
+    block of the activation at a stage boundary, for one microbatch; `mesh`: the program's (where
+    given, a dp size that none of its axes has prices the gradient sync at lone points)."""
     slots = (outer.microbatches + outer.pp - 1) / outer.pp  # stage slots, each 1/pp of the program
+    sends = _sends_seconds(cluster, outer, tp, block_bytes)
     grad_bytes = memory.grads // outer.pp
-    reduce_s = _dp_sync_seconds(cluster, outer, tp, grad_bytes, max(1, time.grad_tensors // outer.pp))
+    alone = mesh is not None and all(mesh.size(axis) != outer.dp for axis in AXES)
+    reduce_s = _dp_sync_seconds(cluster, outer, tp, grad_bytes, max(1, time.grad_tensors // outer.pp), alone)
     dp_bytes = grad_bytes if outer.dp > 1 else 0
     step = StepTime(
         forward_compute_s=time.forward_compute_s * slots,
-        forward_comm_s=time.forward_comm_s * slots,
+        forward_comm_s=time.forward_comm_s * slots + sends / 2,
         backward_compute_s=time.backward_compute_s * slots,
-        backward_comm_s=time.backward_comm_s * slots + reduce_s,
+        backward_comm_s=time.backward_comm_s * slots + sends / 2 + reduce_s,
         forward_bytes=int(time.forward_bytes * outer.microbatches / outer.pp),
         backward_bytes=int(time.backward_bytes * outer.microbatches / outer.pp) + dp_bytes,
         overlap=time.overlap,
         optimizer_s=time.optimizer_s / (outer.pp * (outer.dp if outer.zero else 1)),
         grad_tensors=time.grad_tensors // outer.pp,
         forward_ahead_s=time.forward_ahead_s * slots,
+        call_s=time.call_s * (outer.microbatches + outer.pp - 1),  # a stage's program, called once a slot
     )
     sharded_state = outer.dp if outer.zero else 1
     in_flight = min(outer.pp, outer.microbatches)

@@ -4,9 +4,11 @@
 (`planner.plan`'s rows): its memory per rank (GB) across, its predicted step
 time up, a colour and marker per mode, filled if it fits the memory budget and
 hollow if not; the pick (the fastest that fits) ringed and named; the budget
-as a dashed vertical line; axes with units and a legend. An axis whose values
-span more than `LOG_SPAN` times is logarithmic. Plain SVG 1.1 text, no plotting
-library; the same rows give the same bytes. `tess-compile plan --plot` writes it.
+as a dashed vertical line; axes with units and a legend. A point's tooltip names
+its configuration and numbers, and says where it ties with the pick
+(`PlanRow.tie`). An axis whose values span more than `LOG_SPAN` times is
+logarithmic. Plain SVG 1.1 text, no plotting library; the same rows give the
+same bytes. `tess-compile plan --plot` writes it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
-from tess_compile.analysis.planner import GB, PlanRow, mesh_label, pick
+from tess_compile.analysis.planner import GB, PlanRow, mesh_label, percent, pick
 from tess_compile.core.mesh import MODES
 
 __all__ = ["LOG_SPAN", "MODE_STYLES", "plan_svg"]
@@ -102,10 +104,11 @@ def _marker(kind: str, x: float, y: float, colour: str, filled: bool) -> str:
 
 
 def _describe(row: PlanRow, seconds: float, unit: str) -> str:
-    """A point's tooltip: the configuration and its numbers."""
+    """A point's tooltip: the configuration and its numbers, and whether it ties with the pick."""
     fits = "fits" if row.fits else "over the memory budget"
+    tie = f", tie with the pick (within the {percent(row.error)} error)" if row.tie else ""
     return (f"{row.mode} {mesh_label(row.mesh)}, dp {row.outer.dp}, pp {row.outer.pp}: "
-            f"{row.time.step_s * seconds:.4g} {unit}, {row.memory.total / GB:.4g} GB per rank, {fits}")
+            f"{row.time.step_s * seconds:.4g} {unit}, {row.memory.total / GB:.4g} GB per rank, {fits}{tie}")
 
 
 def plan_svg(rows: Sequence[PlanRow], *, budget: float, title: str = "tess-compile plan") -> str:

@@ -10,7 +10,9 @@ priced cheapest for it (`tess_compile.passes.product_schedule`); with `keep_bloc
 each mesh is priced with and without keeping the fetched blocks and keeps the
 fastest that fits (`schedule_choice.choose_schedule`). Each row also
 gives the redundant work of its program (forward FLOPs over all ranks / the
-unsharded model's, `accounting.redundant_work`). `format_table` prints the rows,
+unsharded model's, `accounting.redundant_work`) and the cluster's measured error of
+predicted step times (`Cluster.time_error`, `PlanRow.error`): a row that fits within
+it of the pick is a tie (`PlanRow.tie`). `format_table` prints the rows,
 `PlanRow.to_dict` gives a row as JSON values. `plan(progress=...)` reports each
 configuration as it starts (a progress bar's callback: `tess-compile plan` shows one).
 """
@@ -32,6 +34,7 @@ from tess_compile.analysis.memory import MemoryEstimate
 from tess_compile.analysis.parallel_plan import (
     Outer,
     batch_size,
+    boundary_bytes,
     default_microbatches,
     dp_link_is_intra,
     microbatch_inputs,
@@ -56,6 +59,7 @@ __all__ = [
     "format_table",
     "mesh_label",
     "mesh_sides",
+    "percent",
     "pick",
     "plan",
 ]
@@ -89,6 +93,8 @@ class PlanRow:
     schedules: tuple[tuple[str, int], ...] = ()  # how many products run each schedule
     redundant_work: float | None = None  # forward FLOPs over all ranks / unsharded; None: none to measure
     outer: Outer = Outer()  # data and pipeline parallelism around the mesh
+    error: float | None = None  # the cluster's time_error: how far off predicted step times are; None: unmeasured
+    tie: bool = False  # fits, is not the pick, and its step time is within `error` of the pick's
 
     @property
     def mode(self) -> str:
@@ -117,13 +123,15 @@ class PlanRow:
             "keep_blocks": self.keep_blocks,
             "schedules": dict(self.schedules),
             "note": self.note,
+            "error": self.error,
+            "tie": self.tie,
         }
 
 
 def _time_parts(time: StepTime) -> dict:
     """The predicted seconds of a step: the phases and their compute and communication parts."""
     return {"forward": time.forward_s, "backward": time.backward_s, "optimizer": time.optimizer_s,
-            "forward_compute": time.forward_compute_s, "forward_comm": time.forward_comm_s,
+            "calls": time.call_s, "forward_compute": time.forward_compute_s, "forward_comm": time.forward_comm_s,
             "backward_compute": time.backward_compute_s, "backward_comm": time.backward_comm_s}
 
 
@@ -293,7 +301,9 @@ def plan(
     `memory_budget` (bytes per GPU; default the cluster's memory) drops
     the meshes that need more. Rows that fit come first, by predicted step
     time, then those over budget, then those that did not compile; `note`
-    says why a row was dropped. `overlap`: see `tess_compile.analysis.cost_model.predict_time`.
+    says why a row was dropped. Each row's `error` is `cluster.time_error`;
+    `tie` marks a row that fits within it of the first (the pick).
+    `overlap`: see `tess_compile.analysis.cost_model.predict_time`.
     `summa`: a schedule of the matrix products, or "auto" for each product's
     cheapest (`PlanRow.schedules`). `keep_blocks`: True, False, or
     "auto" to price both and keep the fastest that fits the memory budget
@@ -334,6 +344,7 @@ def plan(
         raise ValueError(f"no (dp, pp, mesh) of {gpus} GPUs in modes {', '.join(modes)} with dp={dp!r}, pp={pp!r}: "
                          "pick other modes or GPU counts, or let dp and pp be 'auto'")
     unsharded_flops = functools.cache(lambda: unsharded_forward_flops(model, inputs))  # once a mesh compiles
+    boundary = functools.cache(lambda: boundary_bytes(model, inputs))  # once a pipeline is priced
     evaluated: dict[tuple, PlanRow] = {}
     rows = []
     report = progress or _no_progress
@@ -348,9 +359,10 @@ def plan(
             evaluated[(mesh, micro)] = _evaluate(
                 model, micro_inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
                 keep_blocks=keep_blocks, recompute=recompute, unsharded_flops=flops)
-        rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget))
+        block = _stage_block(boundary, mesh, micro, batch) if outer.pp > 1 else 0
+        rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget, block))
     report(len(configs), len(configs), "")
-    return sorted(rows, key=_sort_key)
+    return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
 
 
 def _no_progress(done: int, total: int, what: str) -> None:
@@ -369,11 +381,32 @@ def _meshes_or_none(gpus: int, modes: Sequence[str], fixed: bool) -> list[Mesh]:
     return meshes[:1] if gpus == 1 else meshes
 
 
-def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float) -> PlanRow:
-    """`row` (one microbatch on its mesh) priced with `outer` around it."""
+def _mark_ties(rows: list[PlanRow], error: float | None) -> list[PlanRow]:
+    """`rows` (in `plan`'s order) with `error` set on each, and `tie` on each that fits, is not the
+    pick, and whose predicted step time is at most the pick's times `1 + error`."""
+    best = pick(rows)
+
+    def ties(row: PlanRow) -> bool:
+        return (error is not None and row.fits and row is not best
+                and row.time.step_s <= best.time.step_s * (1 + error))
+
+    return [replace(row, error=error, tie=ties(row)) for row in rows]
+
+
+def _stage_block(boundary: Callable[[], int], mesh: Mesh, micro: int | None, batch: int | None) -> int:
+    """Bytes of this rank's block of the activation at a stage boundary, for a microbatch of `micro`
+    rows: `boundary()`'s share of them, split over the ranks of a 2-D, 2.5-D or 3-D mesh (batch and
+    features), whole on every rank of a 1-D one."""
+    share = boundary() if micro is None or batch is None else boundary() * micro // batch
+    return share if mesh.mode == "1d" else share // mesh.num_ranks
+
+
+def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float, block_bytes: int = 0) -> PlanRow:
+    """`row` (one microbatch on its mesh) priced with `outer` around it (`block_bytes`: this rank's
+    block of the activation a pipeline stage sends)."""
     if row.time is None or outer == Outer():
         return replace(row, outer=outer)
-    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster)
+    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster, block_bytes, row.mesh)
     fits = memory.total <= budget
     if not fits:
         note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
@@ -390,7 +423,8 @@ HEADER = ("mode", "dp", "pp", "mesh", "forward s", "backward s", "step s", "comm
 
 
 def format_table(rows: Sequence[PlanRow]) -> str:
-    """The rows as a fixed-width text table, one line per row, in the given order."""
+    """The rows as a fixed-width text table, one line per row, in the given order; where the
+    rows' error is measured, a tie's step time marked `~` and a last line that says the error."""
     cells = [HEADER] + [_cells(row) for row in rows]
     widths = [max(len(line[col]) for line in cells) for col in range(len(HEADER) - 1)]
     lines = []
@@ -398,7 +432,21 @@ def format_table(rows: Sequence[PlanRow]) -> str:
         head = [line[0].ljust(widths[0]), line[1].rjust(widths[1]), line[2].rjust(widths[2]), line[3].ljust(widths[3])]
         head += [text.rjust(width) for text, width in zip(line[4:-1], widths[4:])]
         lines.append("  ".join(head + [line[-1]]).rstrip())
+    error = rows[0].error if rows else None
+    if error is not None:
+        lines.append(_error_line(error, any(row.tie for row in rows)))
     return "\n".join(lines) + "\n"
+
+
+def _error_line(error: float, ties: bool) -> str:
+    """The table's last line: how far off its step times are, and what that makes of the rows."""
+    reading = "rows marked ~ are within that of the pick: ties" if ties else "no other row that fits is that close"
+    return f"# predicted step times are {percent(error)} off on this machine (the cluster's time_error); {reading}"
+
+
+def percent(error: float) -> str:
+    """A relative error as a percentage: "8.3%", "12%"."""
+    return f"{100 * error:.3g}%"
 
 
 def _cells(row: PlanRow) -> tuple[str, ...]:
@@ -407,8 +455,9 @@ def _cells(row: PlanRow) -> tuple[str, ...]:
         return (*outer, "-", "-", "-", "-", "-", "-", "-", row.note)
     numbers = (row.time.forward_s, row.time.backward_s, row.time.step_s, row.time.comm_bytes / 1e6,
                row.memory.activations / GB, row.memory.total / GB)
+    forward, backward, step, *rest = map(_number, numbers)
     redundant = "-" if row.redundant_work is None else f"{row.redundant_work:.2f}"
-    return (*outer, *map(_number, numbers), redundant, row.note)
+    return (*outer, forward, backward, f"~{step}" if row.tie else step, *rest, redundant, row.note)
 
 
 def _number(value: float) -> str:

@@ -17,17 +17,27 @@ do in training):
   all-gather, reduce-scatter) on every group size that divides the world,
   all groups of that size at once, at four message sizes from 4 KB to 4 MB,
   each call after a small product as in a program (the time of the product
-  taken off), and each as a program calls it: its custom op
-  (`tess::all_gather`, ...) on the runtime's communicator
-  (`runtime.dist_comm.DistComm`), so the dispatch, the copies and the Python
-  around torch.distributed count: the measured (bytes, seconds) points per
+  taken off), and each as a program's eager run calls it (the eager target of
+  its custom op `tess::all_gather`, ...) on the runtime's communicator
+  (`runtime.dist_comm.DistComm`), so the copies and the Python around
+  torch.distributed count: the measured (bytes, seconds) points per
   (op, group size, link), joined by straight segments (no one line fits
   them: on this 2-core machine an all-reduce over 8 ranks takes 11.5 ms at
   4 KB and 512 KB alike, then 19 ms at 2 MB, once its buffers leave the
   caches), intra-node for groups within a node and inter-node for groups
-  across nodes;
+  across nodes; each timed with every way of cutting the ranks into groups
+  of its size in turn, as a mesh's axes of equal size alternate, and, where
+  there are several, on one alone (`Cluster.lone_collectives`: a 1-D
+  program's axis, a data-parallel one; about 1.4 ms faster here);
 - the optimizer step: AdamW over DTensor parameters on a (depth, row, col)
   mesh, as a sharded module's parameters are, per tensor and per byte;
+- the host time of a program: a tiny reference model (`_Reference`: pre-norm
+  MLP blocks, 2, 4 and 8 of them) sharded on the world's own mesh
+  (`reference_mesh`) and run by the runtime, forward and backward, with a
+  communicator that moves nothing (collectives are priced by their own
+  points); its time beyond what the cost model prices for its kernels, a line
+  over its kernels and the runtime's own ops (views and allocations not counted):
+  `Cluster.op_overhead` per op and `Cluster.call_overhead` per call;
 - on the CPU, products with a bias term copy it into their output first
   (`Cluster.bias_copy`).
 
@@ -40,6 +50,7 @@ progress bar fed by `profile_cluster(progress=...)` on rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -54,13 +65,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tess_compile.analysis.cost_model import kernel_profile
+from tess_compile.analysis.cost_model import kernel_profile, profile_program, step_time
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import AXES, Mesh
-from tess_compile.ops.collectives import COMMUNICATING, use_comm
+from tess_compile.core.options import CompileOptions
+from tess_compile.ops.collectives import COMMUNICATING, EAGER_TARGETS, Comm, output_like, use_comm
+from tess_compile.passes.driver import compile_model
 from tess_compile.runtime.dist_comm import DistComm
+from tess_compile.runtime.sharded_module import ShardedModule
 
-__all__ = ["MESSAGE_BYTES", "profile_cluster"]
+__all__ = ["MESSAGE_BYTES", "profile_cluster", "reference_mesh"]
 
 log = logging.getLogger("tess_compile")
 
@@ -74,6 +88,8 @@ _CHAIN = 64  # tiny products per chain of the kernel overhead
 _BETWEEN = 128  # the side of the product run before each timed collective
 _OPTIMIZER_SIZES = (16, 1 << 16)  # elements of each parameter tensor of the two timed AdamW steps
 _OPTIMIZER_TENSORS = 8  # parameter tensors of a timed AdamW step
+_REFERENCE_BLOCKS = (2, 4, 8)  # blocks of the reference programs of the host time
+_HOST_ROUNDS = 3  # timings of each reference program, in turn with the others
 _RUN_S = 0.05  # seconds of one timed run (the calls of a fast function repeated to fill it)
 _TIMEOUT = timedelta(minutes=10)  # of a profiled collective (a rank that stops fails the others)
 
@@ -104,9 +120,8 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
     bandwidth = _memory_bandwidth(timer, device, overhead, flops, half)
     # every rank on col, as a 1-D program's; a communicator per partition gives col its group
     device_mesh = init_device_mesh(device.type, (1, 1, dist.get_world_size()), mesh_dim_names=AXES)
-    collectives = _collective_lines(timer, device, per_node, device_mesh)
+    collectives, lone_collectives = _collective_lines(timer, device, per_node, device_mesh)
     optimizer_overhead, optimizer_bandwidth = _optimizer_line(timer, device, device_mesh)
-    timer.finish()
     intra = _link_figures(collectives, "intra") or (0.0, math.inf)  # a world of one: no link
     inter = _link_figures(collectives, "inter") or intra
     cluster = Cluster(
@@ -114,7 +129,10 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
         inter_latency=inter[0], flops=flops, memory=memory or _memory_per_rank(device, per_node),
         matmul_half_size=half, memory_bandwidth=bandwidth, kernel_overhead=overhead,
         optimizer_overhead=optimizer_overhead, optimizer_bandwidth=optimizer_bandwidth,
-        collectives=tuple(collectives), bias_copy=device.type == "cpu")
+        collectives=tuple(collectives), lone_collectives=tuple(lone_collectives), bias_copy=device.type == "cpu")
+    op_overhead, call_overhead = _host_overheads(timer, device, cluster)
+    cluster = dataclasses.replace(cluster, op_overhead=op_overhead, call_overhead=call_overhead)
+    timer.finish()
     shared = [cluster]  # rank 0's: the fits may differ in the last bit from rank to rank
     dist.broadcast_object_list(shared, src=0)
     cluster = shared[0]
@@ -126,9 +144,11 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
 def _num_measurements(world: int, per_node: int) -> int:
     """How many measurements (`_Timer.median` calls) a profile takes: the kernel chain, the
     products, the reference layer, the product between collectives, every collective on
-    every group layout at every message size, and the AdamW steps."""
-    collectives = len(_group_layouts(world, per_node)) * len(COMMUNICATING) * len(MESSAGE_BYTES)
-    return 3 + len(_MATMUL_SIZES) + collectives + len(_OPTIMIZER_SIZES)
+    every group layout at every message size (alternating, and alone where a size has several
+    layouts), the AdamW steps and the reference programs."""
+    layouts = sum(1 + (len(partitions) > 1) for _, _, partitions in _group_layouts(world, per_node))
+    collectives = layouts * len(COMMUNICATING) * len(MESSAGE_BYTES)
+    return 3 + len(_MATMUL_SIZES) + collectives + len(_OPTIMIZER_SIZES) + _HOST_ROUNDS * len(_REFERENCE_BLOCKS)
 
 
 class _Timer:
@@ -307,36 +327,49 @@ def _group_layouts(world: int, per_node: int) -> list[tuple[int, str, list[list[
     return [(size, link, partitions) for (size, link), partitions in layouts.items()]
 
 
-def _collective_lines(timer: _Timer, device: torch.device, per_node: int, device_mesh) -> list[tuple]:
-    """`(op, size, link, seconds, seconds per byte)` of each collective on each group size and link.
+def _collective_lines(timer: _Timer, device: torch.device, per_node: int,
+                      device_mesh) -> tuple[list[tuple], list[tuple]]:
+    """`(collectives, lone collectives)`: the `(op, size, link, points)` of each collective on each
+    group size and link, as `Cluster.collectives` and `Cluster.lone_collectives` hold them.
 
     A timed call runs the collective on every partition of that size in turn (as a program
-    alternates its mesh axes, which couples every rank to every other), each after a
-    small product (`_between_kernels`), as a program's collectives follow its kernels;
-    the products' time is taken off."""
+    alternates its mesh axes of that size, which couples every rank to every other), each
+    after a small product (`_between_kernels`), as a program's collectives follow its kernels;
+    the products' time is taken off. Where the world has several partitions of a size, a
+    lone call runs on the first alone (a 1-D program's axis, a data-parallel one)."""
     work = _between_kernels(device)
     work_s = timer.mean(work, "product between collectives")
-    lines = []
+    lines, lone = [], []
     world = dist.get_world_size()
     mesh = Mesh(1, world, "1d")
     for size, link, partitions in _group_layouts(world, per_node):
         groups = [dist.new_subgroups_by_enumeration(partition)[0] for partition in partitions]
         comms = [DistComm(mesh, device_mesh, _TIMEOUT, groups=dict.fromkeys(AXES, group)) for group in groups]
         for op in COMMUNICATING:
-            times = []
-            payloads = [_payload_elements(num_bytes, size) * 4 for num_bytes in MESSAGE_BYTES]
-            for num_bytes in payloads:
-                calls = [_collective(op, num_bytes // 4, size, comm, device) for comm in comms]
+            where = f"{op} over {size} ranks ({link}-node)"
+            lines.append((op, size, link, _points(timer, op, size, comms, work, work_s, where)))
+            if len(comms) > 1:
+                lone.append((op, size, link, _points(timer, op, size, comms[:1], work, work_s, f"{where}, alone")))
+    return lines, lone
 
-                def each_axis(calls=calls):
-                    for call in calls:
-                        work()
-                        call()
 
-                what = f"{op} over {size} ranks ({link}-node), {num_bytes / 1024:.4g} KiB"
-                times.append(timer.median(each_axis, what, local=False) / len(calls) - work_s)
-            lines.append((op, size, link, tuple((n, max(t, 0.0)) for n, t in zip(payloads, _world_mean(times)))))
-    return lines
+def _points(timer: _Timer, op: str, size: int, comms: list[DistComm], work, work_s: float,
+            where: str) -> tuple[tuple[int, float], ...]:
+    """(bytes, seconds) of `op` at each of `MESSAGE_BYTES`: a call on each of `comms` in turn, each
+    after `work()`, less its `work_s` seconds."""
+    times = []
+    payloads = [_payload_elements(num_bytes, size) * 4 for num_bytes in MESSAGE_BYTES]
+    for num_bytes in payloads:
+        calls = [_collective(op, num_bytes // 4, size, comm, timer.device) for comm in comms]
+
+        def each_axis(calls=calls):
+            for call in calls:
+                work()
+                call()
+
+        times.append(timer.median(each_axis, f"{where}, {num_bytes / 1024:.4g} KiB", local=False) / len(calls)
+                     - work_s)
+    return tuple((n, max(t, 0.0)) for n, t in zip(payloads, _world_mean(times)))
 
 
 def _between_kernels(device: torch.device) -> Callable[[], torch.Tensor]:
@@ -352,10 +385,11 @@ def _payload_elements(num_bytes: int, size: int) -> int:
 
 
 def _collective(op: str, elements: int, size: int, comm: DistComm, device) -> Callable[[], object]:
-    """One call of `op` on `elements` float32 elements as a program makes it: its custom op
-    (`tess::<op>`) on `comm`, whose axes all run on one group of `size` ranks."""
+    """One call of `op` on `elements` float32 elements as a program's eager run makes it: the
+    eager target of its custom op (`tess::<op>`, `EAGER_TARGETS`) on `comm`, whose axes all run
+    on one group of `size` ranks."""
     x = torch.ones(elements, device=device)
-    target = getattr(torch.ops.tess, op).default
+    target = EAGER_TARGETS[getattr(torch.ops.tess, op).default]
     args = {"broadcast": (0,), "reduce": (0,), "all_reduce": (), "all_gather": (size, 0, 1),
             "reduce_scatter": (size, 0, 1)}[op]
 
@@ -397,3 +431,64 @@ def _link_figures(lines: list[tuple], link: str) -> tuple[float, float] | None:
     latency, per_byte = _nonnegative_fit([[1.0, n] for n, _ in points], [t for _, t in points])
     steps, factor = 2 * (size - 1), 2 * (size - 1) / size
     return latency / steps, factor / per_byte if per_byte > 0 else float("inf")
+
+
+class _Reference(torch.nn.Module):
+    """The reference model of a program's host time: pre-norm MLP blocks (norm, product,
+    activation, product, residual)."""
+
+    def __init__(self, width: int, blocks: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+            torch.nn.Linear(2 * width, width)) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+class _NoComm(Comm):
+    """A communicator that moves nothing: each collective gives zeros of its output's shape."""
+
+    def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
+        return output_like(op, x, *args).zero_()
+
+
+def reference_mesh(world: int) -> Mesh:
+    """The mesh the reference program runs on: 2.5-D `[q, q, world / q**2]` for the largest `q`
+    whose square divides the world, else 1-D over the world."""
+    q = max(side for side in range(1, math.isqrt(world) + 1) if world % (side * side) == 0)
+    return Mesh(q, world // (q * q), "2.5d") if q > 1 else Mesh(1, world, "1d")
+
+
+def _host_overheads(timer: _Timer, device: torch.device, cluster: Cluster) -> tuple[float, float]:
+    """(seconds per op, seconds per call) of a program's host time beyond what `cluster` prices
+    for its kernels: the reference programs (`_Reference` of `_REFERENCE_BLOCKS` blocks, width
+    `16 q`, on `4 * world` rows, on `reference_mesh`), forward and backward through the runtime
+    with collectives that move nothing, less their kernels' price; a line over their op counts.
+    Each is timed `_HOST_ROUNDS` times, the programs in turn (the machine's drift spread over
+    all), the median taken."""
+    mesh = reference_mesh(dist.get_world_size())
+    steps, rows, kernels_s = [], [], []
+    for blocks in _REFERENCE_BLOCKS:
+        torch.manual_seed(0)  # the same weights and input on every rank
+        x = torch.randn(4 * mesh.num_ranks, 16 * mesh.q, device=device)
+        program = compile_model(_Reference(16 * mesh.q, blocks).to(device), mesh, (x,),
+                                options=CompileOptions(mode=mesh.mode))
+        sharded = ShardedModule(program, device=device, timeout=_TIMEOUT)
+        sharded.comm = _NoComm()
+        steps.append(lambda sharded=sharded, x=x: sharded(x).to_local().sum().backward())
+        profile = profile_program(program)
+        priced = step_time(profile, cluster)
+        kernels_s.append(priced.forward_compute_s + priced.backward_compute_s)
+        rows.append([1.0, float(profile.forward.num_ops + profile.backward.num_ops)])
+    times = [[] for _ in steps]
+    for _ in range(_HOST_ROUNDS):
+        for blocks, step, seconds in zip(_REFERENCE_BLOCKS, steps, times):
+            seconds.append(timer.median(step, f"host time of a program ({blocks} reference blocks on {mesh.mode} "
+                                              f"{list(mesh.shape)})"))
+    host = [statistics.median(seconds) - kernels for seconds, kernels in zip(times, kernels_s)]
+    per_call, per_op = _nonnegative_fit(rows, [max(t, 1e-9) for t in _world_mean(host)])
+    return per_op, per_call

@@ -5,7 +5,7 @@
     tess-compile run model.py:make --q 2 --d 2 [compile options] [--steps N] [--lr LR] [--simulate] [--timeout S]
     tess-compile plan model.py:make --gpus 64 [--gpus-per-node 4] [--modes 1d,2d,2.5d] [--memory-gb 40] ...
         [--json [FILE|-]] [--plot FILE.svg] [--no-progress]
-    tess-compile profile [-o cluster.json] [--processes 8] [--backend gloo] [--no-progress]
+    tess-compile profile [-o cluster.json] [--processes 8] [--backend gloo] [--no-check] [--no-progress]
     tess-compile --version
 
 `make` is a function in model.py that takes no arguments and returns
@@ -35,10 +35,12 @@ ranks, e.g. --q 1 --d 8). `plan` builds the model on the meta device, compiles i
 for every mesh of --gpus ranks in --modes and prints the meshes by predicted
 step time on the cluster the options describe (default: the Tesseract
 paper's, 4 A100 per node); see docs/planner.md. `profile` measures this machine
-over local processes (`tess_compile.profile_cluster`) and writes the cluster as
-JSON for `plan --cluster`. `plan --json` writes the rows, the pick, the cluster
-and the model as JSON (to stdout with `-`, in place of the table); `plan --plot`
-draws step time against memory per rank as SVG.
+over local processes (`tess_compile.profile_cluster`), checks its predicted step
+times on a small model (`--no-check` skips it) and writes the cluster as JSON
+for `plan --cluster`, which marks rows within that error of the pick as ties.
+`plan --json` writes the rows, the pick, the cluster and the model as JSON (to
+stdout with `-`, in place of the table); `plan --plot` draws step time against
+memory per rank as SVG.
 
 `plan` and `profile` draw a progress bar with the time left on stderr when
 stderr is a terminal (never into a pipe or a file; `--no-progress` turns it

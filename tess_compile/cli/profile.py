@@ -1,10 +1,14 @@
 """`tess-compile profile`: measure this machine over local processes and write the cluster.
 
 It starts `--processes` local processes (gloo on CPUs; `--backend nccl` for one
-process per GPU), runs `tess_compile.profile_cluster` on all of them at once
-and writes the `Cluster` as JSON to `-o` (`plan --cluster FILE`, `shard(...,
-cluster=...)` and `Cluster.load` read it), printing its figures. When stderr is
-a terminal, rank 0 draws a progress bar of the measurements with the time left.
+process per GPU), runs `tess_compile.profile_cluster` on all of them at once,
+then the self-check (`tess_compile.analysis.profile_check.self_check`: a small
+model trained on two meshes, its step times against the profile's predictions;
+`--no-check` skips it), and writes the `Cluster` as JSON to `-o` (`plan
+--cluster FILE`, `shard(..., cluster=...)` and `Cluster.load` read it), its
+`time_error` the self-check's error, printing its figures. When stderr is a
+terminal, rank 0 draws a progress bar of the measurements, then one of the
+self-check, with the time left.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import sys
 
 import torch
 
+from tess_compile.analysis.planner import percent
+from tess_compile.analysis.profile_check import check_meshes, with_time_error
 from tess_compile.analysis.profiling import profile_cluster
 from tess_compile.cli.common import CliError, ProgressBar, add_progress_flag, positive, show_progress
 from tess_compile.runtime.launch import run_local
@@ -24,13 +30,22 @@ __all__ = ["add_command", "cmd_profile", "describe_cluster"]
 log = logging.getLogger("tess_compile")
 
 
-def _profile_rank(rank: int, world: int, gpus_per_node: int | None, repeats: int, progress: bool):
-    """One process of `profile`; rank 0 draws the progress bar if `progress`."""
+def _profile_rank(rank: int, world: int, gpus_per_node: int | None, repeats: int, check: bool, progress: bool):
+    """One process of `profile`: the profile, then the self-check if `check`; rank 0 draws the
+    progress bars if `progress`."""
     if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    bar = ProgressBar("profile", "measurements") if progress and rank == 0 else None
-    with bar or contextlib.nullcontext():
-        return profile_cluster(gpus_per_node=gpus_per_node, repeats=repeats, progress=bar)
+    with _bar(progress and rank == 0, "profile", "measurements") as bar:
+        cluster = profile_cluster(gpus_per_node=gpus_per_node, repeats=repeats, progress=bar)
+    if not check:
+        return cluster
+    with _bar(progress and rank == 0, "profile self-check", "configurations") as bar:
+        return with_time_error(cluster, progress=bar)
+
+
+def _bar(show: bool, command: str, unit: str):
+    """A `ProgressBar` if `show`, else a context that gives None."""
+    return ProgressBar(command, unit) if show else contextlib.nullcontext()
 
 
 def describe_cluster(cluster) -> str:
@@ -40,12 +55,14 @@ def describe_cluster(cluster) -> str:
         f"matrix products: {cluster.flops / 1e9:.3g} GFLOP/s, half rate at smallest dimension "
         f"{cluster.matmul_half_size:.3g}",
         f"memory-bound kernels: {cluster.memory_bandwidth / 1e9:.3g} GB/s, {cluster.kernel_overhead * 1e6:.3g} us "
-        "a kernel",
+        f"a kernel; a program's host time {cluster.op_overhead * 1e6:.3g} us an op, "
+        f"{cluster.call_overhead * 1e3:.3g} ms a call",
         f"AdamW: {cluster.optimizer_overhead * 1e6:.3g} us a parameter tensor, "
         f"{cluster.optimizer_bandwidth / 1e9:.3g} GB/s of parameters",
     ]
-    for op, size, link, *curve in cluster.collectives:
-        lines.append(f"{op} over {size} ({link}-node): {_describe_curve(curve)}")
+    for entries, alone in ((cluster.collectives, ""), (cluster.lone_collectives, ", one group layout alone")):
+        for op, size, link, *curve in entries:
+            lines.append(f"{op} over {size} ({link}-node{alone}): {_describe_curve(curve)}")
     return "\n".join(lines)
 
 
@@ -67,15 +84,24 @@ def cmd_profile(args) -> int:
     if progress:
         print(f"tess-compile profile: starting {args.processes} {args.backend} processes", file=sys.stderr, flush=True)
     try:
-        clusters = run_local(_profile_rank, args.processes, args=(args.gpus_per_node, args.repeats, progress),
+        clusters = run_local(_profile_rank, args.processes,
+                             args=(args.gpus_per_node, args.repeats, args.check, progress),
                              backend=args.backend, timeout_s=args.timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise CliError(f"profiling failed: {exc}", code=1) from None
     cluster = clusters[0]
     cluster.save(args.output)
     print(describe_cluster(cluster))
+    if cluster.time_error is not None:
+        print(_check_line(cluster.time_error, len(check_meshes(args.processes))))
     print(f"wrote {args.output}")
     return 0
+
+
+def _check_line(error: float, num_meshes: int) -> str:
+    """"self-check: predicted step times 8.3% off on this machine (2 configurations)"."""
+    plural = "s" if num_meshes > 1 else ""
+    return f"self-check: predicted step times {percent(error)} off on this machine ({num_meshes} configuration{plural})"
 
 
 def add_command(commands) -> None:
@@ -88,6 +114,10 @@ def add_command(commands) -> None:
                         help="ranks per node (default: the ranks on one host, here all of them)")
     parser.add_argument("--repeats", type=positive(int), default=5, help="timed runs of each measurement (5)")
     parser.add_argument("--timeout", type=positive(float), default=300, help="seconds before the run is stopped (300)")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="skip the self-check (a small model trained on 1-D and a 2-D/2.5-D mesh, its step times "
+                             "against the profile's predictions; a few seconds): time_error stays null, and plan marks "
+                             "no ties")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what it does")
     add_progress_flag(parser)
     parser.set_defaults(func=cmd_profile)

@@ -57,7 +57,7 @@ COLLECTIVE_RULES: dict[tuple[str, str], PriceRule] = {
 
 # The terms a kernel's time is priced by, each times one constant of the cluster
 # (`Cluster.compute_coefficients`).
-COMPUTE_TERMS = ("matmul_flops", "matmul_flops_per_size", "memory_bytes", "kernels")
+COMPUTE_TERMS = ("matmul_flops", "matmul_flops_per_size", "memory_bytes", "kernels", "ops")
 
 
 def product_terms(flops: float, size: int) -> dict[str, float]:
@@ -88,7 +88,15 @@ class Cluster:
     smallest dimension is `m` runs at `flops * m / (m + matmul_half_size)`;
     other kernels move their bytes at `memory_bandwidth` (bytes/s); each
     kernel launch costs `kernel_overhead` seconds. The defaults (0, inf, 0)
-    give the uncalibrated alpha-beta model.
+    give the uncalibrated alpha-beta model. `op_overhead`: the host seconds a
+    program's runtime spends per op beyond a launch (its graph code, autograd
+    nodes, DTensor and custom-op dispatch), on every kernel and every op of
+    the runtime's own (views and allocations are not counted: a 1-D program,
+    many views and few kernels, shows no such time); a profile measures it on
+    a sharded reference program; 0 by default.
+    `call_overhead`: the host seconds of one call of a program, forward and
+    backward together, beyond its ops (inputs and outputs as DTensors, the
+    autograd engine's start; a profile measures it with `op_overhead`).
 
     `bias_copy`: a matrix product with a bias term (`addmm`) first copies the
     bias into its output, whose bytes it then reads back, as CPU BLAS kernels
@@ -103,7 +111,15 @@ class Cluster:
     ((bytes, seconds), ...))`, bytes ascending, joined by straight segments
     (below the first point its seconds, beyond the last the last segment's
     slope): a profile's, since on a CPU a collective's time per byte grows once
-    its buffers leave the caches.
+    its buffers leave the caches. These are timed with the program's other
+    group layouts of the same size in turn (a mesh's axes of equal size
+    alternate); `lone_collectives`, in the same form, price a group layout
+    that no other of its size alternates with (1-D, a data-parallel axis),
+    which runs faster.
+
+    `time_error`: the relative error of predicted step times measured on this
+    machine (a profile's self-check, or `benchmarks/plan_accuracy.py`), None
+    if unmeasured; the planner marks rows closer than it as ties.
     """
 
     gpus_per_node: int
@@ -121,6 +137,10 @@ class Cluster:
     optimizer_bandwidth: float = math.inf
     collectives: tuple[tuple, ...] = ()
     bias_copy: bool = False
+    op_overhead: float = 0.0
+    call_overhead: float = 0.0
+    lone_collectives: tuple[tuple, ...] = ()
+    time_error: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -129,17 +149,22 @@ class Cluster:
                      "optimizer_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number > 0")
-        for name in ("intra_latency", "inter_latency", "matmul_half_size", "kernel_overhead", "optimizer_overhead"):
+        for name in ("intra_latency", "inter_latency", "matmul_half_size", "kernel_overhead", "optimizer_overhead",
+                     "op_overhead", "call_overhead"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Cluster {name}={getattr(self, name)!r}: use a number >= 0")
         object.__setattr__(self, "collectives", tuple(map(_entry, self.collectives)))
+        object.__setattr__(self, "lone_collectives", tuple(map(_entry, self.lone_collectives)))
         priced = list(dict.fromkeys(op for _, op in COLLECTIVE_RULES))
-        for entry in self.collectives:
+        for entry in self.collectives + self.lone_collectives:
             if not (entry[0] in priced and isinstance(entry[1], int) and entry[1] > 1
                     and entry[2] in ("intra", "inter") and _valid_curve(entry)):
                 raise ValueError(f"Cluster collectives entry {entry!r}: use (op, group size > 1, 'intra' or "
                                  f"'inter', latency s >= 0, s per byte >= 0) or (op, group size, link, "
                                  f"((bytes, seconds >= 0), ...) with bytes ascending), op one of {', '.join(priced)}")
+        if self.time_error is not None and not (isinstance(self.time_error, (int, float)) and self.time_error >= 0):
+            raise ValueError(f"Cluster time_error={self.time_error!r}: use a relative error >= 0 (0.1 for 10%) "
+                             "or None")
         if not isinstance(self.bias_copy, bool):
             raise ValueError(f"Cluster bias_copy={self.bias_copy!r}: use True (products copy their bias term into "
                              "their output first, as CPU BLAS does) or False")
@@ -151,22 +176,24 @@ class Cluster:
         """Whether every group along `axis` lies within one node."""
         return all(len({rank // self.gpus_per_node for rank in group}) == 1 for group in mesh.groups(axis))
 
-    def measured(self, op: str, group_size: int, intra: bool) -> tuple[tuple[float, float], ...] | None:
+    def measured(self, op: str, group_size: int, intra: bool,
+                 alone: bool = False) -> tuple[tuple[float, float], ...] | None:
         """The (bytes, seconds) points of `op` over `group_size` ranks as profiled (a line's:
-        its seconds at 0 and 1 byte), or None."""
+        its seconds at 0 and 1 byte), or None; `alone`: of a group layout that no other of
+        its size alternates with (`lone_collectives`, where the cluster has them)."""
         link = "intra" if intra else "inter"
-        for entry in self.collectives:
+        for entry in (self.lone_collectives if alone else ()) + self.collectives:
             if entry[:3] == (op, group_size, link):
                 return _points(entry)
         return None
 
-    def collective_seconds(self, op: str, group_size: int, num_bytes: int, intra: bool) -> float:
+    def collective_seconds(self, op: str, group_size: int, num_bytes: int, intra: bool, alone: bool = False) -> float:
         """Seconds of `op` on `num_bytes` (as `accounting` counts them) over `group_size`
-        ranks: the profiled line (`collectives`) where there is one, else `COLLECTIVE_RULES`
-        on the link."""
+        ranks: the profiled line (`collectives`, or with `alone` `lone_collectives`) where there
+        is one, else `COLLECTIVE_RULES` on the link."""
         if group_size <= 1 or num_bytes == 0:
             return 0.0
-        points = self.measured(op, group_size, intra)
+        points = self.measured(op, group_size, intra, alone)
         if points is not None:
             return seconds_at(points, num_bytes)
         return collective_time(op, group_size, num_bytes, self._link(intra), self.algorithm)
@@ -191,18 +218,20 @@ class Cluster:
             "matmul_flops_per_size": self.matmul_half_size / self.flops,
             "memory_bytes": 1 / self.memory_bandwidth,
             "kernels": self.kernel_overhead,
+            "ops": self.op_overhead,
         }
 
     def compute_seconds(self, terms: dict[str, float]) -> float:
         """Seconds of kernels of `terms` (amounts of `COMPUTE_TERMS`; a missing one is 0): the
-        products' FLOPs at their rate, the other kernels' bytes, the launches."""
+        products' FLOPs at their rate, the other kernels' bytes, the launches, the host time per op."""
         price = self.compute_coefficients()
         return sum(price[name] * terms.get(name, 0) for name in COMPUTE_TERMS)
 
     def to_dict(self) -> dict:
         """The fields as a dict of JSON values (an infinite bandwidth as the string "inf")."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["collectives"] = [list(entry) for entry in self.collectives]
+        for name in ("collectives", "lone_collectives"):
+            values[name] = [list(entry) for entry in values[name]]
         return {key: "inf" if value == math.inf else value for key, value in values.items()}
 
     @classmethod

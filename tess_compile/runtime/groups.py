@@ -146,8 +146,9 @@ def _backend_override(timeout: timedelta) -> tuple[str, object]:
 
 
 @functools.cache
-def _device_mesh(device_type: str, mesh: Mesh, timeout: timedelta):
-    """The (d, q, q) DeviceMesh and its World, every group timing out after `timeout`.
+def _device_mesh(device_type: str, mesh: Mesh, timeout: timedelta, default_group):
+    """The (d, q, q) DeviceMesh and its World, every group timing out after `timeout`, under the
+    default process group `default_group` (a new one, after destroy and init, builds new groups).
 
     Flattened `(depth, row)` and `(row, col)` meshes let DTensor gather an
     activation split over depth and row, or reduce a norm over row and col,
@@ -319,7 +320,7 @@ def mesh_groups(device_type: str, mesh: Mesh, timeout: timedelta, device_mesh=No
 
     if device_mesh is None:
         _wait_for_every_rank(mesh)
-        tp_mesh, world = _device_mesh(device_type, mesh, timeout)
+        tp_mesh, world = _device_mesh(device_type, mesh, timeout, dist.group.WORLD)
         return MeshGroups(tp_mesh, world, world)
     dp_dims = check_device_mesh(device_mesh, mesh)
     key = (id(device_mesh), mesh, timeout, device_type)
