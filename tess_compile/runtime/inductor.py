@@ -129,8 +129,9 @@ def compile_mode_options(mode: bool | str | None, threaded: bool = False) -> dic
 
 # Inductor's passes over the collectives of a program lowered to functional collectives (inductor config).
 # OVERLAP_PASSES: the scheduler moves collectives earlier and their waits later, over the compute they can
-# overlap, never raising the peak memory (inductor's recommended passes; they act where inductor estimates
-# runtimes, on GPUs: on CPUs it estimates none and moves nothing). BUCKETING_PASSES: all-gathers, and
+# overlap, never raising the peak memory (inductor's recommended passes). They move waits on CPUs too, so
+# over gloo several collectives of a process group are in flight at once; a compiled [2,2,2] program over 8
+# gloo processes hung once so (issue 34, open). BUCKETING_PASSES: all-gathers, and
 # reduce-scatters, on one process group merged into one collective each (the FX passes of
 # `torch._inductor.fx_passes.bucketing`); it starts the gathers of later products early, so their blocks
 # outlive the product that uses them, against the memory plan (docs/memory.md): off by default.
