@@ -54,6 +54,7 @@ import tess_compile  # noqa: E402
 from benchmarks.paper_tables import Block  # noqa: E402
 from tess_compile.analysis.parallel_plan import default_microbatches  # noqa: E402
 from tess_compile.analysis.profiling import profile_cluster  # noqa: E402
+from tess_compile.analysis.rank_timing import step_seconds  # noqa: E402
 from tess_compile.analysis.schedule_choice import has_summa_steps  # noqa: E402
 from tess_compile.core.options import SCHEDULES  # noqa: E402
 from tess_compile.runtime.launch import run_local  # noqa: E402
@@ -92,19 +93,6 @@ def make_model(size: dict) -> tuple[nn.Sequential, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(size["hidden"], size["heads"]) for _ in range(size["layers"])])
     return model, torch.randn(size["batch"], size["seq"], size["hidden"])
-
-
-def _timed_steps(step, steps: int, warmup: int) -> float:
-    """The median over `steps` of the slowest rank's step time (barriers around each)."""
-    times = []
-    for number in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        if number >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _loss(out) -> torch.Tensor:
@@ -166,7 +154,7 @@ def _config_worker(rank: int, world: int, size: dict, config: tuple, summa: str,
         step = _pipeline_step(model, x, q, d, summa, default_microbatches(x.shape[0], pp), cluster)
     else:
         step = _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster)
-    return _timed_steps(step, steps, warmup)
+    return step_seconds(step, steps, warmup)
 
 
 def measure(sizes: dict, configs: list, steps: int, warmup: int, rounds: int, summa: str, cluster) -> dict:

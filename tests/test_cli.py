@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tess_compile import cli
-from tess_compile.analysis import profiling
+from tess_compile.analysis import profiling, rank_timing
 from tess_compile.analysis.cost_model import StepTime
 from tess_compile.analysis.memory import MemoryEstimate
 from tess_compile.analysis.plan_plot import plan_svg
@@ -439,7 +439,7 @@ def test_progress_goes_to_stderr_on_a_terminal_only(plan_dir, monkeypatch, capsy
 
 
 def test_profile_reports_each_measurement_to_progress(tmp_path, monkeypatch):
-    monkeypatch.setattr(profiling, "_RUN_S", 1e-3)  # short timed runs: only the calls are checked
+    monkeypatch.setattr(rank_timing, "RUN_S", 1e-3)  # short timed runs: only the calls are checked
     calls = []
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -5,7 +5,7 @@ per sequence (an LM's `input_ids` of shape [batch, 1]; the factory gives them).
 It moves little activation and uses every weight once, so the layout that
 keeps the weights still and moves the activations wins (Pope et al. 2022,
 `docs/generation.md`). `plan_decode` compiles the model for each mesh of
-`gpus` ranks (`planner.candidate_meshes`) in every batch split that divides
+`gpus` ranks (`candidate_meshes`) in every batch split that divides
 the batch (`CompileOptions.batch_split`: over depth and row, SUMMA; over depth
 alone or not at all, weight-stationary), prices each forward with
 `tess_compile.analysis.cost_model`, and keeps each mesh's fastest: its step

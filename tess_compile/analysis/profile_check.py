@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -27,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tess_compile.analysis.candidate_meshes import mesh_label
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.analysis.cost_model import predict_time
-from tess_compile.analysis.planner import mesh_label
 from tess_compile.analysis.profiling import reference_mesh
+from tess_compile.analysis.rank_timing import process_group_device, step_seconds
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions
@@ -87,7 +87,7 @@ def self_check(cluster: Cluster, *, steps: int = 3, warmup: int = 1,
     for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name}={value!r}: use an integer >= {least}, e.g. 3")
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    device = process_group_device()
     meshes = check_meshes(dist.get_world_size())
     errors = []
     for number, mesh in enumerate(meshes):
@@ -124,24 +124,4 @@ def _predicted_and_measured(mesh: Mesh, cluster: Cluster, device: torch.device, 
         sharded(tokens).to_local().square().mean().backward()
         optimizer.step()
 
-    return predict_time(sharded.program, cluster).step_s, _step_seconds(step, device, steps, warmup)
-
-
-def _step_seconds(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
-    """The median over `steps` of the slowest rank's time of `step` (a barrier before and after
-    each), after `warmup` untimed calls."""
-    times = []
-    for number in range(warmup + steps):
-        dist.barrier()
-        start = _now(device)
-        step()
-        dist.barrier()
-        if number >= warmup:
-            times.append(_now(device) - start)
-    return statistics.median(times)
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+    return predict_time(sharded.program, cluster).step_s, step_seconds(step, steps, warmup, device)

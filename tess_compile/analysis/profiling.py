@@ -66,6 +66,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tess_compile.analysis.cost_model import kernel_profile, profile_program, step_time
+from tess_compile.analysis.rank_timing import Timer, process_group_device, world_mean
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.options import CompileOptions
@@ -90,7 +91,6 @@ _OPTIMIZER_SIZES = (16, 1 << 16)  # elements of each parameter tensor of the two
 _OPTIMIZER_TENSORS = 8  # parameter tensors of a timed AdamW step
 _REFERENCE_BLOCKS = (2, 4, 8)  # blocks of the reference programs of the host time
 _HOST_ROUNDS = 3  # timings of each reference program, in turn with the others
-_RUN_S = 0.05  # seconds of one timed run (the calls of a fast function repeated to fill it)
 _TIMEOUT = timedelta(minutes=10)  # of a profiled collective (a rank that stops fails the others)
 
 
@@ -111,10 +111,10 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
                          "torch.distributed.init_process_group (or under tess_compile.run_local)")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: use a positive integer, e.g. 5")
-    device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    device = torch.device(device) if device is not None else process_group_device()
     started = time.perf_counter()
     per_node = gpus_per_node or _ranks_on_first_host()
-    timer = _Timer(device, repeats, progress, _num_measurements(dist.get_world_size(), per_node))
+    timer = Timer(device, repeats, progress, _num_measurements(dist.get_world_size(), per_node))
     overhead = timer.mean(_kernel_chain(device), "kernel overhead") / (2 * _CHAIN)
     flops, half = _fit_matmul(timer, device, overhead)
     bandwidth = _memory_bandwidth(timer, device, overhead, flops, half)
@@ -142,81 +142,13 @@ def profile_cluster(*, gpus_per_node: int | None = None, memory: float | None = 
 
 
 def _num_measurements(world: int, per_node: int) -> int:
-    """How many measurements (`_Timer.median` calls) a profile takes: the kernel chain, the
+    """How many measurements (`Timer.median` calls) a profile takes: the kernel chain, the
     products, the reference layer, the product between collectives, every collective on
     every group layout at every message size (alternating, and alone where a size has several
     layouts), the AdamW steps and the reference programs."""
     layouts = sum(1 + (len(partitions) > 1) for _, _, partitions in _group_layouts(world, per_node))
     collectives = layouts * len(COMMUNICATING) * len(MESSAGE_BYTES)
     return 3 + len(_MATMUL_SIZES) + collectives + len(_OPTIMIZER_SIZES) + _HOST_ROUNDS * len(_REFERENCE_BLOCKS)
-
-
-class _Timer:
-    """Times a function on every rank at once, as training runs it: all ranks busy together.
-
-    After a warm-up call, each timed run calls the function `calls` times in a loop of
-    about `_RUN_S` seconds, `calls` agreed by all ranks (a collective is called as often
-    on each). A run of local work ends at a barrier, so its time is the slowest rank's,
-    as a training step waits for it at the next collective. The result is the median
-    over `repeats` runs of one call's time, averaged over the ranks. Each measurement is
-    reported to `progress` (of `total`) as it starts."""
-
-    def __init__(self, device: torch.device, repeats: int, progress: Callable[[int, int, str], None] | None,
-                 total: int):
-        self.device = device
-        self.repeats = repeats
-        self.progress = progress
-        self.total = total
-        self.done = 0
-
-    def median(self, fn: Callable[[], object], what: str, local: bool = True) -> float:
-        if self.progress is not None:
-            self.progress(self.done, self.total, what)
-        self.done += 1
-        fn()  # warm-up: first-call allocations and lazy initialisation
-        start = self._now()
-        fn()
-        calls = max(1, round(_RUN_S / max(_world_max(self._now() - start), 1e-7)))
-        times = []
-        for _ in range(self.repeats):
-            dist.barrier()
-            start = self._now()
-            for _ in range(calls):
-                fn()
-            if local:
-                dist.barrier()
-            times.append((self._now() - start) / calls)
-        return statistics.median(times)
-
-    def mean(self, fn: Callable[[], object], what: str) -> float:
-        """`median` of local work averaged over all ranks (the same value on every rank)."""
-        return _world_mean([self.median(fn, what)])[0]
-
-    def finish(self) -> None:
-        """Report the end to `progress`."""
-        assert self.done == self.total, f"{self.done} measurements taken, {self.total} counted"
-        if self.progress is not None:
-            self.progress(self.total, self.total, "")
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-
-def _world_max(value: float) -> float:
-    total = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return total.item()
-
-
-def _world_mean(values: list[float]) -> list[float]:
-    """Each value averaged over the ranks, rank 0's result sent to all so that every rank
-    holds the same numbers to the last bit."""
-    total = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(total)
-    dist.broadcast(total, src=0)
-    return (total / dist.get_world_size()).tolist()
 
 
 def _ranks_on_first_host() -> int:
@@ -266,7 +198,7 @@ def _layer(device: torch.device, rows: int, width: int) -> Callable[[], None]:
     return run
 
 
-def _memory_bandwidth(timer: _Timer, device: torch.device, overhead: float, flops: float, half: float) -> float:
+def _memory_bandwidth(timer: Timer, device: torch.device, overhead: float, flops: float, half: float) -> float:
     """Bytes per second of the memory-bound kernels of a reference layer (`_layer` on a 2 MB
     activation) as the cost model counts their bytes (`cost_model.kernel_profile`): the layer's
     time less its products (at the fitted rate) and one `overhead` a kernel."""
@@ -277,7 +209,7 @@ def _memory_bandwidth(timer: _Timer, device: torch.device, overhead: float, flop
     return counted.memory_bytes / max(seconds, 1e-9)
 
 
-def _fit_matmul(timer: _Timer, device: torch.device, overhead: float) -> tuple[float, float]:
+def _fit_matmul(timer: Timer, device: torch.device, overhead: float) -> tuple[float, float]:
     """(flops, matmul_half_size): the least-squares fit of `t = f / flops + (f / m) * h / flops`
     over products of smallest dimension `m` (`f` their FLOPs, `t` their time less one launch)."""
     rows, times = [], []
@@ -288,7 +220,7 @@ def _fit_matmul(timer: _Timer, device: torch.device, overhead: float) -> tuple[f
         rows.append([flops, flops / m])
         times.append(timer.median(lambda a=a, b=b: torch.mm(a, b), f"matrix product, smallest dimension {m}")
                      - overhead)
-    times = _world_mean(times)
+    times = world_mean(times)
     inverse, half_over = _nonnegative_fit(rows, times)
     inverse = max(inverse, 1e-18)
     return 1 / inverse, half_over / inverse
@@ -327,7 +259,7 @@ def _group_layouts(world: int, per_node: int) -> list[tuple[int, str, list[list[
     return [(size, link, partitions) for (size, link), partitions in layouts.items()]
 
 
-def _collective_lines(timer: _Timer, device: torch.device, per_node: int,
+def _collective_lines(timer: Timer, device: torch.device, per_node: int,
                       device_mesh) -> tuple[list[tuple], list[tuple]]:
     """`(collectives, lone collectives)`: the `(op, size, link, points)` of each collective on each
     group size and link, as `Cluster.collectives` and `Cluster.lone_collectives` hold them.
@@ -353,7 +285,7 @@ def _collective_lines(timer: _Timer, device: torch.device, per_node: int,
     return lines, lone
 
 
-def _points(timer: _Timer, op: str, size: int, comms: list[DistComm], work, work_s: float,
+def _points(timer: Timer, op: str, size: int, comms: list[DistComm], work, work_s: float,
             where: str) -> tuple[tuple[int, float], ...]:
     """(bytes, seconds) of `op` at each of `MESSAGE_BYTES`: a call on each of `comms` in turn, each
     after `work()`, less its `work_s` seconds."""
@@ -369,7 +301,7 @@ def _points(timer: _Timer, op: str, size: int, comms: list[DistComm], work, work
 
         times.append(timer.median(each_axis, f"{where}, {num_bytes / 1024:.4g} KiB", local=False) / len(calls)
                      - work_s)
-    return tuple((n, max(t, 0.0)) for n, t in zip(payloads, _world_mean(times)))
+    return tuple((n, max(t, 0.0)) for n, t in zip(payloads, world_mean(times)))
 
 
 def _between_kernels(device: torch.device) -> Callable[[], torch.Tensor]:
@@ -400,7 +332,7 @@ def _collective(op: str, elements: int, size: int, comm: DistComm, device) -> Ca
     return call
 
 
-def _optimizer_line(timer: _Timer, device: torch.device, mesh) -> tuple[float, float]:
+def _optimizer_line(timer: Timer, device: torch.device, mesh) -> tuple[float, float]:
     """(seconds per parameter tensor, parameter bytes per second) of an AdamW step over
     DTensor parameters on the (depth, row, col) DeviceMesh `mesh`, as a sharded module's
     (torch's default implementation), from steps over `_OPTIMIZER_TENSORS` tensors of each of
@@ -414,7 +346,7 @@ def _optimizer_line(timer: _Timer, device: torch.device, mesh) -> tuple[float, f
             p.grad = torch.ones_like(p)
         optimizer = torch.optim.AdamW(params, lr=1e-6)
         times.append(timer.median(optimizer.step, f"AdamW step, {_OPTIMIZER_TENSORS} tensors of {numel} elements"))
-    times = _world_mean(times)
+    times = world_mean(times)
     count = float(_OPTIMIZER_TENSORS)
     per_tensor, per_byte = _nonnegative_fit([[count, count * numel * 4] for numel in _OPTIMIZER_SIZES], times)
     return per_tensor, 1 / per_byte if per_byte > 0 else float("inf")
@@ -463,7 +395,7 @@ def reference_mesh(world: int) -> Mesh:
     return Mesh(q, world // (q * q), "2.5d") if q > 1 else Mesh(1, world, "1d")
 
 
-def _host_overheads(timer: _Timer, device: torch.device, cluster: Cluster) -> tuple[float, float]:
+def _host_overheads(timer: Timer, device: torch.device, cluster: Cluster) -> tuple[float, float]:
     """(seconds per op, seconds per call) of a program's host time beyond what `cluster` prices
     for its kernels: the reference programs (`_Reference` of `_REFERENCE_BLOCKS` blocks, width
     `16 q`, on `4 * world` rows, on `reference_mesh`), forward and backward through the runtime
@@ -490,5 +422,5 @@ def _host_overheads(timer: _Timer, device: torch.device, cluster: Cluster) -> tu
             seconds.append(timer.median(step, f"host time of a program ({blocks} reference blocks on {mesh.mode} "
                                               f"{list(mesh.shape)})"))
     host = [statistics.median(seconds) - kernels for seconds, kernels in zip(times, kernels_s)]
-    per_call, per_op = _nonnegative_fit(rows, [max(t, 1e-9) for t in _world_mean(host)])
+    per_call, per_op = _nonnegative_fit(rows, [max(t, 1e-9) for t in world_mean(host)])
     return per_op, per_call
