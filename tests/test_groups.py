@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend
 
+from tess_compile.core.mesh import Mesh
 from tess_compile.runtime import groups
 
 
@@ -32,3 +33,18 @@ def test_nccl_groups_take_nccl_options(monkeypatch):
     assert isinstance(options, dist.ProcessGroupNCCL.Options) and options._timeout == timedelta(seconds=7)
 
 
+
+
+def test_a_new_default_group_gets_groups_of_its_own(tmp_path):
+    """A process that destroys its default group and makes another (tests, a profile after a run)
+    gets the new group's DeviceMesh, not one cached from the destroyed group."""
+    mesh = Mesh(1, 1, "1d")
+    made = []
+    for attempt in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{attempt}'}", rank=0, world_size=1)
+        try:
+            made.append(groups.mesh_groups("cpu", mesh, timedelta(seconds=30)))
+            made[-1].tp_mesh.get_group("col")  # resolves only under the live default group
+        finally:
+            dist.destroy_process_group()
+    assert made[0].tp_mesh is not made[1].tp_mesh
