@@ -12,9 +12,9 @@ Fast (no processes):
    elimination keeps each collective (a reduce's sum that ranks other than its destination drop).
 2. A world of one gloo process in this process: a `CompiledRank` of a program with every
    collective, forward and backward, in mode "reduce-overhead" (CUDA graphs, ignored on a CPU) and
-   with inductor's communication passes, bucketing included: the graphs inductor got hold
-   functional collectives and no `tess::` op, and outputs and gradients are the eager program's in
-   float64. The same on CUDA (NCCL), where CUDA graphs run: skipped without a GPU.
+   with inductor's communication passes, bucketing included (set for gloo, which runs none by
+   default): the graphs inductor got hold functional collectives and no `tess::` op, and outputs
+   and gradients are the eager program's in float64. The same on CUDA (NCCL), where CUDA graphs run: skipped without a GPU.
 3. The compile modes: inductor's options for each, a clear error for another.
 Slow: 8 gloo processes, [2, 2, 2] (products overlapped: broadcasts, broadcast_start and wait,
 reduces; and gathered: all-gathers and reduce-scatters along dims other than 0) and 1-D over 8 ranks, a GPT block with its loss, compile=True against compile=False and the unsharded model:
@@ -294,8 +294,19 @@ def _check_compiled_rank(comm: DistComm, device: str, mode: str) -> CompiledRank
 
 
 def test_compiled_rank_in_a_world_of_one(world_of_one, monkeypatch):
-    monkeypatch.setattr(inductor, "COMMUNICATION_PASSES", {**inductor.OVERLAP_PASSES, **inductor.BUCKETING_PASSES})
+    monkeypatch.setitem(inductor.COMMUNICATION_PASSES, "gloo", {**inductor.OVERLAP_PASSES, **inductor.BUCKETING_PASSES})
     _check_compiled_rank(world_of_one["cpu"], "cpu", "reduce-overhead")
+
+
+def test_communication_passes_by_backend(world_of_one, monkeypatch):
+    """None over gloo by default (it hung with several collectives of a group in flight); as set, where set."""
+    comm, inputs = world_of_one["cpu"], [torch.ones(2)]
+    assert inductor.communication_passes(comm, inputs) == {}
+    assert inductor.COMMUNICATION_PASSES["nccl"] == inductor.OVERLAP_PASSES
+    monkeypatch.setitem(inductor.COMMUNICATION_PASSES, "gloo", inductor.BUCKETING_PASSES)
+    assert inductor.communication_passes(comm, inputs) == inductor.BUCKETING_PASSES
+    monkeypatch.delitem(inductor.COMMUNICATION_PASSES, "gloo")
+    assert inductor.communication_passes(comm, inputs) == {}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and NCCL need a GPU")

@@ -16,8 +16,8 @@ inner compile lowers every `tess::` collective of the forward and the backward
 graph to torch's functional collectives on the axis's process group
 (`tess_compile.runtime.functional_collectives`) before inductor's passes see
 it: the collectives are inductor's nodes, which its communication passes
-(`COMMUNICATION_PASSES`) may reorder and bucket, and no Python runs per
-collective. Elsewhere (the simulator's threads, `threaded=True`, or any other
+(`COMMUNICATION_PASSES`, by backend: overlap reordering over NCCL, none over
+gloo) may reorder and bucket, and no Python runs per collective. Elsewhere (the simulator's threads, `threaded=True`, or any other
 communicator) the custom ops stay: at run time each calls the communicator in
 force (`use_comm`); the compiled backward runs under `backward_comm()`, phase
 "backward", as eager autograd does.
@@ -71,6 +71,7 @@ __all__ = [
     "CompiledGraph",
     "CompiledRank",
     "TracingComm",
+    "communication_passes",
     "compile_mode_options",
     "inductor_graph",
 ]
@@ -129,9 +130,7 @@ def compile_mode_options(mode: bool | str | None, threaded: bool = False) -> dic
 
 # Inductor's passes over the collectives of a program lowered to functional collectives (inductor config).
 # OVERLAP_PASSES: the scheduler moves collectives earlier and their waits later, over the compute they can
-# overlap, never raising the peak memory (inductor's recommended passes). They move waits on CPUs too, so
-# over gloo several collectives of a process group are in flight at once; a compiled [2,2,2] program over 8
-# gloo processes hung once so (issue 34, open). BUCKETING_PASSES: all-gathers, and
+# overlap, never raising the peak memory (inductor's recommended passes). BUCKETING_PASSES: all-gathers, and
 # reduce-scatters, on one process group merged into one collective each (the FX passes of
 # `torch._inductor.fx_passes.bucketing`); it starts the gathers of later products early, so their blocks
 # outlive the product that uses them, against the memory plan (docs/memory.md): off by default.
@@ -144,9 +143,23 @@ OVERLAP_PASSES = {
     ],
 }
 BUCKETING_PASSES = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
-# The passes a lowered program's compile runs, read at each compile (assign another dict to change them,
-# e.g. `{**OVERLAP_PASSES, **BUCKETING_PASSES}`; `{}`: inductor's defaults).
-COMMUNICATION_PASSES: dict = dict(OVERLAP_PASSES)
+# The passes a lowered program's compile runs, by the backend that carries its tensors on its process groups
+# (`communication_passes`), read at each compile (assign another dict to change them, e.g.
+# `COMMUNICATION_PASSES["nccl"] = {**OVERLAP_PASSES, **BUCKETING_PASSES}`); a backend not listed: none.
+# None over gloo: the moved waits put several collectives of a process group in flight at once, and a
+# compiled [2,2,2] program over 8 gloo processes hung so (one rank waiting on an early reduce-scatter, the
+# others timed out in a later all-reduce); on CPUs a collective's transfer competes with the compute for the
+# same cores, so there is little to overlap.
+COMMUNICATION_PASSES: dict[str, dict] = {"nccl": dict(OVERLAP_PASSES), "gloo": {}}
+
+
+def communication_passes(comm, inputs: list) -> dict:
+    """The inductor config of a lowered compile's communication passes: `COMMUNICATION_PASSES` of the
+    backend that carries the device of `inputs` on the process groups of `comm` (a `DistComm`), e.g.
+    "nccl" or "gloo" (gloo also carries CUDA tensors); none where the axes' backends differ."""
+    device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    backends = {group._get_backend(device).name() for group in comm.groups.values()}
+    return COMMUNICATION_PASSES.get(backends.pop(), {}) if len(backends) == 1 else {}
 
 
 @dataclass(frozen=True)
@@ -188,6 +201,7 @@ class CompiledRank:
         self.backward_comm = backward_comm
         self.graphs: list[CompiledGraph] = []  # every graph inductor compiled, oldest first
         self._groups: dict[str, AxisGroup] | None = None  # this rank's process groups, while a compile lowers
+        self._passes: dict = {}  # the communication passes of the compile under way (`communication_passes`)
         self._compiled: dict[tuple, list[tuple[Callable[[list], bool], Callable]]] = {}
         self._lock = threading.Lock()
 
@@ -201,10 +215,11 @@ class CompiledRank:
                 if holds(inputs):
                     return function
             self._groups = None if self.threaded else axis_groups(comm)
+            self._passes = communication_passes(comm, inputs) if self._groups is not None else {}
             try:
                 new = self._compile(inputs, first=not compiled)
             finally:
-                self._groups = None
+                self._groups, self._passes = None, {}
             compiled.extend(new)
             return new[-1][1]
 
@@ -215,9 +230,8 @@ class CompiledRank:
     def _compile(self, inputs: list, first: bool) -> list[tuple[Callable[[list], bool], Callable]]:
         """Inductor's code for `inputs`, each with the test of the inputs it serves; the last serves `inputs`
         (`first`: the first compile for this grad mode, which compiles a dynamic program's general code)."""
-        passes = COMMUNICATION_PASSES if self._groups is not None else {}
         with use_comm(TracingComm()), torch._functorch.config.patch(self.config), \
-                torch._inductor.config.patch({**self.inductor_config, **passes}):
+                torch._inductor.config.patch({**self.inductor_config, **self._passes}):
             if self.sizes is not None and self.sizes.takes(inputs):
                 return self.sizes.compile(self.graph, inputs, self._inner, general=first)
             function = compile_fx(copy.deepcopy(self.graph), list(inputs), inner_compile=self._inner)
