@@ -1,6 +1,6 @@
 """Stage 3, rewrite: the placed global graph becomes one SPMD per-rank graph.
 
-Reads (`tess_compile.core.meta_keys`) `LAYOUT`, `ARG_LAYOUTS`, `ROLE`, `WEIGHT_INPUT`,
+Reads (`tess_compile.core.meta_keys`) `LAYOUT`, `ARG_LAYOUTS`, `ROLE`, `WEIGHT_INPUT`, `ALIAS_OF`,
 `LOCAL_INPUT`, `REPLICATED`, `RECOMPUTE_REGION`, and on the output node `LOCAL_OUTPUTS` and
 `CARRIED_OUTPUTS`, besides torch's `meta["val"]`. Emits a new GraphModule whose placeholders are,
 in the captured order, the local shards of parameters, buffers and constants and
@@ -9,7 +9,7 @@ with the collectives of `redistribute` wherever a value's layout differs
 from the layout its consumer needs. Writes `LAYOUT`, `GLOBAL_SHAPE` and `REPLICATED` on the node
 that holds each original value, `GLOBAL_NODE` (the original node's name) on it and on every node
 emitted for an original op, `RECOMPUTE_REGION` on every node emitted for a node of a recompute
-region; on the placeholders `ROLE`, `WEIGHT_INPUT`, `LOCAL_INPUT`, `DTYPE` and, for a value that
+region; on the placeholders `ROLE`, `WEIGHT_INPUT`, `ALIAS_OF`, `LOCAL_INPUT`, `DTYPE` and, for a value that
 is no tensor, `CONSTANT_VALUE`; and on the graph, besides the captured graph's meta, `SCHEDULE_COUNTS`
 (products per schedule; with summa="auto" each product's is priced on a cluster).
 
@@ -44,6 +44,7 @@ from tess_compile.core.dynamic import concrete, has_symbols, local_value
 from tess_compile.core.layout import Layout, Replicate
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import (
+    ALIAS_OF,
     ARG_LAYOUTS,
     CARRIED_OUTPUTS,
     CONSTANT_VALUE,
@@ -144,6 +145,8 @@ def _placeholder(b: Builder, node: Node) -> Node:
     GLOBAL_NODE.set(x, node.name)
     if WEIGHT_INPUT.has(node):
         WEIGHT_INPUT.set(x, WEIGHT_INPUT.of(node))
+    if ALIAS_OF.has(node):
+        ALIAS_OF.set(x, ALIAS_OF.of(node))
     if not isinstance(node.meta["val"], torch.Tensor):
         CONSTANT_VALUE.set(x, node.meta["val"])  # a flag or number the model takes
         return x

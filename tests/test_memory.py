@@ -34,3 +34,19 @@ def test_gpt2_parameter_bytes_and_no_full_logits():
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dim() >= 2:
             assert vocab not in val.shape, f"{node.name} has the full vocabulary ({vocab}) in its local shape {list(val.shape)}"
+
+
+def test_a_tied_weight_is_one_tensor_in_the_fake_run():
+    """GPT-2's `lm_head.weight` (tied to `wte`) keeps `ALIAS_OF` on its per-rank placeholder and takes
+    the tied tensor's very value, as the runtime feeds it: no second block in the predicted bytes."""
+    from tess_compile.core.fake_run import placeholder_values
+    from tess_compile.core.meta_keys import ALIAS_OF, ROLE
+
+    model, kwargs = build("gpt2", 2, 1, torch.float32)
+    program = tess_compile.simulate(model, 2, 1, example_inputs=kwargs).program
+    nodes = list(program.graph.graph.find_nodes(op="placeholder"))
+    values = dict(zip(nodes, placeholder_values(program.graph, program.mesh)))
+    by_name = {ROLE.of(node)[1]: values[node] for node in nodes}
+    (alias,) = [node for node in nodes if ROLE.of(node)[0] == "alias"]
+    assert ALIAS_OF.of(alias) == "transformer.wte.weight"
+    assert values[alias] is by_name["transformer.wte.weight"]

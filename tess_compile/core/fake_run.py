@@ -21,7 +21,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from tess_compile.core.dynamic import concrete
 from tess_compile.core.mesh import Mesh
-from tess_compile.core.meta_keys import CONSTANT_VALUE, DTYPE, GLOBAL_SHAPE, LAYOUT, ROLE, WEIGHT_INPUT
+from tess_compile.core.meta_keys import ALIAS_OF, CONSTANT_VALUE, DTYPE, GLOBAL_SHAPE, LAYOUT, ROLE, WEIGHT_INPUT
 
 # What stops a fake run early: data-dependent shapes, ops with no fake kernel, and devices fixed
 # in the graph (a model built on the meta device makes some tensors there, beside CPU inputs;
@@ -76,9 +76,18 @@ def local_bytes(node, mesh: Mesh) -> int:
 
 def placeholder_values(gm: GraphModule, mesh: Mesh, inputs_require_grad: bool = False) -> list:
     """Every placeholder's local value (`local_placeholder`), parameters requiring grad and, with
-    `inputs_require_grad`, floating user inputs (`requires_grad`); fake inside a FakeTensorMode."""
-    return [local_placeholder(n, mesh, requires_grad(n, inputs_require_grad))
-            for n in gm.graph.find_nodes(op="placeholder")]
+    `inputs_require_grad`, floating user inputs (`requires_grad`); fake inside a FakeTensorMode.
+    A tied weight's second placeholder (role "alias") takes the very value of the tensor it ties
+    to, as the runtime feeds it."""
+    values, by_name = [], {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        role, name = ROLE.of(node)
+        value = by_name.get(ALIAS_OF.of(node)) if role == "alias" else None
+        if value is None:
+            value = local_placeholder(node, mesh, requires_grad(node, inputs_require_grad))
+        by_name[name] = value
+        values.append(value)
+    return values
 
 
 def tensor_leaves(*values) -> list[torch.Tensor]:

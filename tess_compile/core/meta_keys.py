@@ -120,8 +120,9 @@ rewrite copies it. Read by place (free like a parameter), the driver (a "weight"
 merge_products, the rules' `display_name`, `core.fake_run.requires_grad` and `analysis.memory`.""")
 
 ALIAS_OF: MetaKey[str] = MetaKey("alias_of", """On a tied weight's second placeholder (role "alias"):
-the name of the tensor it ties to. Written by capture; read by place (the tensor's layout) and the
-driver (`Slot.alias_of`).""")
+the name of the tensor it ties to. Written by capture, copied by rewrite onto the per-rank placeholder;
+read by place (the tensor's layout), the driver (`Slot.alias_of`) and `core.fake_run.placeholder_values`
+(the tied tensor's value).""")
 
 LOCAL_INPUT: MetaKey[bool] = MetaKey("local_input", """On a user input that arrives as this rank's
 block in its layout, not whole (a pipeline stage's positional inputs, a carried input). Written by the
