@@ -9,22 +9,29 @@ keeps the weights still and moves the activations wins (Pope et al. 2022,
 the batch (`CompileOptions.batch_split`: over depth and row, SUMMA; over depth
 alone or not at all, weight-stationary), prices each forward with
 `tess_compile.analysis.cost_model`, and keeps each mesh's fastest: its step
-time, tokens/s (the batch over the step), and the bytes one rank hands its
+time, tokens/s (the batch over the step), the bytes one rank hands its
 collectives per token, and sends on the wire (the ring volume,
-`cost_model.ring_wire_bytes`).
+`cost_model.ring_wire_bytes`), and the most bytes one rank holds in the step
+(`memory.predict_memory`'s total: its forward on fake tensors under
+`MemTracker`). An LM's `input_ids` alone carry no KV cache, so neither does
+that peak; `at_shapes` hands `predict_memory` a generation decode program
+(whose inputs carry the cache) at a step's batch and cached length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from tess_compile.analysis.cost_model import profile_program, ring_wire_bytes, step_time
+from tess_compile.analysis.memory import predict_memory
 from tess_compile.analysis.planner import (
     DEFAULT_MODES,
     Progress,
@@ -35,11 +42,16 @@ from tess_compile.analysis.planner import (
 )
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.meta_keys import GLOBAL_SHAPE
 from tess_compile.core.options import AUTO, CompileOptions
+from tess_compile.core.program import INPUT_ROLES, Program
+from tess_compile.ops.recompute_region import outline_regions
 from tess_compile.passes.driver import compile_model
 from tess_compile.passes.place import splits_of
 
-__all__ = ["DecodeRow", "format_decode_table", "plan_decode"]
+__all__ = ["DecodeRow", "at_shapes", "format_decode_table", "plan_decode"]
+
+MIB = 2**20
 
 log = logging.getLogger("tess_compile")
 
@@ -54,12 +66,13 @@ class DecodeRow:
     tokens_per_s: float = 0.0
     bytes_per_token: float = 0.0  # handed to collectives by one rank, per generated token
     wire_bytes_per_token: float = 0.0  # sent by one rank on the links (ring volume), per token
+    peak_bytes: int = 0  # the most one rank holds in the step: `predict_memory(program).total`
     note: str = ""
 
     def to_dict(self) -> dict:
         return {"mode": self.mesh.mode, "mesh": mesh_sides(self.mesh), "batch_split": self.batch_split,
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "bytes_per_token": self.bytes_per_token,
-                "wire_bytes_per_token": self.wire_bytes_per_token, "note": self.note}
+                "wire_bytes_per_token": self.wire_bytes_per_token, "peak_bytes": self.peak_bytes, "note": self.note}
 
 
 def plan_decode(factory_or_model, gpus: int, *, example_inputs=None, modes: Sequence[str] = DEFAULT_MODES,
@@ -90,7 +103,8 @@ def _batch(inputs) -> int:
 
 
 def _fastest(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, summa: str, batch: int) -> DecodeRow:
-    """`mesh`'s row: each batch split that divides the batch, compiled in eval mode and priced; the fastest."""
+    """`mesh`'s row: each batch split that divides the batch, compiled in eval mode and priced; the fastest,
+    with its peak memory."""
     splits = splits_of(batch, mesh)
     rows, errors = [], []
     was = model.training
@@ -105,13 +119,14 @@ def _fastest(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, summa: str,
             except (ValueError, RuntimeError) as err:
                 errors.append(f"{split}: {err}")
                 continue
-            rows.append(_priced(program, mesh, cluster, split, batch))
+            rows.append((_priced(program, mesh, cluster, split, batch), program))
     finally:
         model.train(was)
     if not rows:
         log.info("plan_decode: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), errors)
         return DecodeRow(mesh, note=f"does not compile: {'; '.join(errors)}")
-    return min(rows, key=lambda row: row.step_s)
+    row, program = min(rows, key=lambda pair: pair[0].step_s)
+    return dataclasses.replace(row, peak_bytes=predict_memory(program).total)
 
 
 def _priced(program, mesh: Mesh, cluster: Cluster, split: str, batch: int) -> DecodeRow:
@@ -123,12 +138,35 @@ def _priced(program, mesh: Mesh, cluster: Cluster, split: str, batch: int) -> De
                      wire / batch)
 
 
+def at_shapes(program: Program, shapes: Sequence[Sequence[int]]) -> Program:
+    """A dynamic `program` with its inputs at `shapes`, one global shape per input in the flat order it
+    takes them (a carried cache tensor's whole shape, not a rank's block): a copy of its graph whose
+    placeholders `predict_memory` makes at those shapes, e.g. a decode program at a step's batch and
+    cached length. ValueError for shapes it does not take (`Program.call_output_shapes`)."""
+    slots = {int(slot.name): slot for slot in program.slots if slot.role in INPUT_ROLES}
+    if program.dynamic is None or len(shapes) != len(slots):
+        raise ValueError(f"at_shapes: {len(shapes)} shapes for the {len(slots)} inputs of a program compiled with "
+                         f"dynamic={program.dynamic is not None} on mesh {program.mesh}: pass one shape per input "
+                         "of a program compiled with dynamic=True")
+    held = [slots[i].layout.local_shape(shape, program.mesh) if slots[i].role == "local input" else shape
+            for i, shape in enumerate(shapes)]  # as a call hands them: a carried input as this rank's block
+    program.call_output_shapes([torch.empty(shape, device="meta") for shape in held])
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(program.graph.graph, {}))  # each node's meta a copy
+    for node, slot in zip(graph.find_nodes(op="placeholder"), program.slots):
+        if slot.role in INPUT_ROLES:
+            GLOBAL_SHAPE.set(node, tuple(shapes[int(slot.name)]))
+    module = torch.fx.GraphModule(program.graph, graph)
+    module.meta.update(program.graph.meta)
+    return dataclasses.replace(program, graph=module, runnable=outline_regions(module))
+
+
 def format_decode_table(rows: Sequence[DecodeRow]) -> str:
     """The rows as a text table: one line per mesh."""
-    lines = [f"{'mode':5} {'mesh':11} {'batch split':11} {'step s':>10} {'tokens/s':>10} {'bytes/token':>12} "
-             f"{'wire B/token':>12}  note"]
+    lines = [(f"{'mode':5} {'mesh':11} {'batch split':11} {'step s':>10} {'tokens/s':>10} {'bytes/token':>12} "
+              f"{'wire B/token':>12} {'peak MiB':>9}  note")]
     for row in rows:
         lines.append(f"{row.mesh.mode:5} {mesh_label(row.mesh):11} {row.batch_split or '-':11} {row.step_s:10.4g} "
-                     f"{row.tokens_per_s:10.4g} {row.bytes_per_token:12.4g} {row.wire_bytes_per_token:12.4g}  "
-                     f"{row.note}".rstrip())
+                     f"{row.tokens_per_s:10.4g} {row.bytes_per_token:12.4g} {row.wire_bytes_per_token:12.4g} "
+                     f"{row.peak_bytes / MIB:9.4g}  {row.note}".rstrip())
     return "\n".join(lines)
