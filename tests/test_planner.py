@@ -260,8 +260,9 @@ def test_data_and_pipeline_parallelism_priced_around_a_mesh():
     replicated, same = price(time, memory, Outer(dp=4), 8, PAPER_CLUSTER)
     assert replicated.forward_s == time.forward_s and replicated.backward_s > time.backward_s
     assert same.optimizer == memory.optimizer
-    _, zero = price(time, memory, Outer(dp=4, zero=True), 8, PAPER_CLUSTER)
-    assert zero.optimizer == memory.optimizer // 4 and zero.grads == memory.grads // 4
+    _, zero = price(time, memory, Outer(dp=4, zero=True), 8, PAPER_CLUSTER)  # one FSDP unit: gathered
+    assert zero.optimizer == memory.optimizer // 4 and zero.grads == memory.grads
+    assert zero.params == memory.params + memory.params // 4 and zero.peak < memory.peak
 
 
 def test_fixed_dp_and_pp_are_checked():

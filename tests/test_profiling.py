@@ -192,8 +192,9 @@ def test_pipeline_sends_its_boundary_block_each_slot_both_ways():
 
 
 def test_lone_points_price_an_axis_no_other_of_its_size_alternates_with():
-    """A 1-D program's axis and a data-parallel axis of a size no mesh axis has run their groups
-    alone: `Cluster.lone_collectives`; the axes of [2, 2, 2] alternate: `Cluster.collectives`."""
+    """A 1-D program's axis and the data-parallel gradient sync (after the tensor-parallel backward,
+    one all-reduce after another) run their groups alone: `Cluster.lone_collectives`; the axes of
+    [2, 2, 2] alternate: `Cluster.collectives`."""
     lone = tuple((op, size, "intra", 1e-4 * size, 1e-10) for op in COMMUNICATING for size in (2, 4))
     cluster = dataclasses.replace(PROFILED, lone_collectives=lone)
     assert lone_axis(tess_compile.Mesh(1, 4, "1d"), "col") and not lone_axis(tess_compile.Mesh(2, 2), "row")
@@ -204,8 +205,8 @@ def test_lone_points_price_an_axis_no_other_of_its_size_alternates_with():
     assert predict_time(cube, cluster) == predict_time(cube, PROFILED)
     time, memory = predict_time(one_d, cluster), predict_memory(one_d)
     node = dataclasses.replace(cluster, gpus_per_node=8)
-    alone, _ = price(time, memory, Outer(dp=2), 4, node, mesh=one_d.mesh)
-    alternating, _ = price(time, memory, Outer(dp=2), 4, node)
+    alone, _ = price(time, memory, Outer(dp=2), 4, node)
+    alternating, _ = price(time, memory, Outer(dp=2), 4, dataclasses.replace(node, lone_collectives=()))
     tensors = len(one_d.params)
     assert alternating.backward_comm_s - alone.backward_comm_s == pytest.approx(
         tensors * ((2e-3 + 1e-9 * (memory.grads // tensors)) - (2e-4 + 1e-10 * (memory.grads // tensors))))

@@ -18,12 +18,41 @@ apart. The tensor-parallel program is compiled for one microbatch,
   replicas in backward, one all-reduce per parameter shard as the runtime
   runs them (ZeRO: reduce-scattered, and the parameters all-gathered, the
   same bytes on a ring, priced as one), on the intra-node link if the
-  replicas share a node, else the inter-node one (at the cluster's lone
-  points where no axis of the mesh has dp's size); the optimizer steps the
+  replicas share a node, else the inter-node one, at the cluster's lone
+  points: the sync runs after the tensor-parallel backward, its
+  all-reduces one after another on the data-parallel group alone (autograd
+  runs the parameters' reduce nodes last: they were made first, before the
+  program's); the optimizer steps the
   stage's parameters (ZeRO: their 1/dp share);
-- memory per rank: the stage's share (1/pp) of the parameters, gradients and
-  AdamW state (gradients and AdamW state also 1/dp with ZeRO), and the saved
-  activations of the microbatches in flight, at most `pp` with 1F1B.
+- memory per rank: the program's peak (`analysis.memory.step_peak`, one
+  microbatch, which comes in backward before its gradients are complete)
+  moved by what the worst rank holds there instead:
+  - a data-parallel replica: the program's peak (the gradient mean over dp
+    adds one gradient at a time);
+  - a pipeline stage: 1/pp of the parameters, gradients and AdamW state; the
+    saved activations of the microbatches in flight, min(pp, microbatches) on
+    the first stage with 1F1B (`Outer.schedule`; the planner prices 1F1B),
+    all of them with GPipe; and the boundary blocks the schedule keeps
+    (`block_bytes` each): a receive buffer per microbatch (two on a middle
+    stage) and the outputs in flight. A backward after the first runs over
+    the gradients the earlier microbatches accumulated; with every forward
+    before the first backward (GPipe) it has one microbatch fewer in flight,
+    so the peak is the larger of the two (a program whose own peak comes
+    with its gradients, after backward, gets them counted twice: too high);
+  - ZeRO: the module is one FSDP2 unit (`runtime.zero`), so from forward to
+    the end of backward a rank holds its whole tensor-parallel parameters
+    (gathered over dp) beside their 1/dp shards, and the whole gradients
+    until FSDP reduce-scatters them: the parameters 1 + 1/dp times, the
+    gradients whole, the AdamW state 1/dp (the reduce-scatter's input, a copy
+    of the gradients made after the gathered parameters are freed, stays
+    below that). Until the forward ends FSDP also keeps its all-gather's
+    output, from which it copied the parameters: at the end of forward a rank
+    holds what it holds at the start of backward, less the gradients, and the
+    parameters once more; the peak is the larger of the two.
+  The first stage also holds the step's whole inputs (`input_bytes` a
+  microbatch), where the program counts one microbatch's.
+  Not counted: a collective implementation's own buffers (gloo's
+  reduce-scatter copies its input).
 """
 
 from __future__ import annotations
@@ -40,7 +69,6 @@ from tess_compile.analysis.cost_model import StepTime
 from tess_compile.analysis.memory import MemoryEstimate
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
-from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import split_example_inputs
 
 __all__ = [
@@ -62,12 +90,18 @@ log = logging.getLogger("tess_compile")
 @dataclass(frozen=True)
 class Outer:
     """The parallelism around a tensor-parallel group: data-parallel replicas, pipeline
-    stages, microbatches per step, and whether the optimizer state is sharded (ZeRO)."""
+    stages, microbatches per step, whether the optimizer state is sharded (ZeRO), and the
+    pipeline's schedule, "1f1b" or "gpipe" (the microbatches a stage holds; the same time)."""
 
     dp: int = 1
     pp: int = 1
     microbatches: int = 1
     zero: bool = False
+    schedule: str = "1f1b"
+
+    def __post_init__(self):
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule={self.schedule!r}: use '1f1b' or 'gpipe'")
 
 
 def repeated_blocks(model: nn.Module) -> nn.Module | None:
@@ -155,14 +189,14 @@ def dp_link_is_intra(cluster: Cluster, outer: Outer, tp: int) -> bool:
     return outer.dp * tp * outer.pp <= cluster.gpus_per_node
 
 
-def _dp_sync_seconds(cluster: Cluster, outer: Outer, tp: int, grad_bytes: int, tensors: int, alone: bool) -> float:
+def _dp_sync_seconds(cluster: Cluster, outer: Outer, tp: int, grad_bytes: int, tensors: int) -> float:
     """The data-parallel gradient sync: one all-reduce per parameter shard, as the runtime
-    reduces each gradient in backward (ZeRO: FSDP2's reduce-scatter and all-gather, bucketed: one);
-    `alone`: no mesh axis has the size of dp (`Cluster.lone_collectives`)."""
+    reduces each gradient in backward (ZeRO: FSDP2's reduce-scatter and all-gather, bucketed: one),
+    each on the data-parallel group alone (`Cluster.lone_collectives`; see the module docstring)."""
     intra = dp_link_is_intra(cluster, outer, tp)
     if outer.zero:
-        return cluster.collective_seconds("all_reduce", outer.dp, grad_bytes, intra, alone)
-    return tensors * cluster.collective_seconds("all_reduce", outer.dp, grad_bytes // tensors, intra, alone)
+        return cluster.collective_seconds("all_reduce", outer.dp, grad_bytes, intra, alone=True)
+    return tensors * cluster.collective_seconds("all_reduce", outer.dp, grad_bytes // tensors, intra, alone=True)
 
 
 def _sends_seconds(cluster: Cluster, outer: Outer, tp: int, block_bytes: int) -> float:
@@ -177,16 +211,15 @@ def _sends_seconds(cluster: Cluster, outer: Outer, tp: int, block_bytes: int) ->
 
 
 def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster,
-          block_bytes: int = 0, mesh: Mesh | None = None) -> tuple[StepTime, MemoryEstimate]:
+          block_bytes: int = 0, input_bytes: int = 0) -> tuple[StepTime, MemoryEstimate]:
     """The step time and per-rank memory of `outer` around a tensor-parallel program whose one
     microbatch costs `time` and `memory` (see the module docstring); `block_bytes`: this rank's
-    block of the activation at a stage boundary, for one microbatch; `mesh`: the program's (where
-    given, a dp size that none of its axes has prices the gradient sync at lone points)."""
+    block of the activation at a stage boundary, for one microbatch; `input_bytes`: the inputs of
+    one microbatch, as the program takes them (a pipeline's first stage holds the step's)."""
     slots = (outer.microbatches + outer.pp - 1) / outer.pp  # stage slots, each 1/pp of the program
     sends = _sends_seconds(cluster, outer, tp, block_bytes)
     grad_bytes = memory.grads // outer.pp
-    alone = mesh is not None and all(mesh.size(axis) != outer.dp for axis in AXES)
-    reduce_s = _dp_sync_seconds(cluster, outer, tp, grad_bytes, max(1, time.grad_tensors // outer.pp), alone)
+    reduce_s = _dp_sync_seconds(cluster, outer, tp, grad_bytes, max(1, time.grad_tensors // outer.pp))
     dp_bytes = grad_bytes if outer.dp > 1 else 0
     step = StepTime(
         forward_compute_s=time.forward_compute_s * slots,
@@ -201,15 +234,36 @@ def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster
         forward_ahead_s=time.forward_ahead_s * slots,
         call_s=time.call_s * (outer.microbatches + outer.pp - 1),  # a stage's program, called once a slot
     )
-    sharded_state = outer.dp if outer.zero else 1
-    in_flight = min(outer.pp, outer.microbatches)
+    return step, _held(memory, outer, block_bytes, input_bytes)
+
+
+def _held(memory: MemoryEstimate, outer: Outer, block_bytes: int, input_bytes: int = 0) -> MemoryEstimate:
+    """What the worst rank of `outer` holds at the start of a backward, by kind, and its step's
+    peak, from one microbatch's `memory` (see the module docstring)."""
+    shards = outer.dp if outer.zero else 1
+    in_flight = outer.microbatches if outer.schedule == "gpipe" else min(outer.pp, outer.microbatches)
+    buffers = 0 if outer.pp == 1 else ((2 if outer.pp > 2 else 1) * outer.microbatches + in_flight) * block_bytes
+    if outer.pp > 1:  # the first stage: the step's inputs, of which the program counts one microbatch's
+        buffers += (outer.microbatches - 1) * input_bytes
+    params = memory.params // outer.pp
     held = MemoryEstimate(
-        params=memory.params // outer.pp,
-        grads=memory.grads // (outer.pp * sharded_state),
-        optimizer=memory.optimizer // (outer.pp * sharded_state),
-        activations=memory.activations * in_flight // outer.pp,
+        params=params + (params // outer.dp if outer.zero else 0),  # ZeRO: gathered, and the shards
+        grads=memory.grads // outer.pp,  # ZeRO: whole until the reduce-scatter
+        optimizer=memory.optimizer // (outer.pp * shards),
+        activations=memory.activations * in_flight // outer.pp + buffers,
         transient=memory.transient,
     )
-    if memory.peak is not None:  # the peak moves by what the held parts move
-        held = replace(held, peak=memory.peak - memory.at_backward + held.at_backward)
-    return step, held
+    return held if memory.peak is None else replace(held, peak=_peak(memory, held, outer, in_flight))
+
+
+def _peak(memory: MemoryEstimate, held: MemoryEstimate, outer: Outer, in_flight: int) -> int:
+    """The peak of a rank that holds `held`: the program's, which comes in backward before its
+    gradients are complete, moved by what the other parts move, plus the gradients a backward
+    after the first runs over; ZeRO: at least the end of forward (see the module docstring)."""
+    accumulated = 0 if outer.microbatches == 1 else memory.grads // (outer.pp * (outer.dp if outer.zero else 1))
+    if in_flight == outer.microbatches:  # every microbatch in flight at the first backward: one fewer at the next
+        accumulated = max(0, accumulated - memory.activations // outer.pp)
+    peak = memory.peak + held.at_backward - held.grads - (memory.at_backward - memory.grads) + accumulated
+    if outer.zero:  # FSDP keeps its all-gather's output beside the parameters copied out of it
+        peak = max(peak, held.at_backward - held.grads + accumulated + memory.params // outer.pp)
+    return peak

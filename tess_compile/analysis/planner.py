@@ -44,6 +44,7 @@ from tess_compile.analysis.parallel_plan import (
 )
 from tess_compile.analysis.schedule_choice import ScheduleChoice, choose_schedule
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
+from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.options import AUTO, CompileOptions, renamed
 from tess_compile.core.program import describe_schedules
@@ -287,15 +288,16 @@ def plan(
         what = f"{mesh.mode} {mesh_label(mesh)}, dp {outer.dp}, pp {outer.pp}"
         log.info("plan: compiling %s for %s (%d of %d)", type(model).__name__, what, number, len(configs))
         report(number - 1, len(configs), what)
+        micro_inputs = inputs if micro in (None, batch) else microbatch_inputs(inputs, batch, micro)
         if (mesh, micro) not in evaluated:
-            micro_inputs = inputs if micro in (None, batch) else microbatch_inputs(inputs, batch, micro)
             flops = unsharded_flops if micro_inputs is inputs else functools.cache(
                 lambda x=micro_inputs: unsharded_forward_flops(model, x))
             evaluated[(mesh, micro)] = _evaluate(
                 model, micro_inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
                 keep_blocks=keep_blocks, recompute=recompute, unsharded_flops=flops)
         block = _stage_block(boundary, mesh, micro, batch) if outer.pp > 1 else 0
-        rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget, block))
+        held_inputs = sum(map(tensor_bytes, tensor_leaves(micro_inputs))) if outer.pp > 1 else 0
+        rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget, block, held_inputs))
     report(len(configs), len(configs), "")
     return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
 
@@ -336,12 +338,13 @@ def _stage_block(boundary: Callable[[], int], mesh: Mesh, micro: int | None, bat
     return share if mesh.mode == "1d" else share // mesh.num_ranks
 
 
-def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float, block_bytes: int = 0) -> PlanRow:
+def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float, block_bytes: int = 0,
+            input_bytes: int = 0) -> PlanRow:
     """`row` (one microbatch on its mesh) priced with `outer` around it (`block_bytes`: this rank's
-    block of the activation a pipeline stage sends)."""
+    block of the activation a pipeline stage sends; `input_bytes`: one microbatch's inputs)."""
     if row.time is None or outer == Outer():
         return replace(row, outer=outer)
-    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster, block_bytes, row.mesh)
+    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster, block_bytes, input_bytes)
     fits = memory.total <= budget
     if not fits:
         note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
