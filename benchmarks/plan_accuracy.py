@@ -1,14 +1,17 @@
 """The planner's predicted step time against measured, over 8 local gloo processes.
 
-A launch of 8 local processes first profiles this machine
+Each round, a launch of 8 local processes first profiles this machine
 (`tess_compile.profile_cluster`: every rank busy at once, so the profile
 holds the contention of 8 processes on this machine's cores); then, for three
 model sizes (a stack of GPT blocks, `benchmarks.paper_tables.Block`), a
 launch of its own trains each configuration the planner lists for 8 ranks,
 its products in the schedules summa="auto" picks on the profile (in one
 launch, the process groups and modules of earlier configurations slowed
-later ones by up to 2x); `--rounds` launches of every configuration in
-turn, the median taken, spread the machine's drift over all rows:
+later ones by up to 2x), and this process plans each configuration with
+`tess_compile.plan(..., cluster=profiled)`. A round's rows are priced by the
+profile taken just before them (one profile for a whole run had drifted up to
+15% from rows timed minutes later); the medians over `--rounds` rounds of
+the predicted and of the measured time are compared. The configurations:
 
 - 1-D p=8 (Megatron-LM), [2,2,2] in 2.5-D and in 3-D;
 - data parallel 2 x [2,2,1] (2-D) and 2 x 1-D p=4 (`shard(..., mesh=)`);
@@ -16,19 +19,17 @@ turn, the median taken, spread the machine's drift over all rows:
 
 A step is zero_grad, forward, backward of the mean square of this rank's
 output block, and AdamW; its time is the slowest rank's (a barrier before
-and after), the median over `--steps` steps after `--warmup`, and the median
-of that over the rounds. Then this process plans each configuration with
-`tess_compile.plan(..., cluster=profiled)` and prints predicted against
-measured per row, the mean absolute percentage error, Kendall's tau-b over
-the rows, and whether the predicted fastest row is within 10% of the
-measured fastest. `--summa all` runs (and plans) every configuration in
-every fixed schedule instead.
+and after), the median over `--steps` steps after `--warmup`. The table
+prints predicted against measured per row, the mean absolute percentage
+error, Kendall's tau-b over the rows, and whether the predicted fastest row
+is within 10% of the measured fastest. `--summa all` runs (and plans)
+every configuration in every fixed schedule instead.
 
     python3 benchmarks/plan_accuracy.py [--steps 5] [--warmup 2] [--rounds 3] [--sizes small,large]
                                         [--summa auto|all] [--quick] [--profile-out cluster.json]
 
-`--profile-out` writes the profiled cluster with `time_error`, the worst model's mean absolute
-error, which `tess-compile plan --cluster` reads to mark rows closer than it as ties.
+`--profile-out` writes the first round's profiled cluster with `time_error`, the worst model's
+mean absolute error, which `tess-compile plan --cluster` reads to mark rows closer than it as ties.
 
 `--quick` runs one tiny size and two configurations, one round, for the tests.
 """
@@ -157,19 +158,37 @@ def _config_worker(rank: int, world: int, size: dict, config: tuple, summa: str,
     return step_seconds(step, steps, warmup)
 
 
-def measure(sizes: dict, configs: list, steps: int, warmup: int, rounds: int, summa: str, cluster) -> dict:
+def measure(sizes: dict, configs: list, steps: int, warmup: int, summa: str, cluster) -> dict:
     """{(size, label, schedule): seconds}: each configuration in a launch of its own, so that
-    no process group or module of another configuration lingers beside it; `rounds` launches
-    of every one in turn, the median of their times."""
-    runs = [(size_name, config, schedule) for size_name in sizes for config in configs
-            for schedule in schedules_of(*config[1:4], summa)]
-    times: dict[tuple, list[float]] = {}
+    no process group or module of another configuration lingers beside it."""
+    times = {}
+    for size_name, size in sizes.items():
+        for config in configs:
+            for schedule in schedules_of(*config[1:4], summa):
+                args = (size, config, schedule, steps, warmup, cluster)
+                times[(size_name, config[0], schedule)] = run_local(
+                    _config_worker, WORLD, args=args, timeout_s=900, collective_timeout_s=600)[0]
+    return times
+
+
+def run_rounds(sizes: dict, configs: list, steps: int, warmup: int, rounds: int, summa: str):
+    """Each round: a profile, every configuration measured, and each predicted on that profile.
+    Returns the first profile, {key: median measured seconds} and {key: the StepTime of the round
+    whose predicted step time is the median (the lower one of an even count)}."""
+    profiles, measured, predicted = [], {}, {}
     for _ in range(rounds):
-        for size_name, config, schedule in runs:
-            args = (sizes[size_name], config, schedule, steps, warmup, cluster)
-            seconds = run_local(_config_worker, WORLD, args=args, timeout_s=900, collective_timeout_s=600)[0]
-            times.setdefault((size_name, config[0], schedule), []).append(seconds)
-    return {key: statistics.median(values) for key, values in times.items()}
+        cluster = run_local(_profile_worker, WORLD, timeout_s=600)[0]
+        profiles.append(cluster)
+        for key, seconds in measure(sizes, configs, steps, warmup, summa, cluster).items():
+            measured.setdefault(key, []).append(seconds)
+        for key, step in predict(sizes, configs, cluster, summa).items():
+            predicted.setdefault(key, []).append(step)
+    medians = {key: statistics.median(values) for key, values in measured.items()}
+    middle = {}
+    for key, steps_ in predicted.items():
+        low = statistics.median_low([step.step_s for step in steps_])
+        middle[key] = next(step for step in steps_ if step.step_s == low)
+    return profiles[0], medians, middle
 
 
 def predict(sizes: dict, configs: list, cluster, summa: str) -> dict:
@@ -239,7 +258,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3, help="launches of every configuration, in turn")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of a profile and a launch of every configuration")
     parser.add_argument("--summa", choices=("auto", "all"), default="auto",
                         help="auto: each configuration in the schedules auto picks; all: in every fixed schedule")
     parser.add_argument("--quick", action="store_true", help="one tiny size, two configurations (for the tests)")
@@ -255,11 +275,11 @@ def main(argv=None) -> int:
             parser.error(f"unknown size {unknown[0]!r}: use {', '.join(SIZES)}")
         sizes = {name: SIZES[name] for name in args.sizes.split(",")}
     start = time.perf_counter()
-    cluster = run_local(_profile_worker, WORLD, timeout_s=600)[0]
-    measured = measure(sizes, configs, args.steps, args.warmup, rounds, args.summa, cluster)
+    cluster, measured, predicted = run_rounds(sizes, configs, args.steps, args.warmup, rounds, args.summa)
     print(f"{WORLD} gloo processes on {os.cpu_count()} CPU cores; step: zero_grad, forward, backward, AdamW; "
-          f"median of {args.steps} steps after {args.warmup}, the slowest rank's; median of {rounds} launches")
-    summary = report(sizes, measured, predict(sizes, configs, cluster, args.summa))
+          f"median of {args.steps} steps after {args.warmup}, the slowest rank's; medians over {rounds} rounds, "
+          f"each priced on its own profile")
+    summary = report(sizes, measured, predicted)
     if args.profile_out:  # the profile with the error measured here: the planner marks closer rows as ties
         worst = max(mape for mape, _, _ in summary.values()) / 100
         dataclasses.replace(cluster, time_error=worst).save(args.profile_out)
