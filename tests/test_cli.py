@@ -233,8 +233,8 @@ def test_plan_prints_the_meshes_fastest_first(plan_dir):
 
 
 def test_plan_enumerates_data_and_pipeline_parallelism(plan_dir, monkeypatch, capsys):
-    """--dp/--pp auto: rows of (dp, pp, mode, mesh) whose ranks make the 64 GPUs; pp divides the 4 blocks."""
-    code, out, err = run_in_process(["plan", "plan_model.py:make_stack", "--gpus", "64", "--modes", "1d,2d,2.5d",
+    """--dp/--pp auto: rows of (dp, pp, mode, mesh) whose ranks make the 16 GPUs; pp divides the 4 blocks."""
+    code, out, err = run_in_process(["plan", "plan_model.py:make_stack", "--gpus", "16", "--modes", "1d,2d,2.5d",
                                      "--summa", "broadcast", "--keep-blocks", "off"], plan_dir, monkeypatch, capsys)
     assert code == 0, err
     rows = re.findall(r"^(1d|2d|2\.5d)\s+(\d+)\s+(\d+)\s+\[([\d, ]+)\]", out, re.MULTILINE)
@@ -242,9 +242,9 @@ def test_plan_enumerates_data_and_pipeline_parallelism(plan_dir, monkeypatch, ca
     for mode, dp, pp, mesh in rows:
         sides = [int(n) for n in mesh.split(",")]
         tp = sides[0] if mode == "1d" else sides[0] * sides[1] * sides[2]
-        assert int(dp) * int(pp) * tp == 64 and 4 % int(pp) == 0, out
+        assert int(dp) * int(pp) * tp == 16 and 4 % int(pp) == 0, out
         configs.add((int(dp), int(pp)))
-    assert {(1, 1), (2, 2), (16, 4), (2, 1), (1, 4)} <= configs, out
+    assert {(1, 1), (2, 2), (4, 4), (2, 1), (1, 4)} <= configs, out
 
 
 def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
