@@ -30,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
+from benchmarks.peak_memory import tracked_peak
 from tess_compile.analysis.decode_plan import at_shapes
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.generation.generate import _empty_cache, _step
@@ -46,18 +47,6 @@ def gpt2() -> GPT2LMHeadModel:
     config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=1,
                         eos_token_id=None)
     return GPT2LMHeadModel(config).eval()
-
-
-def tracked_peak(step, *external) -> int:
-    """The most bytes of tensors alive at once in one call of `step` under torch's `MemTracker`
-    (`external`: the modules and tensors made before it)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(*external)
-    with tracker:
-        step()
-    return max(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
 
 
 def _after_prefill(sharded, prefill, prompt: torch.Tensor):
@@ -87,7 +76,7 @@ def decode_peaks(rank: int, world: int, batch: int, cached: int, modes: list) ->
         with torch.no_grad():
             inputs, blocks, cache_shapes = _after_prefill(sharded, prefill, prompt)
             tracked = tracked_peak(functools.partial(_step, sharded, decode, inputs, blocks), sharded, *inputs,
-                                   *blocks[rank])
+                                   *blocks[rank], calls=1)
         predicted = predict_memory(at_shapes(decode, [x.shape for x in inputs] + cache_shapes)).total
         rows.append({"mode": mode, "mesh": str(sharded.mesh), "split": split, "tracked": tracked,
                      "predicted": predicted})

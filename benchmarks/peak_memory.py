@@ -68,15 +68,15 @@ def _model(size: dict):
     return model, x
 
 
-def tracked_peak(step, *external) -> int:
-    """The most bytes of tensors alive at once in two calls of `step`, under torch's `MemTracker`
+def tracked_peak(step, *external, calls: int = 2) -> int:
+    """The most bytes of tensors alive at once in `calls` calls of `step`, under torch's `MemTracker`
     (`external`: the modules, optimizers and tensors made before it)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(*external)
     with tracker:
-        for _ in range(2):
+        for _ in range(calls):
             tracker.reset_mod_stats()  # the tracker refuses a module's second call otherwise
             step()
     return max(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
