@@ -4,8 +4,10 @@ module's DTensor output.
 A layout maps one-to-one onto DTensor placements on the `(depth, row, col)`
 mesh; a grouped split `S(dim, g)` is DTensor's `_StridedShard`. `local_tensors`
 gives the per-rank program its parameters' local tensors through one autograd
-node per call. `full_tensor` gathers an output in one all-gather over all
-ranks, under the module's timeout.
+node per call, whose backward puts their gradients into `.grad` itself where
+autograd's AccumulateGrad would only store or add them (a gradient shared with
+another tensor is copied first). `full_tensor` gathers an output in one
+all-gather over all ranks, under the module's timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.runtime.groups import world_of
 
 __all__ = [
+    "claim_output_gradient",
     "contiguous_stride",
     "full_tensor",
     "layout_of",
@@ -80,9 +83,11 @@ def local_tensors(values: Sequence) -> list:
     """`values`, each DTensor as its local tensor (the very storage: copying into it loads the DTensor).
 
     Where grad mode is on, the local tensors of the DTensors that require grad come from one
-    autograd node, whose backward gives each DTensor its gradient as `DTensor.to_local()`'s
-    does: a DTensor of its global shape and placements (Partial ones as Replicate). `to_local()`
-    makes one node per DTensor and validates a new spec per gradient.
+    autograd node. Its backward gives each DTensor the gradient `DTensor.to_local()`'s would: a
+    DTensor of its global shape and placements (Partial ones as Replicate), accumulated into
+    `.grad` as autograd's AccumulateGrad would (`_accumulate`), or handed to autograd where
+    something else must see it. `to_local()` makes one node per DTensor and validates a new
+    spec per gradient; torch's AccumulateGrad dispatches a DTensor `detach` per gradient.
     """
     out = list(values)
     tracked = []  # positions of the DTensors that require grad (grad mode on)
@@ -100,7 +105,8 @@ def local_tensors(values: Sequence) -> list:
 
 
 class _LocalTensors(torch.autograd.Function):
-    """DTensors' local tensors; backward: each gradient as a DTensor with its DTensor's spec."""
+    """DTensors' local tensors; backward: each gradient as a DTensor with its DTensor's spec,
+    accumulated into a leaf's `.grad` here where autograd's AccumulateGrad would do just that."""
 
     @staticmethod
     def forward(ctx, *dtensors):
@@ -111,8 +117,103 @@ class _LocalTensors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        make = DTensor if torch.compiler.is_compiling() else None
-        return tuple(None if grad is None else _as_gradient(grad, spec, make) for grad, spec in zip(grads, ctx.specs))
+        if torch.compiler.is_compiling():  # compiled autograd traces this: DTensor's own constructor
+            return tuple(None if g is None else _as_gradient(g, spec, DTensor) for g, spec in zip(grads, ctx.specs))
+        leaves = _accumulating_leaves(ctx)
+        if leaves is None:  # nothing accumulates: the gradients are returned or recorded
+            return tuple(None if g is None else _as_gradient(g, spec) for g, spec in zip(grads, ctx.specs))
+        claimed = _claimed()
+        out = []
+        for grad, spec, leaf in zip(grads, ctx.specs, leaves):
+            if grad is None:
+                out.append(None)
+                continue
+            if not _owned(grad, claimed):
+                grad = grad.clone()  # another gradient, or a tensor alive elsewhere, shares its memory
+            claimed.add(id(grad))
+            out.append(None if leaf is not None and _accumulate(leaf, grad, spec) else _as_gradient(grad, spec))
+        return tuple(out)
+
+
+_ACCUMULATE_GRAD = type(torch.empty(0, requires_grad=True).view_as(torch.empty(0)).grad_fn.next_functions[0][0])
+
+
+def _accumulating_leaves(ctx) -> list | None:
+    """For each input of the node `ctx`, the leaf whose `.grad` this backward accumulates its gradient
+    into, or None (a non-leaf input, a leaf outside `backward(inputs=...)`). None for all where no
+    `.grad` takes a gradient as it is: under `create_graph` (recorded) and `torch.autograd.grad`."""
+    if torch.is_grad_enabled():
+        return None
+    leaves = []
+    for node, _ in ctx.next_functions:
+        if type(node) is not _ACCUMULATE_GRAD:
+            leaves.append(None)
+            continue
+        try:
+            executes = torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # raised for a leaf under torch.autograd.grad, which accumulates nothing
+            return None
+        leaves.append(node.variable if executes else None)
+    return leaves
+
+
+# Per running backward (autograd's graph task id): the ids of the gradients that a `.grad` took
+# (`_LocalTensors`) or that entered a program from outside, at an output (`claim_output_gradient`).
+# A `.grad` takes none of them, nor a view of one. The newest few backwards are kept (several can
+# run at once, from threads).
+_CLAIMS: dict[int, set[int]] = {}
+_MAX_CLAIMS = 8
+
+
+def _claimed() -> set[int]:
+    task = torch._C._current_graph_task_id()
+    ids = _CLAIMS.get(task)
+    if ids is None:
+        if len(_CLAIMS) >= _MAX_CLAIMS:
+            del _CLAIMS[min(_CLAIMS)]
+        ids = _CLAIMS[task] = set()
+    return ids
+
+
+def claim_output_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """Mark `grad`, the gradient of a program's output, as not autograd's own to give away: a
+    parameter's gradient that is `grad` itself or a view of it (an output that is a parameter plus
+    something) is copied before a `.grad` takes it. The caller may hold `grad` and use it again."""
+    _claimed().add(id(grad))
+    return grad
+
+
+def _owned(grad: torch.Tensor, claimed: set[int]) -> bool:
+    """Whether `.grad` may take `grad` and add to it in place later: no other tensor uses its storage
+    (but a view's base, which autograd keeps alive), and neither it nor its base is claimed. (torch's
+    AccumulateGrad counts the references to the gradient alone, so two overlapping views of one
+    gradient can become two leaves' `.grad`.) Counted: the storage object made here, `grad`, a base."""
+    if id(grad) in claimed:
+        return False
+    if grad._is_view():
+        return torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 3 and id(grad._base) not in claimed
+    return torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2
+
+
+def _accumulate(leaf: torch.Tensor, grad: torch.Tensor, spec: DTensorSpec) -> bool:
+    """Accumulate `grad` (owned: `_owned`) into the DTensor leaf's `.grad`, as AccumulateGrad would
+    without grad mode: `.grad` takes it (in the leaf's local strides), or it is added in place. False,
+    and nothing done, where AccumulateGrad must see it: the leaf has hooks (autograd calls them around
+    the accumulation) or a `.grad` of other placements. A hook on the leaf's AccumulateGrad node still
+    runs, after this: autograd calls that node with no gradient, and `.grad` is already in place."""
+    if leaf._backward_hooks or leaf._post_accumulate_grad_hooks:
+        return False
+    held = leaf.grad
+    if held is None:
+        local = leaf._local_tensor
+        if grad.stride() != local.stride() and grad.numel() > 1:
+            grad = torch.empty_like(local).copy_(grad)  # the gradient layout contract: the parameter's strides
+        leaf.grad = _as_gradient(grad, spec)
+        return True
+    if type(held) is DTensor and held._spec.placements == _gradient_spec(spec, grad).placements:
+        held._local_tensor.add_(grad)
+        return True
+    return False
 
 
 # (id(spec), local gradient's shape, stride, dtype) -> (spec, its gradients' spec).
@@ -125,23 +226,28 @@ _MAX_GRAD_SPECS = 4096
 _new_dtensor = DTensor.__new__
 
 
-def _as_gradient(grad: torch.Tensor, spec: DTensorSpec, make=None) -> DTensor:
-    """`grad`, the gradient of the local tensor of a DTensor of `spec`, as that DTensor's gradient,
-    with the spec `to_local()`'s backward gives it. The spec is built once per DTensor and gradient
-    stride and shared by its gradients (never the DTensor's own spec, as in torch): nothing is
-    validated again, and DTensor's sharding cache finds it by identity."""
+def _gradient_spec(spec: DTensorSpec, grad: torch.Tensor) -> DTensorSpec:
+    """The spec of the gradient `grad` of the local tensor of a DTensor of `spec`, as `to_local()`'s
+    backward gives it; built once per DTensor and gradient stride and shared by its gradients (never
+    the DTensor's own spec, as in torch): nothing is validated again, and DTensor's sharding cache
+    finds it by identity."""
     key = (id(spec), grad.shape, grad.stride(), grad.dtype)
     known = _GRAD_SPECS.get(key)
     if known is None:
         if len(_GRAD_SPECS) >= _MAX_GRAD_SPECS:
             _GRAD_SPECS.clear()
         known = _GRAD_SPECS[key] = (spec, _grad_spec(spec, grad))  # holding `spec` keeps its id unique
-    # `grad` itself as the local tensor (torch's `from_local` makes a view): a gradient gets no
-    # autograd metadata written into it, and AccumulateGrad stores a detached copy of this DTensor.
-    # `make`: DTensor's own constructor where Dynamo traces this (compiled autograd).
+    return known[1]
+
+
+def _as_gradient(grad: torch.Tensor, spec: DTensorSpec, make=None) -> DTensor:
+    """`grad`, the gradient of the local tensor of a DTensor of `spec`, as that DTensor's gradient
+    (`_gradient_spec`), `grad` itself its local tensor (torch's `from_local` makes a view): a
+    gradient gets no autograd metadata written into it, and AccumulateGrad stores a detached copy
+    of this DTensor. `make`: DTensor's own constructor where Dynamo traces this (compiled autograd)."""
     if make is not None:
-        return make(grad, known[1], requires_grad=grad.requires_grad)
-    return _new_dtensor(DTensor, grad, known[1], requires_grad=grad.requires_grad)
+        return make(grad, _gradient_spec(spec, grad), requires_grad=grad.requires_grad)
+    return _new_dtensor(DTensor, grad, _gradient_spec(spec, grad), requires_grad=grad.requires_grad)
 
 
 def _grad_spec(spec: DTensorSpec, grad: torch.Tensor) -> DTensorSpec:
@@ -188,7 +294,7 @@ class _AsOutput(torch.autograd.Function):
             target = DTensorSpec(spec.mesh, placements, tensor_meta=grad._spec.tensor_meta)
             return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
         # torch returns `grad.to_local()`: a view of the same storage, recorded only for double backward
-        return (grad.to_local() if torch.is_grad_enabled() else grad._local_tensor), None
+        return claim_output_gradient(grad.to_local() if torch.is_grad_enabled() else grad._local_tensor), None
 
 
 def full_tensor(x):

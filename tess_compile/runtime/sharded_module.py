@@ -32,7 +32,14 @@ from tess_compile.ops.recompute_region import RecomputeRegion
 from tess_compile.runtime import state
 from tess_compile.runtime.consistency import check_same_inputs, check_same_model
 from tess_compile.runtime.dist_comm import DistComm
-from tess_compile.runtime.dtensors import contiguous_stride, gather_blocks, output_dtensor, output_spec, placements_of
+from tess_compile.runtime.dtensors import (
+    claim_output_gradient,
+    contiguous_stride,
+    gather_blocks,
+    output_dtensor,
+    output_spec,
+    placements_of,
+)
 from tess_compile.runtime.groups import (
     DEFAULT_TIMEOUT,
     check_device_mesh,
@@ -182,6 +189,8 @@ class ShardedModule(ModeModule):
         """An output as the DTensor of its global `shape`: this rank's true block of it
         (`DTensor.from_local`'s DTensor, its spec made once per layout, shape and dtype)."""
         if not self.wrap_outputs or layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(claim_output_gradient)  # its gradient comes from outside the program
             return out
         key = (layout, tuple(shape), out.dtype)
         known = self._output_specs.get(key)
