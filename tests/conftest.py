@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # `from models import ...` and `from conftest import ...` in the test files.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -16,8 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import MESHES  # noqa: F401  (re-exported for the tests)
 
 import tess_compile
-from tess_compile.passes.observers import add_pass_observer, remove_pass_observer
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
+from tess_compile.passes.observers import add_pass_observer, remove_pass_observer
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +31,30 @@ def _deterministic():
     yield
     torch.backends.cuda.matmul.allow_tf32 = old[0]
     _set_cudnn_tf32(old[1])
+
+
+@pytest.fixture
+def fake_mesh():
+    """A `(2, 2, 2)` DeviceMesh named like the runtime's, on torch's fake process group (a world of 8
+    in this process, no data moved)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        yield init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("depth", "row", "col"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of this one process."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _set_cudnn_tf32(value: bool) -> None:

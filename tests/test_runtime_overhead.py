@@ -31,7 +31,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tess_compile
 from tess_compile.core.collective_table import in_rank_order
@@ -46,17 +45,6 @@ from tess_compile.runtime.dist_comm import DistComm
 from tess_compile.runtime.dtensors import local_tensors, output_dtensor, output_spec
 from tess_compile.runtime.launch import run_local
 from tess_compile.runtime.sharded_module import eager_graph
-
-
-@pytest.fixture
-def fake_mesh():
-    """A `(2, 2, 2)` DeviceMesh named like the runtime's, on torch's fake process group."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    try:
-        yield init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("depth", "row", "col"))
-    finally:
-        dist.destroy_process_group()
-
 
 PLACEMENTS = [
     (Replicate(), Shard(0), Shard(1)),
@@ -117,15 +105,6 @@ def test_local_tensors_without_grad(fake_mesh):
         locals_ = local_tensors(params)
     for local, param in zip(locals_, params):  # the storage itself: copying into it loads the parameter
         assert local.grad_fn is None and local.data_ptr() == param._local_tensor.data_ptr()
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_world_of_one_trains_exactly(world_of_one):

@@ -12,6 +12,8 @@ all-gather over all ranks, under the module's timeout.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -122,15 +124,15 @@ class _LocalTensors(torch.autograd.Function):
         leaves = _accumulating_leaves(ctx)
         if leaves is None:  # nothing accumulates: the gradients are returned or recorded
             return tuple(None if g is None else _as_gradient(g, spec) for g, spec in zip(grads, ctx.specs))
-        claimed = _claimed()
+        claimed, views = _claimed(), _views_by_base(grads)
         out = []
         for grad, spec, leaf in zip(grads, ctx.specs, leaves):
             if grad is None:
                 out.append(None)
                 continue
-            if not _owned(grad, claimed):
+            if not _owned(grad, claimed, views):
                 grad = grad.clone()  # another gradient, or a tensor alive elsewhere, shares its memory
-            claimed.add(id(grad))
+            _claim(claimed, grad)
             out.append(None if leaf is not None and _accumulate(leaf, grad, spec) else _as_gradient(grad, spec))
         return tuple(out)
 
@@ -157,42 +159,76 @@ def _accumulating_leaves(ctx) -> list | None:
     return leaves
 
 
-# Per running backward (autograd's graph task id): the ids of the gradients that a `.grad` took
-# (`_LocalTensors`) or that entered a program from outside, at an output (`claim_output_gradient`).
-# A `.grad` takes none of them, nor a view of one. The newest few backwards are kept (several can
-# run at once, from threads).
-_CLAIMS: dict[int, set[int]] = {}
+# Per running backward (autograd's graph task id): the gradients that a `.grad` took
+# (`_LocalTensors`) or that entered a program from outside, at an output (`claim_output_gradient`),
+# by id, each with a weak reference (an id is unique only while its tensor lives). A `.grad` takes
+# none of them, nor a view of one. The newest few backwards are kept (several can run at once).
+_CLAIMS: dict[int, dict[int, weakref.ref]] = {}
 _MAX_CLAIMS = 8
 
 
-def _claimed() -> set[int]:
+def _claimed() -> dict[int, weakref.ref]:
     task = torch._C._current_graph_task_id()
-    ids = _CLAIMS.get(task)
-    if ids is None:
+    claimed = _CLAIMS.get(task)
+    if claimed is None:
         if len(_CLAIMS) >= _MAX_CLAIMS:
             del _CLAIMS[min(_CLAIMS)]
-        ids = _CLAIMS[task] = set()
-    return ids
+        claimed = _CLAIMS[task] = {}
+    return claimed
+
+
+def _claim(claimed: dict[int, weakref.ref], tensor: torch.Tensor) -> None:
+    claimed[id(tensor)] = weakref.ref(tensor)
+
+
+def _is_claimed(claimed: dict[int, weakref.ref], tensor: torch.Tensor) -> bool:
+    ref = claimed.get(id(tensor))
+    return ref is not None and ref() is tensor
 
 
 def claim_output_gradient(grad: torch.Tensor) -> torch.Tensor:
     """Mark `grad`, the gradient of a program's output, as not autograd's own to give away: a
     parameter's gradient that is `grad` itself or a view of it (an output that is a parameter plus
     something) is copied before a `.grad` takes it. The caller may hold `grad` and use it again."""
-    _claimed().add(id(grad))
+    _claim(_claimed(), grad)
     return grad
 
 
-def _owned(grad: torch.Tensor, claimed: set[int]) -> bool:
-    """Whether `.grad` may take `grad` and add to it in place later: no other tensor uses its storage
-    (but a view's base, which autograd keeps alive), and neither it nor its base is claimed. (torch's
-    AccumulateGrad counts the references to the gradient alone, so two overlapping views of one
-    gradient can become two leaves' `.grad`.) Counted: the storage object made here, `grad`, a base."""
-    if id(grad) in claimed:
+def _views_by_base(grads: Sequence) -> dict[int, int]:
+    """For the bases of the gradients that are views: id(base) -> how many of `grads` are views of it,
+    0 where two of them overlap (a gradient bucket's pieces are views of one buffer that do not)."""
+    groups: dict[int, list] = {}
+    for grad in grads:
+        if grad is not None and grad._is_view():
+            groups.setdefault(id(grad._base), []).append(grad)
+    return {base: len(views) if len(views) == 1 or _disjoint(views) else 0 for base, views in groups.items()}
+
+
+def _disjoint(views: list[torch.Tensor]) -> bool:
+    """Whether the views' spans of their storage (first element to last) are pairwise apart (one view
+    listed twice is not apart from itself)."""
+    spans = []
+    for view in views:
+        if view.numel():
+            last = view.storage_offset() + sum((size - 1) * step for size, step in zip(view.shape, view.stride()))
+            spans.append((view.storage_offset(), last))
+    spans.sort()
+    return all(end < start for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def _owned(grad: torch.Tensor, claimed: dict[int, weakref.ref], views: dict[int, int]) -> bool:
+    """Whether `.grad` may take `grad` and add to it in place later: no other tensor uses its storage,
+    but a view's base (which autograd keeps alive) and other views of it among this node's gradients
+    that do not overlap it (`views`), and neither it nor its base is claimed. (torch's AccumulateGrad
+    counts the references to the gradient alone, so two overlapping views of one gradient can become
+    two leaves' `.grad`.) Counted: the storage object made here, `grad`, a base and its views."""
+    if _is_claimed(claimed, grad):
         return False
-    if grad._is_view():
-        return torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 3 and id(grad._base) not in claimed
-    return torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2
+    uses = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
+    if not grad._is_view():
+        return uses == 2
+    base = grad._base
+    return views[id(base)] > 0 and uses == views[id(base)] + 2 and not _is_claimed(claimed, base)
 
 
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor, spec: DTensorSpec) -> bool:
