@@ -26,8 +26,11 @@ DTensor. Three sections, each one launch of `tess_compile.run_local`:
    ops), and the runtime's microseconds per op beyond the unsharded eager
    step. A last, reference row runs the tess program's per-rank graph alone,
    on plain leaf copies of its parameters: the step without the runtime
-   around the graph (DTensor parameters and gradients, inputs, output). `--profile` prints cProfile's heaviest functions of the tess eager
-   step.
+   around the graph (DTensor parameters and gradients, inputs, output). A line after the table gives
+   the parameters' node alone (`dtensors.local_tensors`, which hands the graph the parameters' local
+   tensors and puts their gradients into `.grad`): the step of that node and a loss of one product
+   per parameter, less the same loss on plain leaf copies, per parameter. `--profile` prints
+   cProfile's heaviest functions of the tess eager step.
 2. **Per collective** (8 gloo processes, mesh `[2,2,2]`): each collective of
    the per-rank graph on a `[batch, seq, hidden]` block, `--calls` times, as
    three nested layers: the torch.distributed call(s) alone (timed inside
@@ -81,6 +84,7 @@ from benchmarks.paper_tables import Block
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import COLLECTIVE_OPS, EAGER_TARGETS, use_comm
 from tess_compile.runtime.dist_comm import DistComm
+from tess_compile.runtime.dtensors import local_tensors
 from tess_compile.runtime.launch import run_local
 
 SIZES = {"layers": 4, "hidden": 32, "heads": 4, "batch": 4, "seq": 8}
@@ -160,6 +164,23 @@ class GraphRunner(Runner):
         out.square().mean().backward()
 
 
+class NodeRunner(Runner):
+    """The parameters' node alone: a sharded module's DTensor parameters through `local_tensors` (or,
+    `plain`, leaf copies of their local tensors as they are), and a loss of one product each (whose
+    gradients are fresh tensors, as a graph's mostly are)."""
+
+    def __init__(self, sharded: nn.Module, plain: bool):
+        params = list(sharded.parameters())
+        self.params = [p.to_local().detach().clone().requires_grad_() for p in params] if plain else params
+        self.scales = [torch.full_like(p.to_local(), 0.5) for p in params]
+        self.locals = (lambda xs: xs) if plain else local_tensors
+
+    def step(self) -> None:
+        for param in self.params:
+            param.grad = None
+        sum((x * scale).sum() for x, scale in zip(self.locals(self.params), self.scales)).backward()
+
+
 def _time_rows(runners: list[Runner], rounds: int, steps: int, warmup: int, barrier: bool) -> list[list[float]]:
     """Warm every row up, then `rounds` rounds of `steps` steps of each row in turn; seconds per step."""
     for runner in runners:
@@ -198,6 +219,10 @@ def _world_of_one(rank: int, world_size: int, sizes: dict, repeats: dict, compil
     rows["per-rank graph alone"] = None
     times = _time_rows(runners, repeats["rounds"], repeats["steps"], repeats["warmup"], barrier=False)
     result = {"rows": list(rows), "times": times, "ops": _num_ops(tess), "collectives": _num_collectives(tess)}
+    node, plain = _time_rows([NodeRunner(tess, plain=False), NodeRunner(tess, plain=True)], repeats["rounds"],
+                             repeats["steps"], repeats["warmup"], barrier=False)
+    result["num_params"] = len(list(tess.parameters()))
+    result["node_us_per_param"] = (statistics.median(node) - statistics.median(plain)) * 1e6 / result["num_params"]
     if profile:
         result["profile"] = _profile(runners[list(rows).index("tess eager")], repeats["steps"] * repeats["rounds"])
     return result
@@ -245,6 +270,9 @@ def print_world_of_one(result: dict, sizes: dict, repeats: dict) -> list[dict]:
         rows.append({"configuration": name, "ms_per_step": seconds * 1e3, "vs_eager": seconds / eager,
                      "vs_compiled": seconds / compiled if compiled else None, "host_us_per_op": seconds * 1e6 / ops,
                      "runtime_us_per_op": extra})
+    print(f"\nThe parameters' node alone (`local_tensors`, forward and backward, the {result['num_params']} DTensor "
+          f"parameters against plain leaf copies, a loss of one product each): "
+          f"{result['node_us_per_param']:.1f} us a parameter")
     if "profile" in result:
         print("\ncProfile of the tess eager step (own time):\n")
         print(result["profile"])
@@ -483,6 +511,7 @@ def main(argv=None) -> int:
         one = run_local(_world_of_one, 1, args=(sizes, repeats, compiled, args.profile), timeout_s=3600,
                         collective_timeout_s=600)[0]
         record["world_of_one"] = print_world_of_one(one, sizes, repeats)
+        record["parameters_node_us_per_param"] = one["node_us_per_param"]
     if "collectives" in sections:
         per_rank = run_local(_collectives, 8, args=(sizes, repeats["calls"]), timeout_s=1800,
                              collective_timeout_s=600)

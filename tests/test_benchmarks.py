@@ -91,11 +91,13 @@ def test_overhead_benchmark_runs(capsys, tmp_path):
     assert bench.main(["--quick", "--out", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| tess eager |" in table and "0 collectives" in table and "| per-rank graph alone |" in table
+    assert "The parameters' node alone" in table
     assert "| all_gather along col |" in table and "not measured: --quick or --no-compile" in table
     record = json.loads(out.read_text())
     assert [row["configuration"] for row in record["world_of_one"]] == ["unsharded eager", "tess eager",
                                                                         "per-rank graph alone"]
     assert len(record["collectives"]) == len(bench.COLLECTIVE_CASES) and record["compiled_222"] == []
+    assert isinstance(record["parameters_node_us_per_param"], float)
 
 
 def test_gpu_check_skips_without_cuda_and_dry_runs_on_cpu(capsys, tmp_path):
