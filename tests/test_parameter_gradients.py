@@ -89,8 +89,8 @@ def test_strided_gradient_takes_the_parameter_layout(fake_mesh):
 def test_hooks_and_autograd_grad_see_the_gradients(fake_mesh):
     """Where autograd must see a gradient, it gets one: a tensor hook and a post-accumulate hook
     fire with DTensor gradients, a hook on the AccumulateGrad node fires with `.grad` in place,
-    `torch.autograd.grad` returns the gradients, `backward(inputs=...)` fills only those, and under
-    `create_graph` the gradients are recorded."""
+    `torch.autograd.grad` returns the gradients, `backward(inputs=...)` fills only those, under
+    `create_graph` the gradients are recorded, and a parameter frozen after forward gets none."""
     params = _params(fake_mesh, 3)
     seen = []
     params[0].register_hook(lambda grad: seen.append(("hook", type(grad))))
@@ -116,6 +116,12 @@ def test_hooks_and_autograd_grad_see_the_gradients(fake_mesh):
 
     (grad,) = torch.autograd.grad((local_tensors(fresh[:1])[0] ** 2).sum(), fresh[:1], create_graph=True)
     assert grad.requires_grad and torch.equal(grad.to_local(), 2 * fresh[0].to_local())
+
+    frozen = _params(fake_mesh, 1)  # frozen between forward and backward: AccumulateGrad drops its gradient
+    loss = (local_tensors(frozen)[0] * WEIGHT).sum()
+    frozen[0].requires_grad_(False)
+    loss.backward()
+    assert frozen[0].grad is None
 
 
 class _Offset(nn.Module):

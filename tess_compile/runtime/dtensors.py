@@ -235,9 +235,10 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor, spec: DTensorSpec) -> bo
     """Accumulate `grad` (owned: `_owned`) into the DTensor leaf's `.grad`, as AccumulateGrad would
     without grad mode: `.grad` takes it (in the leaf's local strides), or it is added in place. False,
     and nothing done, where AccumulateGrad must see it: the leaf has hooks (autograd calls them around
-    the accumulation) or a `.grad` of other placements. A hook on the leaf's AccumulateGrad node still
-    runs, after this: autograd calls that node with no gradient, and `.grad` is already in place."""
-    if leaf._backward_hooks or leaf._post_accumulate_grad_hooks:
+    the accumulation), no longer requires grad (AccumulateGrad drops the gradient), or has a `.grad`
+    of other placements. A hook on the leaf's AccumulateGrad node still runs, after this: autograd
+    calls that node with no gradient, and `.grad` is already in place."""
+    if leaf._backward_hooks or leaf._post_accumulate_grad_hooks or not leaf.requires_grad:
         return False
     held = leaf.grad
     if held is None:
