@@ -124,13 +124,13 @@ class _LocalTensors(torch.autograd.Function):
         leaves = _accumulating_leaves(ctx)
         if leaves is None:  # nothing accumulates: the gradients are returned or recorded
             return tuple(None if g is None else _as_gradient(g, spec) for g, spec in zip(grads, ctx.specs))
-        claimed, views = _claimed(), _views_by_base(grads)
+        claimed, (bases, views) = _claimed(), _view_bases(grads)
         out = []
-        for grad, spec, leaf in zip(grads, ctx.specs, leaves):
+        for grad, base, spec, leaf in zip(grads, bases, ctx.specs, leaves):
             if grad is None:
                 out.append(None)
                 continue
-            if not _owned(grad, claimed, views):
+            if not _owned(grad, base, claimed, views):
                 grad = grad.clone()  # another gradient, or a tensor alive elsewhere, shares its memory
             _claim(claimed, grad)
             out.append(None if leaf is not None and _accumulate(leaf, grad, spec) else _as_gradient(grad, spec))
@@ -194,14 +194,17 @@ def claim_output_gradient(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _views_by_base(grads: Sequence) -> dict[int, int]:
-    """For the bases of the gradients that are views: id(base) -> how many of `grads` are views of it,
-    0 where two of them overlap (a gradient bucket's pieces are views of one buffer that do not)."""
-    groups: dict[int, list] = {}
+def _view_bases(grads: Sequence) -> tuple[list, dict[int, int]]:
+    """Each gradient's base (None where it is not a view), and for each base, id(base) -> how many of
+    `grads` are views of it, 0 where two of them overlap (a gradient bucket's pieces are views of one
+    buffer that do not)."""
+    bases, groups = [], {}
     for grad in grads:
-        if grad is not None and grad._is_view():
-            groups.setdefault(id(grad._base), []).append(grad)
-    return {base: len(views) if len(views) == 1 or _disjoint(views) else 0 for base, views in groups.items()}
+        base = grad._base if grad is not None and grad._is_view() else None
+        bases.append(base)
+        if base is not None:
+            groups.setdefault(id(base), []).append(grad)
+    return bases, {key: len(views) if len(views) == 1 or _disjoint(views) else 0 for key, views in groups.items()}
 
 
 def _disjoint(views: list[torch.Tensor]) -> bool:
@@ -216,18 +219,18 @@ def _disjoint(views: list[torch.Tensor]) -> bool:
     return all(end < start for (_, end), (start, _) in itertools.pairwise(spans))
 
 
-def _owned(grad: torch.Tensor, claimed: dict[int, weakref.ref], views: dict[int, int]) -> bool:
+def _owned(grad: torch.Tensor, base: torch.Tensor | None, claimed: dict[int, weakref.ref],
+           views: dict[int, int]) -> bool:
     """Whether `.grad` may take `grad` and add to it in place later: no other tensor uses its storage,
-    but a view's base (which autograd keeps alive) and other views of it among this node's gradients
-    that do not overlap it (`views`), and neither it nor its base is claimed. (torch's AccumulateGrad
+    but its base if it is a view (which autograd keeps alive) and other views of that base among this
+    node's gradients that do not overlap it (`views`), and neither it nor its base is claimed. (torch's AccumulateGrad
     counts the references to the gradient alone, so two overlapping views of one gradient can become
     two leaves' `.grad`.) Counted: the storage object made here, `grad`, a base and its views."""
     if _is_claimed(claimed, grad):
         return False
     uses = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
-    if not grad._is_view():
+    if base is None:
         return uses == 2
-    base = grad._base
     return views[id(base)] > 0 and uses == views[id(base)] + 2 and not _is_claimed(claimed, base)
 
 
