@@ -119,7 +119,9 @@ class _LocalTensors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if torch.compiler.is_compiling():  # compiled autograd traces this: DTensor's own constructor
+        if not isinstance(ctx, torch.autograd.function.BackwardCFunction) or torch.compiler.is_compiling():
+            # Compiled autograd runs this in its own graph, with a stand-in `ctx` (and Dynamo may trace
+            # it): the gradients go to its AccumulateGrad, as DTensors of DTensor's own constructor.
             return tuple(None if g is None else _as_gradient(g, spec, DTensor) for g, spec in zip(grads, ctx.specs))
         leaves = _accumulating_leaves(ctx)
         if leaves is None:  # nothing accumulates: the gradients are returned or recorded
@@ -284,7 +286,7 @@ def _as_gradient(grad: torch.Tensor, spec: DTensorSpec, make=None) -> DTensor:
     """`grad`, the gradient of the local tensor of a DTensor of `spec`, as that DTensor's gradient
     (`_gradient_spec`), `grad` itself its local tensor (torch's `from_local` makes a view): a
     gradient gets no autograd metadata written into it, and AccumulateGrad stores a detached copy
-    of this DTensor. `make`: DTensor's own constructor where Dynamo traces this (compiled autograd)."""
+    of this DTensor. `make`: DTensor's own constructor, for compiled autograd (which Dynamo may trace)."""
     if make is not None:
         return make(grad, _gradient_spec(spec, grad), requires_grad=grad.requires_grad)
     return _new_dtensor(DTensor, grad, _gradient_spec(spec, grad), requires_grad=grad.requires_grad)
