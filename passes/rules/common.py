@@ -37,6 +37,7 @@ __all__ = [
     "get_arg",
     "is_narrow_projection",
     "is_one",
+    "is_dtype_cast",
     "is_param",
     "is_param_or_transpose",
     "layout_of",
@@ -103,14 +104,27 @@ def get_arg(node: Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def is_dtype_cast(node: Node) -> bool:
+    """A cast to another dtype and nothing else: `x.to(torch.float32)` (`to.dtype`), or autocast's
+    (`_to_copy`, written by `tess_compile.passes.autocast_casts`)."""
+    if node.op != "call_function":
+        return False
+    if node.target is aten.to.dtype:
+        return len(node.args) == 2 and not node.kwargs
+    return node.target is aten._to_copy.default and len(node.args) == 1 and set(node.kwargs) <= {"dtype"}
+
+
 def is_param(node: Node) -> bool:
+    """A parameter, or a dtype cast of one."""
+    while is_dtype_cast(node):
+        node = node.args[0]
     return node.op == "placeholder" and ROLE.get(node, ("",))[0] == "param"
 
 
 def is_param_or_transpose(node: Node) -> bool:
-    """A parameter, or a transpose of one (`x @ W.T`)."""
-    while node.op == "call_function" and node.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
-                                                          aten.permute.default):
+    """A parameter, or a transpose (`x @ W.T`) or dtype cast of one."""
+    while is_dtype_cast(node) or (node.op == "call_function" and node.target in (
+            aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default)):
         node = node.args[0]
     return is_param(node)
 

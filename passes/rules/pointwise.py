@@ -27,6 +27,7 @@ from tess_compile.passes.rules.common import (
     arg_layout,
     aten,
     get_arg,
+    is_dtype_cast,
     layout_of,
     lower_default,
     place_replicated,
@@ -74,6 +75,10 @@ _LINEARITY = {
 
 
 def place_pointwise(node: Node, ctx) -> Decision:
+    """Inputs aligned by their linearity (`common.align`); a dtype cast of a free tensor (autocast's of
+    a weight) stays free, as a permutation of one does: its first consumer fixes both."""
+    if is_dtype_cast(node) and ctx.layout(node.args[0]) is None:
+        return ctx.permute_free(node, node.args[0], list(range(len(shape_of(node)))))
     tensors = tensor_inputs(node)
     required, out = align(ctx, node, tensors, shape_of(node), linearity=_LINEARITY.get(node.target))
     return Decision(required, Layout(*out))
