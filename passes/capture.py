@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import logging
 import time
 
@@ -45,8 +46,10 @@ from tess_compile.passes.data_dependent import (
 )
 from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
+from tess_compile.core.autocast import autocast_off_everywhere
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
+    AUTOCAST_REGION,
     GUARDS,
     IN_SPEC,
     OUT_SPEC,
@@ -87,7 +90,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     dims = None
     if batch_factor is not None:
         args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
-    with explained_data_dependence(model):
+    with explained_data_dependence(model), autocast_off_everywhere():  # autocast's casts: `autocast_casts`
         ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module
@@ -297,51 +300,74 @@ def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> N
 def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:
     """Inline `wrap_with_set_grad_enabled` regions (a `torch.no_grad()` block,
     such as rotary tables) so every rule sees plain ops; what a disabled region
-    returns is detached, as it was. Regions that turn autocast off
-    (`torch.autocast(..., enabled=False)`, as MoE routers do to keep float32)
-    are inlined too: their ops already carry explicit dtypes. A region that
-    turns autocast on raises: its casts are not in the graph."""
-    grad_mode, autocast = torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (grad_mode, autocast)]:
-        if node.target is autocast:
-            enabled, submodule_node, *operands = _autocast_region(node)
-        else:
-            enabled, submodule_node, *operands = node.args
-        outputs = _inline(gm, node, getattr(gm, submodule_node.target), operands)
-        if node.target is grad_mode and not enabled:
-            outputs = [_detached(gm, node, out) for out in outputs]
-        for user in list(node.users):
-            user.replace_all_uses_with(outputs[user.args[1]])
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-        if not submodule_node.users:
-            gm.graph.erase_node(submodule_node)
+    returns is detached, as it was. Regions under their own `torch.autocast(...)`
+    (on, or off as MoE routers do to keep float32) are inlined too, each op
+    marked with the state of the innermost such region around it
+    (`AUTOCAST_REGION`), whose casts `tess_compile.passes.autocast_casts` writes
+    into the graph. Regions inside regions are inlined in turn."""
+    wrappers = _wrappers(gm)
+    while wrappers:
+        for node in wrappers:
+            _inline_wrapper(gm, node)
+        wrappers = _wrappers(gm)
     gm.graph.lint()
     gm.recompile()
 
 
-def _autocast_region(node: torch.fx.Node) -> tuple:
-    """(False, submodule, *operands) of a `wrap_with_autocast` that disables autocast."""
-    device_type, dtype, enabled, _cache, submodule_node, *operands = node.args
-    if enabled:
-        raise ValueError(
-            f"the model enters torch.autocast({device_type!r}, dtype={dtype}) inside forward "
-            f"(node {node.name}, at {node.meta.get('stack_trace', '').strip().splitlines()[-1:] or '?'}): "
-            "its casts are not captured; cast explicitly in the model, or run the sharded module under autocast"
-        )
-    return (False, submodule_node, *operands)
+_GRAD_MODE, _AUTOCAST = torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast
 
 
-def _inline(gm: torch.fx.GraphModule, at: torch.fx.Node, sub: torch.fx.GraphModule, operands) -> list:
-    """Copy `sub`'s nodes before `at`, fed by `operands`; return its outputs."""
+def _wrappers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_GRAD_MODE, _AUTOCAST)]
+
+
+def _inline_wrapper(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    region = AUTOCAST_REGION.get(node)  # of a region this one is inside
+    if node.target is _AUTOCAST:
+        device_type, dtype, enabled, _cache, submodule_node, *operands = node.args
+        region = (device_type, dtype or torch.get_autocast_dtype(device_type), bool(enabled))
+    else:
+        enabled, submodule_node, *operands = node.args
+    outputs = _inline(gm, node, getattr(gm, submodule_node.target), operands, region)
+    if node.target is _GRAD_MODE and not enabled:
+        outputs = [_detached(gm, node, out) for out in outputs]
+    for user in list(node.users):
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+    if not submodule_node.users:
+        gm.graph.erase_node(submodule_node)
+
+
+def _inline(gm: torch.fx.GraphModule, at: torch.fx.Node, sub: torch.fx.GraphModule, operands,
+            autocast_region: tuple | None = None) -> list:
+    """Copy `sub`'s nodes before `at`, fed by `operands`, each op marked with `autocast_region` (a
+    region inside, inlined later, marks its own again); return its outputs. The submodules of
+    regions inside go onto `gm`."""
     env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], operands))
     with gm.graph.inserting_before(at):
         for n in sub.graph.nodes:
             if n.op == "output":
                 return list(torch.fx.node.map_arg(n.args[0], env.__getitem__))
-            if n.op != "placeholder":
+            if n.op == "get_attr":
+                name = _free_name(gm, n.target.replace(".", "_"))
+                setattr(gm, name, operator.attrgetter(n.target)(sub))
+                env[n] = gm.graph.get_attr(name)
+                env[n].meta.update(n.meta)
+            elif n.op != "placeholder":
                 env[n] = gm.graph.node_copy(n, env.__getitem__)
+                if autocast_region is not None and n.op == "call_function":
+                    AUTOCAST_REGION.set(env[n], autocast_region)
     raise AssertionError("subgraph without output")
+
+
+def _free_name(gm: torch.fx.GraphModule, name: str) -> str:
+    """`name`, or `name_<k>`, whichever `gm` has no attribute of."""
+    candidate, k = name, 0
+    while hasattr(gm, candidate):
+        k += 1
+        candidate = f"{name}_{k}"
+    return candidate
 
 
 def _drop_dead_code(gm: torch.fx.GraphModule) -> None:

@@ -1,14 +1,14 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
-    capture (+ boundary) -> place -> (verify placed) -> (recompute blocks) -> rewrite -> merge products
+    capture (+ boundary, autocast) -> place -> (verify placed) -> (recompute blocks) -> rewrite -> merge products
             -> (recompute selective) -> bucket gradients -> verify rewritten -> report repeated work
 
 `compile_model` runs them as plain calls, one line a pass; a pass that fails
 with anything but a user's ValueError is named in a RuntimeError. After each
 pass the observers registered with `tess_compile.passes.observers.add_pass_observer` see its graph (a stage dump
 registers itself so; `tess_compile.analysis.graph_dump`); the driver never
-imports an analysis. The boundary pass belongs to capture's stage: the observers see capture's
-graph, which it only annotates. The result, a `Program`, is what both runtimes execute; it is
+imports an analysis. The boundary and autocast passes belong to capture's stage: the observers
+see capture's graph with their marks and casts. The result, a `Program`, is what both runtimes execute; it is
 assembled from what the passes left in `meta` (`tess_compile.core.meta_keys`).
 """
 
@@ -22,6 +22,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from tess_compile.passes.autocast_casts import apply_autocast
 from tess_compile.passes.boundary import mark_boundary
 from tess_compile.passes.bucket_gradients import bucket_gradients
 from tess_compile.passes.capture import capture, shape_env_of
@@ -34,6 +35,7 @@ from tess_compile.passes.repeated_work import report_repeated_work
 from tess_compile.passes.rewrite import rewrite
 from tess_compile.passes.size_limits import lookup_limits
 from tess_compile.passes.verify import verify_placed, verify_rewritten
+from tess_compile.core.autocast import Autocast
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.dynamic import DynamicShapes, concrete, local_value
 from tess_compile.core.layout import Layout
@@ -74,6 +76,7 @@ def compile_model(
     carried: dict[int, int] | None = None,
     state_layouts: dict[str, Layout] | None = None,
     cluster: Cluster | None = None,
+    autocast: Autocast | None = None,
     **keywords,
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
@@ -99,6 +102,8 @@ def compile_model(
     rank's block in that same layout (`tess_compile.passes.place`).
     `state_layouts` (parameter or buffer name -> layout) fixes those tensors' layouts, for a program
     that runs on the shards of another (a generation step on a sharded module's).
+    `autocast` (device type, dtype): the program runs under that torch.autocast, its casts written
+    into the graph (`tess_compile.passes.autocast_casts`); the runtimes run it with autocast off.
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.keep_blocks == AUTO:
@@ -117,6 +122,7 @@ def compile_model(
              guarded=False)
     # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
     gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
+    gm = apply_autocast(gm, autocast)
     placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs,
                  batch_split=batch_split, state_layouts=state_layouts)
     if options.checked:
@@ -147,6 +153,7 @@ def compile_model(
         tensors=TENSORS.of(gm),
         state_keys=STATE_KEYS.of(gm),
         training=model.training,
+        autocast=autocast,
         runnable=outline_regions(gm),
         dynamic=_dynamic_shapes(placed, mesh) if options.dynamic else None,
     )
@@ -252,16 +259,16 @@ def _output_layouts(placed: GraphModule) -> list[Layout | None]:
 
 
 def mode_compiler(model: torch.nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
-                  **boundary) -> Callable[[bool], Program]:
-    """`compile(training)`: `compile_model(model, mesh, example_inputs, options=options, **boundary)`
-    with the model in train (True) or eval (False) mode, the model's own mode restored after
-    (`tess_compile.runtime.programs_by_mode` calls it for the mode not compiled yet)."""
+                  **boundary) -> Callable[..., Program]:
+    """`compile(training, autocast=None)`: `compile_model(model, mesh, example_inputs, options=options,
+    autocast=autocast, **boundary)` with the model in train (True) or eval (False) mode, the model's own
+    mode restored after (`tess_compile.runtime.programs_by_mode` calls it for a mode not compiled yet)."""
 
-    def compile_in(training: bool) -> Program:
+    def compile_in(training: bool, autocast: Autocast | None = None) -> Program:
         was = model.training
         model.train(training)
         try:
-            return compile_model(model, mesh, example_inputs, options=options, **boundary)
+            return compile_model(model, mesh, example_inputs, options=options, autocast=autocast, **boundary)
         finally:
             model.train(was)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -65,14 +66,29 @@ def test_a_region_without_autocast_is_inlined():
     assert_matches_model(sim, model, x, rtol=1e-5)  # the scores are float32 by the model's own cast
 
 
-def test_a_region_with_autocast_on_is_refused():
-    class Mixed(Router):
-        def forward(self, x):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return self.gate(x)
+class CastWeights(nn.Module):
+    """Products of weights cast to another dtype (as autocast casts them, or a model by hand)."""
 
-    with pytest.raises(ValueError, match=r"enters torch.autocast\('cpu', dtype=torch.bfloat16\)"):
-        tess_compile.simulate(Mixed(), 2, 2, example_inputs=(torch.randn(4, 2, 8),))
+    def __init__(self, hidden: int = 8):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Parameter(torch.randn(2 * hidden, hidden))
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x.float(), self.up.weight.float(), self.up.bias.float())
+        return (h @ self.down.float().t().t()).double()
+
+
+def test_a_cast_weight_is_laid_out_as_its_products_weight():
+    """A dtype cast of a weight stays free until its product fixes it, as a transpose does: the
+    weights are split as the products' weights, not replicated."""
+    torch.manual_seed(3)
+    model = CastWeights().double()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,))
+    layouts = {slot.name: str(slot.layout) for slot in sim.program.slots}
+    assert layouts["up.weight"] == "RS(1)S(0)" and layouts["down"] == "RS(0)S(1)", layouts
+    assert_matches_model(sim, model, x, rtol=1e-5)  # float32 products
 
 
 class Activations(nn.Module):

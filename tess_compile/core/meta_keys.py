@@ -28,6 +28,7 @@ from tess_compile.core.layout import Layout
 
 __all__ = [
     "ALIAS_OF",
+    "AUTOCAST_REGION",
     "ARG_LAYOUTS",
     "CARRIED",
     "CARRIED_OUTPUTS",
@@ -188,6 +189,11 @@ for such a node and merge_products onto its merged nodes. Read by the rewrite, m
 recompute_selective, `ops.recompute_region` (which outlines each region), `runtime.inductor` (which
 replaces it with AOTAutograd's own policy of the same key name) and the rewritten dump.""")
 
+AUTOCAST_REGION: MetaKey[tuple[str, torch.dtype, bool]] = MetaKey("autocast_region", """On the ops of a
+region of forward under its own `torch.autocast(device_type, dtype, enabled)`: those three. Written by
+capture (which inlines the region); read by `passes.autocast_casts`, which casts the region's ops by its
+state rather than the program's.""")
+
 SUMMA_STEP: MetaKey[int] = MetaKey("summa_step", """On the collectives and products of step t of a
 SUMMA loop: t. Written by `passes.summa`; read by recompute_selective (a product's steps are saved),
 merge_products (the concatenated weights, read by every step, take none) and `analysis.symbolic`
@@ -223,6 +229,7 @@ matrix products run each SUMMA schedule. Written by the rewrite; read by the dri
 # Every key of the contract, by its name in `meta`.
 KEYS: dict[str, MetaKey] = {key.name: key for key in (
     ROLE, WEIGHT_INPUT, ALIAS_OF, LOCAL_INPUT, CARRIED, CONSTANT_VALUE, DTYPE, LOCAL_OUTPUTS, CARRIED_OUTPUTS,
-    LAYOUT, ARG_LAYOUTS, REPLICATED, GLOBAL_SHAPE, GLOBAL_NODE, RECOMPUTE_REGION, SUMMA_STEP, INDEX_CHECK,
+    LAYOUT, ARG_LAYOUTS, REPLICATED, GLOBAL_SHAPE, GLOBAL_NODE, RECOMPUTE_REGION, AUTOCAST_REGION, SUMMA_STEP,
+    INDEX_CHECK,
     IN_SPEC, OUT_SPEC, TENSORS, STATE_KEYS, GUARDS, SCHEDULE_COUNTS,
 )}

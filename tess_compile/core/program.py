@@ -56,6 +56,8 @@ class Program:
     tensors: dict[str, torch.Tensor]  # the model's parameters, buffers, constants
     state_keys: list[str]  # the model's state-dict keys, in its order
     training: bool = True  # the model's mode when it was captured
+    # The torch.autocast it runs under, (device type, dtype), its casts in the graph; None: none.
+    autocast: tuple[str, torch.dtype] | None = None
     # The per-rank graph as the runtimes run it, its recompute regions outlined
     # (`tess_compile.ops.recompute_region`); None: the graph itself (it has none).
     runnable: GraphModule | None = None

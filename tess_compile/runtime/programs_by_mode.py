@@ -1,12 +1,14 @@
-"""train() and eval() after compiling: one program per mode, the other compiled on first use.
+"""train() and eval(), and torch.autocast, after compiling: one program per mode, others compiled on first use.
 
 A model may run other ops in training than in evaluation: dropout, BatchNorm's
 batch statistics against its running ones, any `if self.training:`. The graph
-captured is that of the mode the model was in. `ProgramsByMode` gives a
-runtime the program of the mode the runtime module is in at call time, and
-compiles the other mode's the first time it is asked (with the callback the
-face passes, `tess_compile.passes.driver.mode_compiler`), as torch.compile recompiles when
-`training` changes. Both programs run on the same shards, so their
+captured is that of the mode the model was in. Under torch.autocast a program
+holds autocast's casts (`tess_compile.core.autocast`). `ProgramsByMode` gives a
+runtime the program of the mode the runtime module is in at call time (train
+or eval, and the autocast in force for its device), and compiles another
+mode's the first time it is asked (with the callback the face passes,
+`tess_compile.passes.driver.mode_compiler`), as torch.compile recompiles when
+`training` or the autocast state changes. Both programs run on the same shards, so their
 parameters and buffers must be laid out alike. `ModeModule` is the base of the
 runtime modules: it holds the programs, and each program's inductor compile
 when it runs compiled (`tess_compile.runtime.inductor`).
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from tess_compile.core.autocast import Autocast, autocast_state
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import INPUT_ROLES, Program
 from tess_compile.runtime import state
@@ -26,14 +29,14 @@ __all__ = ["ModeModule", "ProgramsByMode"]
 
 
 class ProgramsByMode:
-    """The program of each mode; `recompile(training)` compiles a missing one (None: the
-    one program serves both, as on the torch.compile path, where Dynamo recompiles),
+    """The program of each mode; `recompile(training, autocast)` compiles a missing one (None: the
+    one program serves all, as on the torch.compile path, where Dynamo recompiles),
     `prepare` readies it for the runtime."""
 
-    def __init__(self, program: Program, recompile: Callable[[bool], Program] | None,
+    def __init__(self, program: Program, recompile: Callable[..., Program] | None,
                  prepare: Callable[[Program], Program] = lambda program: program):
         self.first = program
-        self._programs = {program.training: program}
+        self._programs = {(program.training, program.autocast): program}
         self._recompile, self._prepare = recompile, prepare
 
     def adopt(self, program: Program) -> Program:
@@ -43,14 +46,15 @@ class ProgramsByMode:
         _check_same_state(self.first, program)
         return program
 
-    def get(self, training: bool) -> Program:
+    def get(self, training: bool, autocast: Autocast | None = None) -> Program:
         if self._recompile is None:
             return self.first
-        if training not in self._programs:
-            other = self._prepare(self._recompile(training))
+        key = (training, autocast)
+        if key not in self._programs:
+            other = self._prepare(self._recompile(training, autocast))
             _check_same_state(self.first, other)
-            self._programs[training] = other
-        return self._programs[training]
+            self._programs[key] = other
+        return self._programs[key]
 
 
 class ModeModule(nn.Module):
@@ -69,8 +73,9 @@ class ModeModule(nn.Module):
 
     @property
     def program(self) -> Program:
-        """The program of the mode this module is in."""
-        return self.programs.get(self.training)
+        """The program of the mode this module is in and the autocast in force for its device."""
+        device = self.__dict__.get("device")
+        return self.programs.get(self.training, None if device is None else autocast_state(device.type))
 
     @property
     def mesh(self) -> Mesh:

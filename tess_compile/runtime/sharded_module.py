@@ -25,6 +25,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from tess_compile.core.autocast import without_autocast
 from tess_compile.core.layout import unpad_block
 from tess_compile.core.program import Program, Slot
 from tess_compile.ops.collectives import EAGER_TARGETS, use_comm
@@ -166,15 +167,17 @@ class ShardedModule(ModeModule):
 
     def _run(self, program: Program, inputs: list) -> list:
         """This rank's outputs of `program` on its graph inputs: through inductor with `compile`, else
-        its graph with the collectives called without custom-op dispatch (`eager_graph`)."""
+        its graph with the collectives called without custom-op dispatch (`eager_graph`); autocast off
+        where the program holds its casts."""
         if self.compile:
-            return self.compiled_program(lambda: self.comm, program)(self.comm, inputs)
+            with without_autocast(program.autocast):
+                return self.compiled_program(lambda: self.comm, program)(self.comm, inputs)
         known = self._eager_graphs.get(id(program))
         if known is None or known[0] is not program:
             if len(self._eager_graphs) >= _MAX_EAGER_GRAPHS:
                 self._eager_graphs.clear()
             known = self._eager_graphs[id(program)] = (program, eager_graph(program.runnable))
-        with use_comm(self.comm):
+        with use_comm(self.comm), without_autocast(program.autocast):
             return known[1](*inputs)
 
     def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch.fx import GraphModule
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
+from tess_compile.core.autocast import without_autocast
 from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.layout import assemble
 from tess_compile.core.mesh import Mesh
@@ -167,10 +168,12 @@ class SimulatedModule(ModeModule):
     def _run(self, program: Program, rank_inputs: list[list]) -> list[list]:
         """Every rank's outputs of `program` on its graph inputs: in lockstep, or through inductor with
         `compile` (each rank in a thread)."""
-        if self.compile:
-            return run_compiled(self.compiled_program(current_comm, program, threaded=True), self.comm, rank_inputs)
-        with use_comm(self.comm):
-            return run_lockstep(program.runnable, self.comm, rank_inputs)
+        with without_autocast(program.autocast):  # the program holds autocast's casts
+            if self.compile:
+                return run_compiled(self.compiled_program(current_comm, program, threaded=True), self.comm,
+                                    rank_inputs)
+            with use_comm(self.comm):
+                return run_lockstep(program.runnable, self.comm, rank_inputs)
 
     def global_output(self, program: Program, index: int, rank_values: dict[int, torch.Tensor], shape) -> torch.Tensor:
         """Output `index` of `program` as a global tensor of `shape`, from every rank's value."""

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils import _pytree as pytree
 
+from tess_compile.core.autocast import without_autocast
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
@@ -105,7 +106,7 @@ class SimulatedPipeline(nn.Module):
                     state.graph_inputs(program, module, program.flatten_inputs(tuple(outs[rank]), {}))
                     for rank, module in enumerate(stage.ranks)
                 ]
-            with use_comm(stage.comm):
+            with use_comm(stage.comm), without_autocast(program.autocast):
                 outs = run_lockstep(program.runnable, stage.comm, rank_inputs)
         last = self.stages[-1].program
         return pytree.tree_unflatten(state.global_outputs(last, outs), last.out_spec)
