@@ -24,9 +24,9 @@ gives an op a padded block it cannot take (an uneven split) is a ValueError
 
 A rule may ask for a producer's output to be laid out with groups (a fused
 QKV projection feeding `split`); the pass then runs once more with that hint.
-A permutation or dtype cast of a free tensor (`x @ W.T`, autocast's cast of
-a weight) is free as well: its first consumer fixes its layout, and the
-tensor's is that layout permuted back.
+A permutation of a free tensor (`x @ W.T`), or autocast's cast of one, is
+free as well: its first consumer fixes its layout, and the tensor's is that
+layout permuted back.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class PlacementContext:
         return placement_rule(self.mesh.mode, op, families)
 
     def permute_free(self, node: Node, source: Node, order: list[int]) -> Decision:
-        """`node` permutes the free tensor `source` by `order` (a dtype cast: in order): both stay free
-        (see `fix`)."""
+        """`node` permutes the free tensor `source` by `order` (autocast's cast: in order): both stay
+        free (see `fix`)."""
         self.free_permutations[node] = (source, order)
         return Decision({}, None)
 

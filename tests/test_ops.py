@@ -66,29 +66,29 @@ def test_a_region_without_autocast_is_inlined():
     assert_matches_model(sim, model, x, rtol=1e-5)  # the scores are float32 by the model's own cast
 
 
-class CastWeights(nn.Module):
-    """Products of weights cast to another dtype (as autocast casts them, or a model by hand)."""
-
+class Projections(nn.Module):
     def __init__(self, hidden: int = 8):
         super().__init__()
         self.up = nn.Linear(hidden, 2 * hidden)
         self.down = nn.Parameter(torch.randn(2 * hidden, hidden))
 
     def forward(self, x):
-        h = torch.nn.functional.linear(x.float(), self.up.weight.float(), self.up.bias.float())
-        return (h @ self.down.float().t().t()).double()
+        return self.up(x) @ self.down
 
 
-def test_a_cast_weight_is_laid_out_as_its_products_weight():
-    """A dtype cast of a weight stays free until its product fixes it, as a transpose does: the
-    weights are split as the products' weights, not replicated."""
+def test_weights_cast_by_autocast_keep_their_layouts():
+    """Autocast's cast of a weight stays free until its product fixes it, as a transpose does: the
+    program under autocast splits the weights as the products' weights, as the program without."""
     torch.manual_seed(3)
-    model = CastWeights().double()
-    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    model = Projections()
+    x = torch.randn(4, 2, 8)
     sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,))
-    layouts = {slot.name: str(slot.layout) for slot in sim.program.slots}
-    assert layouts["up.weight"] == "RS(1)S(0)" and layouts["down"] == "RS(0)S(1)", layouts
-    assert_matches_model(sim, model, x, rtol=1e-5)  # float32 products
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sim(x)
+        program = sim.program
+    casts = [n for n in program.graph.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    layouts = {slot.name: str(slot.layout) for slot in program.slots}
+    assert casts and layouts["up.weight"] == "RS(1)S(0)" and layouts["down"] == "RS(0)S(1)", layouts
 
 
 class Activations(nn.Module):

@@ -105,24 +105,22 @@ def get_arg(node: Node, index: int, name: str, default=None):
 
 
 def is_dtype_cast(node: Node) -> bool:
-    """A cast to another dtype and nothing else: `x.to(torch.float32)` (`to.dtype`), or autocast's
-    (`_to_copy`, written by `tess_compile.passes.autocast_casts`)."""
-    if node.op != "call_function":
-        return False
-    if node.target is aten.to.dtype:
-        return len(node.args) == 2 and not node.kwargs
-    return node.target is aten._to_copy.default and len(node.args) == 1 and set(node.kwargs) <= {"dtype"}
+    """A `_to_copy` to a dtype and nothing else: autocast's casts, which
+    `tess_compile.passes.autocast_casts` writes. (A model's own `x.to(dtype)` is `to.dtype` in the
+    captured graph, placed as any pointwise op.)"""
+    return (node.op == "call_function" and node.target is aten._to_copy.default and len(node.args) == 1
+            and set(node.kwargs) <= {"dtype"})
 
 
 def is_param(node: Node) -> bool:
-    """A parameter, or a dtype cast of one."""
+    """A parameter, or autocast's cast of one (`is_dtype_cast`)."""
     while is_dtype_cast(node):
         node = node.args[0]
     return node.op == "placeholder" and ROLE.get(node, ("",))[0] == "param"
 
 
 def is_param_or_transpose(node: Node) -> bool:
-    """A parameter, or a transpose (`x @ W.T`) or dtype cast of one."""
+    """A parameter, or a transpose (`x @ W.T`) or autocast's cast of one."""
     while is_dtype_cast(node) or (node.op == "call_function" and node.target in (
             aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default)):
         node = node.args[0]

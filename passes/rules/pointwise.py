@@ -75,8 +75,9 @@ _LINEARITY = {
 
 
 def place_pointwise(node: Node, ctx) -> Decision:
-    """Inputs aligned by their linearity (`common.align`); a dtype cast of a free tensor (autocast's of
-    a weight) stays free, as a permutation of one does: its first consumer fixes both."""
+    """Inputs aligned by their linearity (`common.align`); autocast's cast of a free tensor (a weight)
+    stays free, as a permutation of one does: its first consumer fixes both, so that a program under
+    autocast lays its weights out as the program without."""
     if is_dtype_cast(node) and ctx.layout(node.args[0]) is None:
         return ctx.permute_free(node, node.args[0], list(range(len(shape_of(node)))))
     tensors = tensor_inputs(node)
