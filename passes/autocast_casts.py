@@ -7,13 +7,26 @@ autocast each piece would take autocast's rule for itself (an add of a bfloat16 
 bias promotes to float32; a log-sum-exp stays in bfloat16 where autocast runs the whole cross entropy
 in float32), not the rule of the op it comes from.
 
-So a program is compiled for an autocast state (`Program.autocast`, `tess_compile.core.autocast`):
-`apply_autocast` writes before each op the casts autocast makes of that op's inputs in that state,
-and the runtimes run the per-rank graph with autocast off. The casts are found by calling the op on
-the node's fake inputs (moved to the state's device type) under `torch.autocast`, with a dispatch
-mode that records each `_to_copy` of an input, less those the op makes without autocast. The ops of
-a region under its own `torch.autocast(...)` (`AUTOCAST_REGION`) take that region's state. Every
-value whose dtype changes gets its fake value again.
+The same holds without autocast for a norm of a low-precision input with float32 weights (the
+mixed-dtype norms torch runs in float32 and returns in the input's dtype): its pieces would promote to
+float32, or sum in bfloat16. So such a norm gets its input cast up to the weights' dtype and its
+output cast back (`_widen_mixed_norm`), which is what torch computes.
+
+A program is compiled for an autocast state (`Program.autocast`, `tess_compile.core.autocast`),
+captured under it (so code that reads a dtype, `mask.to(h.dtype)`, traces as it runs there), and
+`apply_autocast` writes before each op the casts autocast makes of that op's inputs in that state;
+the runtimes run the per-rank graph with autocast off. The casts are found by calling the op on the
+node's fake inputs (moved to the state's device type) under `torch.autocast`:
+
+- an op with an autocast kernel of its own (`linear`, `scaled_dot_product_attention`,
+  `cross_entropy_loss`, `cat`): a dispatch mode records each `_to_copy` of an input before the
+  op's first call of anything else (after it, the op's own kernel may cast an input: the CPU
+  attention's upcast of v), less those made without autocast;
+- a composite op without one (`einsum`), whose own ops autocast casts: if its output's dtype
+  differs from the one without autocast, its inputs are cast to that dtype.
+
+The ops of a region under its own `torch.autocast(...)` (`AUTOCAST_REGION`) take that region's
+state. Under autocast every value gets its fake value again: the graph's dtypes, casts included.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tess_compile.core.autocast import Autocast, autocast_off_everywhere
+from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
 from tess_compile.core.meta_keys import AUTOCAST_REGION, RECOMPUTE_REGION
 
 __all__ = ["apply_autocast"]
@@ -37,8 +50,9 @@ _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "custom", "fr
 
 
 def apply_autocast(gm: GraphModule, autocast: Autocast | None) -> GraphModule:
-    """`gm` with autocast's casts of `autocast` (None: none, but in autocast regions) as ops."""
-    if autocast is None and not any(AUTOCAST_REGION.has(node) for node in gm.graph.nodes):
+    """`gm` with autocast's casts of `autocast` (None: none, but in autocast regions) as ops, and its
+    mixed-dtype norms computed in their weights' dtype."""
+    if autocast is None and not any(AUTOCAST_REGION.has(node) or _mixed_norm(node) for node in gm.graph.nodes):
         return gm
     fake_mode = detect_fake_mode([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
     made: dict[tuple, Node] = {}  # (input, dtype, recompute region) -> its cast, shared by later ops
@@ -48,15 +62,53 @@ def apply_autocast(gm: GraphModule, autocast: Autocast | None) -> GraphModule:
             if node.op != "call_function":
                 continue
             state = _state(node, autocast)
+            if _mixed_norm(node):
+                changed.update(_widen_mixed_norm(node, state, made, fake_mode))
+                continue
             casts = _casts(node, state, fake_mode) if state is not None else {}
             if casts:
                 _insert_casts(node, casts, made, fake_mode)
-            if casts or any(arg in changed for arg in node.all_input_nodes):
+            if state is not None or casts or any(arg in changed for arg in node.all_input_nodes):
+                # Captured under autocast, a value may be of the dtype autocast gave it: now the graph's.
                 node.meta["val"] = _fake_value(node, fake_mode)
                 changed.add(node)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# Norms that take an input of lower precision than their weights and return the input's dtype.
+_NORMS = (aten.layer_norm.default, aten.rms_norm.default, aten.group_norm.default, aten.batch_norm.default,
+          aten.instance_norm.default)
+
+
+def _mixed_norm(node: Node) -> bool:
+    """A norm whose input is of lower precision than a floating tensor among its other arguments."""
+    if node.op != "call_function" or node.target not in _NORMS:
+        return False
+    x, *rest = [n.meta["val"] for n in node.all_input_nodes]
+    return any(t.is_floating_point() and t.dtype.itemsize > x.dtype.itemsize for t in rest)
+
+
+def _widen_mixed_norm(node: Node, state: Autocast | None, made: dict[tuple, Node], fake_mode) -> list[Node]:
+    """Cast the norm's input up to its widest argument's dtype, and its output to the dtype torch
+    gives it (under `state`: the input's, or float32 where autocast runs the norm so); the nodes
+    made or changed."""
+    target = _dtype_of(_fake_value(node, fake_mode, state))
+    wide = max((n.meta["val"].dtype for n in node.all_input_nodes), key=lambda dtype: dtype.itemsize)
+    _insert_casts(node, {0: wide}, made, fake_mode)
+    node.meta["val"] = _fake_value(node, fake_mode)
+    if node.meta["val"].dtype == target:
+        return [node, node.args[0]]
+    users = list(node.users)
+    with node.graph.inserting_after(node):
+        back = node.graph.call_function(aten._to_copy.default, (node,), {"dtype": target})
+    with fake_mode:
+        back.meta["val"] = node.meta["val"].to(target)
+    back.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
+    for user in users:
+        user.replace_input_with(node, back)
+    return [node, back, node.args[0]]
 
 
 def _state(node: Node, autocast: Autocast | None) -> Autocast | None:
@@ -80,32 +132,70 @@ def _casts(node: Node, state: Autocast, fake_mode) -> dict[int, torch.dtype]:
     leaves = pytree.tree_leaves((args, kwargs))
     if not any(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves):
         return {}
-    inputs = {id(leaf): i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
-    under = _recorded_casts(node.target, args, kwargs, inputs, state, True, fake_mode)
-    plain = _recorded_casts(node.target, args, kwargs, inputs, state, False, fake_mode)
-    return {i: dtype for i, dtype in under.items() if plain.get(i) != dtype}
+    inputs: dict[int, list[int]] = {}  # id of a tensor -> its positions (q, k and v may be one tensor)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            inputs.setdefault(id(leaf), []).append(i)
+    under, out = _recorded_casts(node.target, args, kwargs, inputs, state, True, fake_mode)
+    uniform = len({leaf.dtype for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}) == 1
+    if _has_autocast_kernel(node.target, device_type):  # the casts before the op are autocast's
+        if not uniform:  # mixed dtypes may fit only once cast (attention's q, k and v): no plain call to ask
+            return under
+        plain, _ = _recorded_casts(node.target, args, kwargs, inputs, state, False, fake_mode)
+        return {i: dtype for i, dtype in under.items() if plain.get(i) != dtype}
+    if not uniform:
+        return {}
+    # A composite op (einsum) whose own ops autocast casts: its inputs cast to what it computes in.
+    _, plain_out = _recorded_casts(node.target, args, kwargs, inputs, state, False, fake_mode)
+    if _dtype_of(out) == _dtype_of(plain_out):
+        return {}
+    return {i: _dtype_of(out) for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != _dtype_of(out)}
 
 
-def _recorded_casts(op, args, kwargs, inputs: dict[int, int], state: Autocast, enabled: bool,
-                    fake_mode) -> dict[int, torch.dtype]:
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
+
+
+def _has_autocast_kernel(op, device_type: str) -> bool:
+    """Whether autocast has a kernel of its own for `op` on `device_type` (which casts the inputs
+    before the op runs); else any casts come from the ops it is made of."""
+    key = _AUTOCAST_KEYS.get(device_type)
+    return key is None or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+
+
+def _dtype_of(value) -> torch.dtype | None:
+    """The dtype of the first floating tensor in `value`."""
+    return next((t.dtype for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                None)
+
+
+def _recorded_casts(op, args, kwargs, inputs: dict[int, list[int]], state: Autocast, enabled: bool,
+                    fake_mode) -> tuple[dict[int, torch.dtype], object]:
+    """The casts of the inputs before `op` runs (`_CastRecorder`), and its output."""
     device_type, dtype = state
     recorder = _CastRecorder(inputs)
     with fake_mode, torch.autocast(device_type, dtype=dtype, enabled=enabled), recorder:
-        op(*args, **kwargs)
-    return recorder.casts
+        out = op(*args, **kwargs)
+    return recorder.casts, out
 
 
 class _CastRecorder(TorchDispatchMode):
-    """Records `_to_copy` calls on the given tensors: {their position: the dtype cast to}."""
+    """Records the `_to_copy` calls on the given tensors (id -> positions) that come before any other
+    call, as autocast's do before it calls the op: {position: the dtype cast to}. (The op's own
+    kernel may cast an input too, later.) A tensor at several positions is cast for each."""
 
-    def __init__(self, inputs: dict[int, int]):
+    def __init__(self, inputs: dict[int, list[int]]):
         super().__init__()
-        self.inputs, self.casts = inputs, {}
+        self.inputs, self.casts, self.op_started = inputs, {}, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten._to_copy.default and id(args[0]) in self.inputs and "dtype" in kwargs:
-            self.casts.setdefault(self.inputs[id(args[0])], kwargs["dtype"])
+            if not self.op_started:
+                for position in self.inputs[id(args[0])]:
+                    self.casts.setdefault(position, kwargs["dtype"])
+        elif func.namespace != "prim":  # autocast asks each argument's device (`prim.device`) as it casts
+            self.op_started = True
         return func(*args, **kwargs)
 
 
@@ -127,7 +217,8 @@ def _insert_casts(node: Node, casts: dict[int, torch.dtype], made: dict[tuple, N
     node.args, node.kwargs = pytree.tree_unflatten(leaves, spec)
 
 
-def _fake_value(node: Node, fake_mode):
+def _fake_value(node: Node, fake_mode, state: Autocast | None = None):
+    """`node`'s value on its inputs' fake values, under the autocast `state` (None: none)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    with fake_mode:
+    with fake_mode, running_under(state):
         return node.target(*args, **kwargs)

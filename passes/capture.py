@@ -46,7 +46,7 @@ from tess_compile.passes.data_dependent import (
 )
 from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
-from tess_compile.core.autocast import autocast_off_everywhere
+from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
     AUTOCAST_REGION,
@@ -73,7 +73,8 @@ _ROLE = {
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-            weight_inputs: dict[int, str] | None = None, batch_factor: int | None = None) -> torch.fx.GraphModule:
+            weight_inputs: dict[int, str] | None = None, batch_factor: int | None = None,
+            autocast: Autocast | None = None) -> torch.fx.GraphModule:
     """Export `model` on example inputs and tag each placeholder with its role.
 
     `weight_inputs` maps user-input positions that are really weights (as in
@@ -83,14 +84,17 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     dims of the inputs symbolic where the model allows (`tess_compile.core.dynamic`),
     except the weight inputs' dims and those marked `torch._dynamo.mark_static`;
     `GUARDS` is then the number of guards the capture left, so
-    that the driver can tell those the later passes add.
+    that the driver can tell those the later passes add. The model runs under the
+    torch.autocast `autocast` (None: none), so that code that reads a dtype (`x.to(h.dtype)`)
+    traces as it runs there; export records no cast of autocast's
+    (`tess_compile.passes.autocast_casts` writes them).
     """
     start = time.perf_counter()
     kwargs = kwargs or {}
     dims = None
     if batch_factor is not None:
         args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
-    with explained_data_dependence(model), autocast_off_everywhere():  # autocast's casts: `autocast_casts`
+    with explained_data_dependence(model), autocast_off_everywhere(), running_under(autocast):
         ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module

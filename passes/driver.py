@@ -119,7 +119,7 @@ def compile_model(
     batch_split = resolve_batch_split(options.batch_split, _example_batch(args, kwargs, weight_inputs), mesh)
     batch_factor = batch_parts(batch_split, mesh) if options.dynamic else None
     gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
-             guarded=False)
+             autocast=autocast, guarded=False)
     # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
     gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
     gm = apply_autocast(gm, autocast)

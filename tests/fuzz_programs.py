@@ -1392,3 +1392,66 @@ def polish(program: Program, outcome: Outcome, seconds: float, alike=None) -> tu
                 program, outcome, improved = candidate, result, True
                 break
     return program, outcome
+
+
+def check_autocast(program: Program) -> Outcome:
+    """`program` in float32, compiled outside autocast and called under bfloat16 autocast (which
+    compiles that state's program), against the unsharded float32 model under the same autocast:
+    every output and parameter gradient has its dtype, and is finite where the unsharded model's is.
+    Values are not compared: in bfloat16 a value near a kink (abs, relu, topk, a mask) falls on
+    either side with the order of a sum, and its gradient with it; tests/test_autocast.py checks
+    values on models without kinks. "invalid" where the unsharded run fails or is not finite."""
+    q, d, mode = program.mesh
+    model = build_model(program).float()
+    inputs = tuple(x.float() if x.is_floating_point() else x for x in example_inputs(program))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            reference = _outputs(copy.deepcopy(model)(*inputs))
+    except Exception as err:  # noqa: BLE001  (the grammar drew a program torch itself cannot run)
+        return Outcome("invalid", f"{type(err).__name__}: {message_kind(str(err))}", f"{type(err).__name__}: {err}")
+    if not all(torch.isfinite(value).all() for value in reference):
+        return Outcome("invalid", "non-finite output of the unsharded model", "non-finite output")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sim = tess_compile.simulate(copy.deepcopy(model), q, d, mode=mode, example_inputs=inputs, verify=True)
+    except ValueError as err:
+        return Outcome("value_error", message_kind(str(err)), str(err))
+    except Exception as err:  # noqa: BLE001
+        return _fail("compile", err)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _compare_autocast_dtypes(sim, model, inputs)
+    except AssertionError as err:
+        return Outcome("fail", f"autocast mismatch: {_mismatch_kind(str(err))}", str(err))
+    except Exception as err:  # noqa: BLE001
+        return _fail("run under autocast", err)
+    return Outcome("pass")
+
+
+def _compare_autocast_dtypes(sim, model: nn.Module, inputs: tuple) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs, expected = _outputs(sim(*inputs)), _outputs(model(*inputs))
+    assert len(outs) == len(expected), f"{len(outs)} outputs, expected {len(expected)}"
+    loss, reference_loss = 0.0, 0.0
+    for index, (out, exp) in enumerate(zip(outs, expected)):
+        _assert_like(out, exp, f"output {index}")
+        target = torch.randn(exp.shape, generator=torch.Generator().manual_seed(7 + index), dtype=torch.float64)
+        loss, reference_loss = loss + (out.double() * target).sum(), reference_loss + (exp.double() * target).sum()
+    if not torch.is_tensor(reference_loss) or not reference_loss.requires_grad:
+        return
+    loss.backward()
+    reference_loss.backward()
+    grads = sim.full_grads()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            _assert_like(grads[name], param.grad, f"grad {name}")
+
+
+def _assert_like(got: torch.Tensor | None, unsharded: torch.Tensor, name: str) -> None:
+    """`got` has the dtype and shape of `unsharded`, and is finite where it is."""
+    assert got is not None, f"{name}: none"
+    assert got.dtype == unsharded.dtype, f"{name}: dtype {got.dtype}, unsharded {unsharded.dtype}"
+    assert got.shape == unsharded.shape, f"{name}: shape {list(got.shape)}, unsharded {list(unsharded.shape)}"
+    assert torch.isfinite(got[torch.isfinite(unsharded)]).all(), f"{name}: not finite where the unsharded is"

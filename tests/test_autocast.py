@@ -152,3 +152,19 @@ def test_sharded_module_under_autocast(world_of_one):
         out, ref = sharded(x).to_local(), model(x)
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_norms_kept_in_float32_compute_in_float32():
+    """A bfloat16 model whose norms keep float32 weights (no autocast): torch runs such a norm in
+    float32 and returns bfloat16; so do its pieces over a split dim (before: their sums ran in
+    bfloat16, 4x the unsharded model's error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16), nn.RMSNorm(16)).bfloat16()
+    model[1].float()
+    model[3].float()
+    x = torch.randn(8, 4, 16).bfloat16()
+    truth = copy.deepcopy(model).double()(x.double())
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,))
+    out, ref = sim(x), model(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert _rel(out, truth) <= 2 * _rel(ref, truth) + 1e-3

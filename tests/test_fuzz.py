@@ -5,7 +5,8 @@ that names the mesh.
 
 Fast tier: `NUM_FIXED` programs drawn by `random_program` from fixed seeds, one test each, whose
 failure prints the program's source, and the minimal programs of the defects the fuzzer found
-(`FOUND`). Slow tier: hypothesis draws more and shrinks a failure to a minimal program (within a
+(`FOUND`); the first of them also in float32 under bfloat16 autocast (`fp.check_autocast`: dtypes
+as the unsharded model's, nothing failing), more in the slow tier. Slow tier: hypothesis draws more and shrinks a failure to a minimal program (within a
 time budget). Long runs: `python3 benchmarks/fuzz.py --count N --seed S`.
 """
 
@@ -85,6 +86,30 @@ def test_a_wrong_gradient_is_caught():
     sim = tess_compile.simulate(model, 2, 1, example_inputs=inputs)
     with pytest.raises(AssertionError, match="differ beyond"):
         fp.compare(sim, reference, inputs)
+
+
+# Under bfloat16 autocast (`fp.check_autocast`): the fixed programs' first NUM_AUTOCAST here, and the
+# next SLOW_AUTOCAST in the slow tier (every dtype as the unsharded model's, nothing failing).
+NUM_AUTOCAST, SLOW_AUTOCAST = 10, 390
+
+
+def _assert_autocast_like_unsharded(seed: int) -> None:
+    program = fp.random_program(seed)
+    outcome = fp.check_autocast(program)
+    assert outcome.status in ("pass", "value_error", "invalid"), (
+        f"{outcome.status}: {outcome.kind}\n{outcome.message}\n\n{fp.source(program)}"
+    )
+
+
+@pytest.mark.parametrize("seed", range(NUM_AUTOCAST))
+def test_fixed_program_under_autocast(seed):
+    _assert_autocast_like_unsharded(seed)
+
+
+@pytest.mark.slow
+def test_more_programs_under_autocast():
+    for seed in range(NUM_AUTOCAST, NUM_AUTOCAST + SLOW_AUTOCAST):
+        _assert_autocast_like_unsharded(seed)
 
 
 # The slow tier's shrinking: at most this long after the first failure, then a polish of the result.

@@ -13,7 +13,8 @@ import contextlib
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Autocast", "autocast_off_everywhere", "autocast_state", "capture_device_type", "without_autocast"]
+__all__ = ["Autocast", "autocast_off_everywhere", "autocast_state", "capture_device_type", "running_under",
+           "without_autocast"]
 
 # An enabled torch.autocast: (device type, dtype).
 Autocast = tuple[str, torch.dtype]
@@ -36,6 +37,11 @@ def without_autocast(autocast: Autocast | None):
     """A context that turns off the autocast a program was compiled for (its casts are in its graph);
     a null context for a program compiled without autocast."""
     return contextlib.nullcontext() if autocast is None else torch.autocast(autocast[0], enabled=False)
+
+
+def running_under(autocast: Autocast | None):
+    """A context that turns `autocast` on (None: a null context)."""
+    return contextlib.nullcontext() if autocast is None else torch.autocast(autocast[0], dtype=autocast[1])
 
 
 @contextlib.contextmanager
