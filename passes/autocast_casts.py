@@ -35,7 +35,6 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
 from tess_compile.core.meta_keys import AUTOCAST_REGION, RECOMPUTE_REGION
@@ -132,28 +131,50 @@ def _casts(node: Node, state: Autocast, fake_mode) -> dict[int, torch.dtype]:
     leaves = pytree.tree_leaves((args, kwargs))
     if not any(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves):
         return {}
-    inputs: dict[int, list[int]] = {}  # id of a tensor -> its positions (q, k and v may be one tensor)
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            inputs.setdefault(id(leaf), []).append(i)
-    under, out = _recorded_casts(node.target, args, kwargs, inputs, state, True, fake_mode)
-    uniform = len({leaf.dtype for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}) == 1
-    if _has_autocast_kernel(node.target, device_type):  # the casts before the op are autocast's
-        if not uniform:  # mixed dtypes may fit only once cast (attention's q, k and v): no plain call to ask
-            return under
-        plain, _ = _recorded_casts(node.target, args, kwargs, inputs, state, False, fake_mode)
-        return {i: dtype for i, dtype in under.items() if plain.get(i) != dtype}
-    if not uniform:
+    if _has_autocast_kernel(node.target, device_type):
+        return _kernel_casts(node.target, args, kwargs, leaves, state, fake_mode)
+    if len({leaf.dtype for leaf in leaves if _is_float(leaf)}) > 1:
         return {}
     # A composite op (einsum) whose own ops autocast casts: its inputs cast to what it computes in.
-    _, plain_out = _recorded_casts(node.target, args, kwargs, inputs, state, False, fake_mode)
-    if _dtype_of(out) == _dtype_of(plain_out):
+    out, plain = (_call(node.target, args, kwargs, state, enabled, fake_mode) for enabled in (True, False))
+    if _dtype_of(out) == _dtype_of(plain):
         return {}
-    return {i: _dtype_of(out) for i, leaf in enumerate(leaves)
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != _dtype_of(out)}
+    return {i: _dtype_of(out) for i, leaf in enumerate(leaves) if _is_float(leaf) and leaf.dtype != _dtype_of(out)}
 
 
-_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
+def _kernel_casts(op, args, kwargs, leaves: list, state: Autocast, fake_mode) -> dict[int, torch.dtype]:
+    """The casts of autocast's own kernel for `op`, by the class of the op (torch's autocast rules):
+    an op it runs in lower precision (its output is of the autocast dtype from float32 inputs) takes
+    every eligible input (floating, not float64) in the autocast dtype; an op it runs in float32
+    (float32 output from inputs of the autocast dtype) takes them in float32; another (a promote
+    op: `cat`, `index_put`) takes its floating inputs in the widest of their dtypes."""
+    _, dtype = state
+    if _dtype_of(_call_with(op, args, kwargs, torch.float32, state, fake_mode)) == dtype:
+        target = dtype
+    elif _dtype_of(_call_with(op, args, kwargs, dtype, state, fake_mode)) == torch.float32:
+        target = torch.float32
+    else:
+        floats = [leaf.dtype for leaf in leaves if _is_float(leaf)]
+        target = max(floats, key=lambda d: (d.itemsize, d == torch.float32)) if floats else None
+    return {i: target for i, leaf in enumerate(leaves)
+            if _is_float(leaf) and leaf.dtype not in (target, torch.float64)}
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _call_with(op, args, kwargs, dtype: torch.dtype, state: Autocast, fake_mode):
+    """`op` under autocast with every eligible input (floating, not float64) made `dtype`; None where it
+    cannot take them so."""
+    with fake_mode:
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t,
+            (args, kwargs))
+    try:
+        return _call(op, args, kwargs, state, True, fake_mode)
+    except RuntimeError:
+        return None
 
 
 def _has_autocast_kernel(op, device_type: str) -> bool:
@@ -163,40 +184,19 @@ def _has_autocast_kernel(op, device_type: str) -> bool:
     return key is None or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
 
 
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
+
+
 def _dtype_of(value) -> torch.dtype | None:
     """The dtype of the first floating tensor in `value`."""
-    return next((t.dtype for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()),
-                None)
+    return next((t.dtype for t in pytree.tree_leaves(value) if _is_float(t)), None)
 
 
-def _recorded_casts(op, args, kwargs, inputs: dict[int, list[int]], state: Autocast, enabled: bool,
-                    fake_mode) -> tuple[dict[int, torch.dtype], object]:
-    """The casts of the inputs before `op` runs (`_CastRecorder`), and its output."""
+def _call(op, args, kwargs, state: Autocast, enabled: bool, fake_mode):
+    """`op` on fake values, under the autocast `state` if `enabled`."""
     device_type, dtype = state
-    recorder = _CastRecorder(inputs)
-    with fake_mode, torch.autocast(device_type, dtype=dtype, enabled=enabled), recorder:
-        out = op(*args, **kwargs)
-    return recorder.casts, out
-
-
-class _CastRecorder(TorchDispatchMode):
-    """Records the `_to_copy` calls on the given tensors (id -> positions) that come before any other
-    call, as autocast's do before it calls the op: {position: the dtype cast to}. (The op's own
-    kernel may cast an input too, later.) A tensor at several positions is cast for each."""
-
-    def __init__(self, inputs: dict[int, list[int]]):
-        super().__init__()
-        self.inputs, self.casts, self.op_started = inputs, {}, False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is aten._to_copy.default and id(args[0]) in self.inputs and "dtype" in kwargs:
-            if not self.op_started:
-                for position in self.inputs[id(args[0])]:
-                    self.casts.setdefault(position, kwargs["dtype"])
-        elif func.namespace != "prim":  # autocast asks each argument's device (`prim.device`) as it casts
-            self.op_started = True
-        return func(*args, **kwargs)
+    with fake_mode, torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        return op(*args, **kwargs)
 
 
 def _insert_casts(node: Node, casts: dict[int, torch.dtype], made: dict[tuple, Node], fake_mode) -> None:

@@ -209,7 +209,7 @@ def test_compiled_autograd_gives_every_gradient(world_of_one):
     x = torch.randn(4, 8, dtype=torch.float64)
     sharded = tess_compile.shard(copy.deepcopy(model), 1, 1, example_inputs=(x,), timeout=60)
     torch._dynamo.reset()
-    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+    with torch._dynamo.compiled_autograd._enable(lambda graph: graph):  # its graph run as it is, by FX
         for _ in range(2):
             sharded(x).to_local().square().sum().backward()
     torch._dynamo.reset()

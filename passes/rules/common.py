@@ -40,6 +40,7 @@ __all__ = [
     "is_dtype_cast",
     "is_param",
     "is_param_or_transpose",
+    "users_past_casts",
     "layout_of",
     "lower_default",
     "masked_padding",
@@ -110,6 +111,18 @@ def is_dtype_cast(node: Node) -> bool:
     captured graph, placed as any pointwise op.)"""
     return (node.op == "call_function" and node.target is aten._to_copy.default and len(node.args) == 1
             and set(node.kwargs) <= {"dtype"})
+
+
+def users_past_casts(node: Node) -> list[tuple[Node, Node]]:
+    """(user, the input it takes) for each user of `node`, looking past autocast's casts
+    (`is_dtype_cast`): a product that takes the cast of a weight is that weight's user."""
+    pairs = []
+    for user in node.users:
+        if is_dtype_cast(user):
+            pairs.extend((after, user) for after in user.users)
+        else:
+            pairs.append((user, node))
+    return pairs
 
 
 def is_param(node: Node) -> bool:

@@ -26,6 +26,7 @@ from tess_compile.passes.rules.common import (
     normalize_dim,
     place_replicated,
     shape_of,
+    users_past_casts,
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
@@ -70,11 +71,11 @@ def place_repeat_interleave(node: Node, ctx) -> Decision:
 
 
 def _contracted_dim(node: Node) -> int | None:
-    """The dim of `node`'s value that its first matmul-like user sums over."""
+    """The dim of `node`'s value that its first matmul-like user (past autocast's casts) sums over."""
     ndim = len(shape_of(node))
-    for user in node.users:
+    for user, taken in users_past_casts(node):
         if user.target in _PRODUCTS and ndim >= 2:
-            return ndim - 1 if user.args[0] is node else ndim - 2
+            return ndim - 1 if user.args[0] is taken else ndim - 2
     return None
 
 

@@ -46,6 +46,7 @@ from tess_compile.passes.rules.common import (
     lower_default,
     shape_of,
     split_axes,
+    users_past_casts,
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
@@ -333,14 +334,15 @@ _WEIGHT_CONSUMERS = ("convolutions", "products")
 
 
 def _consumer_wish(node: Node, ctx) -> Layout | None:
-    """The layout that the first conv or product using `node` would give it as a free weight
-    (its rule, of the mesh's mode, asked in advance; its warnings are its own call's to give)."""
-    for user in node.users:
+    """The layout that the first conv or product using `node` (past autocast's casts) would give it
+    as a free weight (its rule, of the mesh's mode, asked in advance; its warnings are its own call's
+    to give)."""
+    for user, taken in users_past_casts(node):
         rule = ctx.rule(user.target, _WEIGHT_CONSUMERS)
         if rule is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                wish = rule(user, ctx).args.get(node)
+                wish = rule(user, ctx).args.get(taken)
             if wish is not None:
                 return wish
     return None

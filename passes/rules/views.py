@@ -38,6 +38,7 @@ from tess_compile.passes.rules.common import (
     normalize_dim,
     shape_of,
     uses_summa,
+    users_past_casts,
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
@@ -160,7 +161,7 @@ def place_view(node: Node, ctx) -> Decision:
                 problem = _view_problem(node, x, cur_in, cur_out, p.dim, axis, parts, ctx)
                 if is_narrow_projection(x):
                     warnings.warn(f"{problem}: key/value heads run replicated over {axis}", stacklevel=2)
-                elif all(user.target in _TAKING_APART for user in node.users):
+                elif all(user.target in _TAKING_APART for user, _ in users_past_casts(node)):
                     warnings.warn(f"{problem}: the parts are cut from the whole value over {axis}", stacklevel=2)
                 else:
                     raise _view_error(node, problem, parts)
