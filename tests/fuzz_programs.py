@@ -1311,7 +1311,6 @@ def _fail(stage: str, err: BaseException) -> Outcome:
 
 def check(program: Program) -> Outcome:
     """Run `program` unsharded and simulated on its mesh: see the module docstring."""
-    q, d, mode = program.mesh
     model, inputs = build_model(program), example_inputs(program)
     reference = copy.deepcopy(model)
     try:
@@ -1320,24 +1319,40 @@ def check(program: Program) -> Outcome:
         return Outcome("invalid", f"{type(err).__name__}: {message_kind(str(err))}", f"{type(err).__name__}: {err}")
     if not all(torch.isfinite(value).all() for value in expected):  # nothing to compare NaNs' gradients with
         return Outcome("invalid", "non-finite output of the unsharded model", "non-finite output")
+    sim, refused = _compiled(program, model, inputs)
+    if sim is None:
+        return refused
+    return _compared(lambda: compare(sim, reference, inputs), "mismatch", "run")
+
+
+def _compiled(program: Program, model: nn.Module, inputs: tuple) -> tuple[object, Outcome | None]:
+    """The simulated module of `program`'s mesh, or None and the outcome of its compile: a ValueError
+    that names the mesh is a refusal; one without it, a verifier's, or any other error a defect."""
+    q, d, mode = program.mesh
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            sim = tess_compile.simulate(model, q, d, mode=mode, example_inputs=inputs, verify=True)
+            return tess_compile.simulate(model, q, d, mode=mode, example_inputs=inputs, verify=True), None
     except ValueError as err:
         if str(Mesh(q, d, mode)) not in str(err):
-            return Outcome("fail", f"ValueError without the mesh: {message_kind(str(err))}", str(err))
+            return None, Outcome("fail", f"ValueError without the mesh: {message_kind(str(err))}", str(err))
         if "as a bug" in str(err):  # a verifier's finding, worded for the user: a defect all the same
-            return Outcome("fail", f"ValueError of a verifier: {message_kind(str(err))}", str(err))
-        return Outcome("value_error", message_kind(str(err)), str(err))
+            return None, Outcome("fail", f"ValueError of a verifier: {message_kind(str(err))}", str(err))
+        return None, Outcome("value_error", message_kind(str(err)), str(err))
     except Exception as err:  # noqa: BLE001  (any other exception is a compiler defect)
-        return _fail("compile", err)
+        return None, _fail("compile", err)
+
+
+def _compared(run_comparison, mismatch: str, stage: str) -> Outcome:
+    """The outcome of `run_comparison()`: its AssertionError a `mismatch`, another error a defect of `stage`."""
     try:
-        compare(sim, reference, inputs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_comparison()
     except AssertionError as err:
-        return Outcome("fail", f"mismatch: {_mismatch_kind(str(err))}", str(err))
+        return Outcome("fail", f"{mismatch}: {_mismatch_kind(str(err))}", str(err))
     except Exception as err:  # noqa: BLE001
-        return _fail("run", err)
+        return _fail(stage, err)
     return Outcome("pass")
 
 
@@ -1401,7 +1416,6 @@ def check_autocast(program: Program) -> Outcome:
     Values are not compared: in bfloat16 a value near a kink (abs, relu, topk, a mask) falls on
     either side with the order of a sum, and its gradient with it; tests/test_autocast.py checks
     values on models without kinks. "invalid" where the unsharded run fails or is not finite."""
-    q, d, mode = program.mesh
     model = build_model(program).float()
     inputs = tuple(x.float() if x.is_floating_point() else x for x in example_inputs(program))
     try:
@@ -1411,23 +1425,10 @@ def check_autocast(program: Program) -> Outcome:
         return Outcome("invalid", f"{type(err).__name__}: {message_kind(str(err))}", f"{type(err).__name__}: {err}")
     if not all(torch.isfinite(value).all() for value in reference):
         return Outcome("invalid", "non-finite output of the unsharded model", "non-finite output")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sim = tess_compile.simulate(copy.deepcopy(model), q, d, mode=mode, example_inputs=inputs, verify=True)
-    except ValueError as err:
-        return Outcome("value_error", message_kind(str(err)), str(err))
-    except Exception as err:  # noqa: BLE001
-        return _fail("compile", err)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _compare_autocast_dtypes(sim, model, inputs)
-    except AssertionError as err:
-        return Outcome("fail", f"autocast mismatch: {_mismatch_kind(str(err))}", str(err))
-    except Exception as err:  # noqa: BLE001
-        return _fail("run under autocast", err)
-    return Outcome("pass")
+    sim, refused = _compiled(program, copy.deepcopy(model), inputs)
+    if sim is None:
+        return refused
+    return _compared(lambda: _compare_autocast_dtypes(sim, model, inputs), "autocast mismatch", "run under autocast")
 
 
 def _compare_autocast_dtypes(sim, model: nn.Module, inputs: tuple) -> None:

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 import tess_compile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.architectures import ARCHITECTURES, build  # noqa: E402
+from benchmarks.architectures import ARCHITECTURES, build
 
 pytestmark = pytest.mark.slow
 
