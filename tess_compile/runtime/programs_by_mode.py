@@ -129,8 +129,14 @@ def _check_same_state(first: Program, other: Program) -> None:
         if mine is None or (mine.layout, mine.shape, mine.dtype) != (slot.layout, slot.shape, slot.dtype):
             before = "absent" if mine is None else f"{mine.layout} {list(mine.shape)}"
             raise ValueError(
-                f"{slot.role} {name!r} is laid out as {slot.layout} {list(slot.shape)} in "
-                f"{'train' if other.training else 'eval'} mode but {before} in the mode the model was compiled in, "
-                f"on mesh {first.mesh}: the two modes cannot share shards; compile the model in the mode you run "
-                "it in (model.train() or model.eval() before sharding), once per mode"
+                f"{slot.role} {name!r} is laid out as {slot.layout} {list(slot.shape)} in {_mode(other)} but "
+                f"{before} in {_mode(first)}, the mode the model was compiled in, on mesh {first.mesh}: the two "
+                "modes cannot share shards; compile the model in the mode you run it in (model.train() or "
+                "model.eval(), and torch.autocast, around sharding), once per mode"
             )
+
+
+def _mode(program: Program) -> str:
+    """"train mode", "eval mode under torch.autocast('cpu', torch.bfloat16)", ..."""
+    mode = f"{'train' if program.training else 'eval'} mode"
+    return mode if program.autocast is None else f"{mode} under torch.autocast{program.autocast!r}"
