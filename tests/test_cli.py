@@ -215,6 +215,7 @@ def run_in_process(argv: list[str], folder, monkeypatch, capsys) -> tuple[int, s
     return code, out, err
 
 
+@pytest.mark.slow  # the planner's ranking is the fast tier's in test_planner.py
 def test_plan_prints_the_meshes_fastest_first(plan_dir):
     proc = run_cli("plan", "plan_model.py:make_mlp", "--gpus", "64", "--gpus-per-node", "4", "--dp", "1", "--pp", "1",
                    "-v", cwd=plan_dir)

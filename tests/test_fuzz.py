@@ -90,7 +90,7 @@ def test_a_wrong_gradient_is_caught():
 
 # Under bfloat16 autocast (`fp.check_autocast`): the fixed programs' first NUM_AUTOCAST here, and the
 # next SLOW_AUTOCAST in the slow tier (every dtype as the unsharded model's, nothing failing).
-NUM_AUTOCAST, SLOW_AUTOCAST = 10, 90
+NUM_AUTOCAST, SLOW_AUTOCAST = 6, 94
 
 
 def _assert_autocast_like_unsharded(seed: int) -> None:
