@@ -15,13 +15,14 @@ output cast back (`_widen_mixed_norm`), which is what torch computes.
 A program is compiled for an autocast state (`Program.autocast`, `tess_compile.core.autocast`),
 captured under it (so code that reads a dtype, `mask.to(h.dtype)`, traces as it runs there), and
 `apply_autocast` writes before each op the casts autocast makes of that op's inputs in that state;
-the runtimes run the per-rank graph with autocast off. The casts are found by calling the op on the
+the runtimes run the per-rank graph with autocast off. The casts follow from calling the op on the
 node's fake inputs (moved to the state's device type) under `torch.autocast`:
 
 - an op with an autocast kernel of its own (`linear`, `scaled_dot_product_attention`,
-  `cross_entropy_loss`, `cat`): a dispatch mode records each `_to_copy` of an input before the
-  op's first call of anything else (after it, the op's own kernel may cast an input: the CPU
-  attention's upcast of v), less those made without autocast;
+  `cross_entropy_loss`, `cat`) is put in torch's class for it by probing it: lower precision (its
+  output takes the autocast dtype from float32 inputs), float32 (it gives float32 from inputs of the
+  autocast dtype), or promote; its inputs are cast by that class's rule. (What the op's kernel
+  calls is no guide: the CPU attention upcasts q, k and v itself.)
 - a composite op without one (`einsum`), whose own ops autocast casts: if its output's dtype
   differs from the one without autocast, its inputs are cast to that dtype.
 
@@ -37,16 +38,12 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
+from tess_compile.passes.view_mutations import node_like
 from tess_compile.core.meta_keys import AUTOCAST_REGION, RECOMPUTE_REGION
 
 __all__ = ["apply_autocast"]
 
 aten = torch.ops.aten
-
-# The meta a cast takes from the op it feeds (source lines, checkpoint regions).
-_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "custom", "from_node", "seq_nr",
-              RECOMPUTE_REGION.name)
-
 
 def apply_autocast(gm: GraphModule, autocast: Autocast | None) -> GraphModule:
     """`gm` with autocast's casts of `autocast` (None: none, but in autocast regions) as ops, and its
@@ -66,7 +63,7 @@ def apply_autocast(gm: GraphModule, autocast: Autocast | None) -> GraphModule:
                 continue
             casts = _casts(node, state, fake_mode) if state is not None else {}
             if casts:
-                _insert_casts(node, casts, made, fake_mode)
+                _insert_casts(node, casts, made)
             if state is not None or casts or any(arg in changed for arg in node.all_input_nodes):
                 # Captured under autocast, a value may be of the dtype autocast gave it: now the graph's.
                 node.meta["val"] = _fake_value(node, fake_mode)
@@ -95,16 +92,13 @@ def _widen_mixed_norm(node: Node, state: Autocast | None, made: dict[tuple, Node
     made or changed."""
     target = _dtype_of(_fake_value(node, fake_mode, state))
     wide = max((n.meta["val"].dtype for n in node.all_input_nodes), key=lambda dtype: dtype.itemsize)
-    _insert_casts(node, {0: wide}, made, fake_mode)
+    _insert_casts(node, {0: wide}, made)
     node.meta["val"] = _fake_value(node, fake_mode)
     if node.meta["val"].dtype == target:
         return [node, node.args[0]]
     users = list(node.users)
     with node.graph.inserting_after(node):
-        back = node.graph.call_function(aten._to_copy.default, (node,), {"dtype": target})
-    with fake_mode:
-        back.meta["val"] = node.meta["val"].to(target)
-    back.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
+        back = node_like(node, aten._to_copy.default, (node,), {"dtype": target})
     for user in users:
         user.replace_input_with(node, back)
     return [node, back, node.args[0]]
@@ -129,17 +123,18 @@ def _casts(node: Node, state: Autocast, fake_mode) -> dict[int, torch.dtype]:
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t if t.device.type == device_type else t.to(device_type), (args, kwargs))
     leaves = pytree.tree_leaves((args, kwargs))
-    if not any(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves):
+    if not any(_is_float(leaf) for leaf in leaves):
         return {}
     if _has_autocast_kernel(node.target, device_type):
         return _kernel_casts(node.target, args, kwargs, leaves, state, fake_mode)
     if len({leaf.dtype for leaf in leaves if _is_float(leaf)}) > 1:
         return {}
     # A composite op (einsum) whose own ops autocast casts: its inputs cast to what it computes in.
-    out, plain = (_call(node.target, args, kwargs, state, enabled, fake_mode) for enabled in (True, False))
-    if _dtype_of(out) == _dtype_of(plain):
+    computes_in, plain = (_dtype_of(_call(node.target, args, kwargs, state, enabled, fake_mode))
+                          for enabled in (True, False))
+    if computes_in == plain:
         return {}
-    return {i: _dtype_of(out) for i, leaf in enumerate(leaves) if _is_float(leaf) and leaf.dtype != _dtype_of(out)}
+    return {i: computes_in for i, leaf in enumerate(leaves) if _is_float(leaf) and leaf.dtype != computes_in}
 
 
 def _kernel_casts(op, args, kwargs, leaves: list, state: Autocast, fake_mode) -> dict[int, torch.dtype]:
@@ -199,7 +194,7 @@ def _call(op, args, kwargs, state: Autocast, enabled: bool, fake_mode):
         return op(*args, **kwargs)
 
 
-def _insert_casts(node: Node, casts: dict[int, torch.dtype], made: dict[tuple, Node], fake_mode) -> None:
+def _insert_casts(node: Node, casts: dict[int, torch.dtype], made: dict[tuple, Node]) -> None:
     """Feed `node` its inputs cast as `casts` says, each by a `_to_copy` before it (one per input,
     dtype and recompute region, shared with later ops)."""
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
@@ -208,11 +203,7 @@ def _insert_casts(node: Node, casts: dict[int, torch.dtype], made: dict[tuple, N
         key = (source, dtype, RECOMPUTE_REGION.get(node))
         if key not in made:
             with node.graph.inserting_before(node):
-                cast = node.graph.call_function(aten._to_copy.default, (source,), {"dtype": dtype})
-            with fake_mode:
-                cast.meta["val"] = source.meta["val"].to(dtype)
-            cast.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
-            made[key] = cast
+                made[key] = node_like(node, aten._to_copy.default, (source,), {"dtype": dtype})
         leaves[position] = made[key]
     node.args, node.kwargs = pytree.tree_unflatten(leaves, spec)
 

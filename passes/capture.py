@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import logging
+import operator
 import time
 
 import torch

@@ -35,8 +35,9 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tess_compile.passes.source_lines import source_line
+from tess_compile.core.meta_keys import RECOMPUTE_REGION
 
-__all__ = ["functionalize_view_mutations", "may_alias_root", "writes_in_place"]
+__all__ = ["functionalize_view_mutations", "may_alias_root", "node_like", "writes_in_place"]
 
 aten = torch.ops.aten
 
@@ -49,7 +50,8 @@ _RESHAPES = (
     aten.view_as.default, aten.reshape_as.default,
 )
 # The meta keys a rewritten node takes from the in-place op it replaces (source lines, checkpoint regions).
-_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "custom", "from_node", "seq_nr")
+_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "custom", "from_node", "seq_nr",
+              RECOMPUTE_REGION.name)
 
 
 def writes_in_place(node: Node) -> bool:
@@ -161,10 +163,10 @@ class _Functionalizer:
             return source
         if alias.target is operator.getitem:
             split = alias.args[0]
-            items = _call(write, split.target, (source, *split.args[1:]), dict(split.kwargs))
-            made = _call(write, operator.getitem, (items, alias.args[1]), {})
+            items = node_like(write, split.target, (source, *split.args[1:]), dict(split.kwargs))
+            made = node_like(write, operator.getitem, (items, alias.args[1]), {})
         else:
-            made = _call(write, alias.target, (source, *alias.args[1:]), dict(alias.kwargs))
+            made = node_like(write, alias.target, (source, *alias.args[1:]), dict(alias.kwargs))
         self.sources[made] = source
         return made
 
@@ -183,9 +185,9 @@ def _out_of_place(write: Node) -> Node:
     if op is aten.copy_.default:  # the source, cast and broadcast to the target
         view, source = target.meta["val"], write.args[1]
         if source.meta["val"].dtype != view.dtype:
-            source = _call(write, aten._to_copy.default, (source,), {"dtype": view.dtype})
+            source = node_like(write, aten._to_copy.default, (source,), {"dtype": view.dtype})
         if source.meta["val"].shape != view.shape:
-            source = _call(write, aten.expand.default, (source, list(view.shape)), {})
+            source = node_like(write, aten.expand.default, (source, list(view.shape)), {})
         return source
     name = op._schema.name.split("::")[-1]
     packet = getattr(aten, name.removesuffix("_"), None) if name.endswith("_") else None
@@ -193,7 +195,7 @@ def _out_of_place(write: Node) -> Node:
     if twin is None:
         raise ValueError(f"{op} at {source_line(write)} writes into a view of another value and has no out-of-place "
                          "form: compute the new value out of place and use it instead")
-    return _call(write, twin, (target, *write.args[1:]), dict(write.kwargs))
+    return node_like(write, twin, (target, *write.args[1:]), dict(write.kwargs))
 
 
 def _scatter(write: Node, view: Node, base: Node, value: Node) -> Node:
@@ -203,25 +205,25 @@ def _scatter(write: Node, view: Node, base: Node, value: Node) -> Node:
         return _scatter_item(write, args[0], args[1], base, value)
     shape = list(base.meta["val"].shape)
     if op is aten.slice.Tensor:
-        return _call(write, aten.slice_scatter.default, (base, value, *args[1:]), dict(view.kwargs))
+        return node_like(write, aten.slice_scatter.default, (base, value, *args[1:]), dict(view.kwargs))
     if op is aten.narrow.default:
         dim, start, length = args[1:4]
-        return _call(write, aten.slice_scatter.default, (base, value, dim, start, start + length), {})
+        return node_like(write, aten.slice_scatter.default, (base, value, dim, start, start + length), {})
     if op is aten.select.int:
-        return _call(write, aten.select_scatter.default, (base, value, *args[1:]), {})
+        return node_like(write, aten.select_scatter.default, (base, value, *args[1:]), {})
     if op is aten.diagonal.default:
-        return _call(write, aten.diagonal_scatter.default, (base, value, *args[1:]), dict(view.kwargs))
+        return node_like(write, aten.diagonal_scatter.default, (base, value, *args[1:]), dict(view.kwargs))
     if op is aten.as_strided.default:
-        return _call(write, aten.as_strided_scatter.default, (base, value, *args[1:]), dict(view.kwargs))
+        return node_like(write, aten.as_strided_scatter.default, (base, value, *args[1:]), dict(view.kwargs))
     if op is aten.permute.default:
         order = [dim % len(shape) for dim in args[1]]
-        return _call(write, aten.permute.default, (value, sorted(range(len(shape)), key=order.__getitem__)), {})
+        return node_like(write, aten.permute.default, (value, sorted(range(len(shape)), key=order.__getitem__)), {})
     if op in (aten.transpose.int, aten.t.default):
-        return _call(write, op, (value, *args[1:]), {})
+        return node_like(write, op, (value, *args[1:]), {})
     if op in (aten.alias.default, aten.detach.default, aten.contiguous.default):
         return value
     if op in _RESHAPES:
-        return _call(write, aten.reshape.default, (value, shape), {})
+        return node_like(write, aten.reshape.default, (value, shape), {})
     raise ValueError(f"{write.target} at {source_line(write)} writes through a view made by {op} ({view.name}), "
                      "which tess-compile cannot write back into its base: compute the new value out of place "
                      "(torch.where, torch.cat, Tensor.slice_scatter) and use it instead")
@@ -231,15 +233,16 @@ def _scatter_item(write: Node, split: Node, index: int, base: Node, value: Node)
     """`base` with item `index` of a split, chunk or unbind of it replaced by `value`."""
     if split.target is aten.unbind.int:
         dim = split.args[1] if len(split.args) > 1 else split.kwargs.get("dim", 0)
-        return _call(write, aten.select_scatter.default, (base, value, dim, index), {})
+        return node_like(write, aten.select_scatter.default, (base, value, dim, index), {})
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     sizes = [item.shape[dim] for item in split.meta["val"]]
     start = sum(sizes[:index])
-    return _call(write, aten.slice_scatter.default, (base, value, dim, start, start + sizes[index]), {})
+    return node_like(write, aten.slice_scatter.default, (base, value, dim, start, start + sizes[index]), {})
 
 
-def _call(write: Node, target, args: tuple, kwargs: dict) -> Node:
-    """A new node `target(*args, **kwargs)` with its fake value and the source meta of `write`."""
+def node_like(write: Node, target, args: tuple, kwargs: dict) -> Node:
+    """A new node `target(*args, **kwargs)`, at the graph's insertion point, with its fake value and
+    the source meta of `write` (its lines, its checkpoint region)."""
     node = write.graph.call_function(target, args, kwargs)
     fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
     node.meta["val"] = target(*fake_args, **fake_kwargs)

@@ -100,7 +100,6 @@ _ATTENTION_OPS = (
     aten.baddbmm.default, aten.matmul.default,
 )
 
-
 # Consumers that cut a fused value apart (Falcon's [n + 2] heads into q, k, v).
 _TAKING_APART = (
     aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
