@@ -1,7 +1,8 @@
 """Rules of losses: cross-entropy over logits split by rows and classes, never
-gathered whole (Optimus 3.2): per-rank log-sum-exps are gathered (q numbers a
-row) and combined, the target logit is a one-hot sum, all-reduced, and rows
-split over other axes are summed by all-reduce. Targets are range-checked
+gathered whole (Optimus 3.2): each rank's log-sum-exp and its part of the
+target logit (a one-hot sum) are gathered together, two numbers a row and
+rank, in one all-gather per class axis (and one reduce-scatter back in
+backward), and combined; rows split over other axes are summed by all-reduce. Targets are range-checked
 as torch checks them (`tess_compile.passes.rules.index_checks`).
 """
 
@@ -52,9 +53,10 @@ def place_cross_entropy(node: Node, ctx) -> Decision:
 
 
 def lower_cross_entropy(b: Builder, node: Node, args, kwargs):
-    """-log softmax(x)[target] with the class dim split: per-rank log-sum-exps are
-    gathered (q numbers a row) and combined; the target logit is a one-hot sum,
-    all-reduced. Rows split over other axes are summed by all-reduce. An uneven
+    """-log softmax(x)[target] with the class dim split: each rank's log-sum-exp and
+    one-hot sum of its target logits, gathered in one collective per class axis, then
+    combined (a log-sum-exp and a sum). Rows split over other axes are summed by
+    all-reduce. An uneven
     class split's padding is -inf in the log-sum-exp, and no target picks it."""
     reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
     ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
@@ -67,14 +69,16 @@ def lower_cross_entropy(b: Builder, node: Node, args, kwargs):
     class_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 1]
     row_axes = [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim == 0]
     lse = b.call(aten.logsumexp.default, x, [1], True)
-    for axis in class_axes:
-        lse = b.split_op(c.all_gather, lse, axis, 1, 1)
-    lse = b.call(aten.logsumexp.default, lse, [1])
     ids = block_indices(b, x, shape[1], layout, 1)  # the class each of this rank's columns stands for
     onehot = b.call(aten.eq.Tensor, b.call(aten.unsqueeze.default, target, 1), ids)
-    picked = b.call(aten.sum.dim_IntList, b.call(aten.where.ScalarOther, onehot, x, 0.0), [1])
-    for axis in class_axes:
-        picked = b.collective(c.all_reduce, picked, axis)
+    picked = b.call(aten.sum.dim_IntList, b.call(aten.where.ScalarOther, onehot, x, 0.0), [1], True)
+    if class_axes:  # [N, 1, 2]: this rank's log-sum-exp and target logit, gathered together: [N, parts, 2]
+        both = b.call(aten.stack.default, [lse, picked], 2)
+        for axis in class_axes:
+            both = b.split_op(c.all_gather, both, axis, 1, 1)
+        lse, picked = b.call(aten.select.int, both, 2, 0), b.call(aten.select.int, both, 2, 1)
+    lse = b.call(aten.logsumexp.default, lse, [1])
+    picked = b.call(aten.sum.dim_IntList, picked, [1])  # one rank's target logit, the others' zeros
     keep = b.call(aten.ne.Scalar, target, ignore_index)
     per_row = b.call(aten.where.ScalarOther, keep, b.call(aten.sub.Tensor, lse, picked), 0.0)
     if reduction == 0:
