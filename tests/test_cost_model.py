@@ -176,17 +176,17 @@ def test_predict_time_adds_the_collectives_and_the_flops(q, d, mode):
 def test_profile_of_one_rank_by_hand():
     """MLP 8 -> 16 -> 8 on one rank, x [8, 3, 8] fp32 (24 rows).
 
-    Forward: two products of 2*24*8*16 = 6144 FLOPs (smallest dimension 8), the bias
-    adds (24x16 + 16 + 24x16 floats, then 24x8 + 8 + 24x8) and the ReLU (2 x 24x16):
-    5 kernels. Backward: fc2's input and weight gradients and fc1's weight gradient
+    Forward: two products of 2*24*8*16 = 6144 FLOPs (smallest dimension 8), each with its
+    bias (`addmm`, as the unsharded model's `linear`: a CPU kernel copies the bias into its
+    24x16, then 24x8, output and reads it back), and the ReLU (2 x 24x16): 3 kernels. Backward: fc2's input and weight gradients and fc1's weight gradient
     (x needs none), the ReLU's backward (3 x 24x16) and two bias sums (24x8 + 8,
     24x16 + 16): 6 kernels; 7 with x's gradient.
     """
     program = compiled(1, 1)
     profile = profile_program(program)
     assert profile.forward == PhaseProfile(matmul_flops=2 * 6144, matmul_flops_per_size=2 * 6144 / 8,
-                                           memory_bytes=4 * (384 + 16 + 384 + 2 * 384 + 192 + 8 + 192),
-                                           num_kernels=5, num_matmuls=2, num_ops=5)
+                                           memory_bytes=4 * 2 * 384, num_kernels=3, num_matmuls=2,
+                                           bias_bytes=4 * 2 * (384 + 192), num_ops=3)
     assert profile.backward == PhaseProfile(matmul_flops=3 * 6144, matmul_flops_per_size=3 * 6144 / 8,
                                             memory_bytes=4 * (3 * 384 + 192 + 8 + 384 + 16),
                                             num_kernels=6, num_matmuls=3, num_ops=6)
@@ -202,7 +202,7 @@ def test_calibrated_compute_by_hand():
     cluster = replace(PAPER_CLUSTER, matmul_half_size=8.0, memory_bandwidth=1e9, kernel_overhead=1e-5)
     time = step_time(profile_program(program), cluster)
     flops = cluster.flops
-    assert time.forward_compute_s == pytest.approx(2 * 6144 / (flops * 8 / (8 + 8)) + 4 * 1944 / 1e9 + 5e-5)
+    assert time.forward_compute_s == pytest.approx(2 * 6144 / (flops * 8 / (8 + 8)) + 4 * 768 / 1e9 + 3e-5)
     assert time.backward_compute_s == pytest.approx(3 * 6144 / (flops / 2) + 4 * 1752 / 1e9 + 6e-5)
     assert time.forward_comm_s == time.backward_comm_s == 0.0
 
