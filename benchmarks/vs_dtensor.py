@@ -73,9 +73,14 @@ collective (its input tensor's bytes, the convention of
 (`CompiledRank.graphs`); for DTensor, the collectives that `CommDebugMode`
 counts (`CommBytes` adds their input bytes). Under a dispatch mode such as
 CommDebugMode dynamo cannot trace, so the compiled DTensor rows' bytes are
-counted on an eager step (`torch.compiler.set_stance("force_eager")`). CPU
-cores are shared by all 8 processes: the times rank configurations on this
-machine, they are not GPU predictions.
+counted on an eager step (`torch.compiler.set_stance("force_eager")`); the
+CPU time a rank spends per step (`time.process_time`, all of its threads:
+the program, gloo's workers, inductor's kernels; a blocked wait spends
+none), the mean over ranks, and the CPU-bound step, every rank's CPU over
+the cores: the least step time the machine allows for that work. What a
+step takes beyond it is waiting: a rank blocked on a peer that is not
+running. CPU cores are shared by all 8 processes: the times rank
+configurations on this machine, they are not GPU predictions.
 
     python3 benchmarks/vs_dtensor.py [--dims 128,256] [--seqs 32,64,128] [--rounds 7] [--steps 5]
         [--warmup 3] [--configs NAME,...] [--schedules] [--quick] [--out benchmarks/results/vs_dtensor.json]
@@ -339,14 +344,16 @@ class Trainer:
             self.step()
         return counter.num_bytes
 
-    def timed_round(self, steps: int) -> float:
-        """Seconds per step of `steps` steps between barriers."""
+    def timed_round(self, steps: int) -> tuple[float, float]:
+        """Seconds per step of `steps` steps between barriers, and this process's CPU seconds per step
+        in them (every thread: the program's, gloo's, inductor's kernels'; waits not counted)."""
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.step()
+        cpu = time.process_time() - cpu
         dist.barrier()
-        return (time.perf_counter() - start) / steps
+        return (time.perf_counter() - start) / steps, cpu / steps
 
 
 def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int,
@@ -358,11 +365,13 @@ def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int
             trainer.step()
             if index == 0:
                 first_losses.append(_loss_value(trainer.last_loss))
-    rows = [{"saved": trainer.saved_bytes(), "moved": trainer.moved_bytes(), "times": [], "loss_first": loss}
-            for trainer, loss in zip(trainers, first_losses)]
+    rows = [{"saved": trainer.saved_bytes(), "moved": trainer.moved_bytes(), "times": [], "cpu": [],
+             "loss_first": loss} for trainer, loss in zip(trainers, first_losses)]
     for _ in range(rounds):
         for trainer, row in zip(trainers, rows):
-            row["times"].append(trainer.timed_round(steps))
+            wall, cpu = trainer.timed_round(steps)
+            row["times"].append(wall)
+            row["cpu"].append(cpu)
     for trainer, row in zip(trainers, rows):
         row["loss_last"] = _loss_value(trainer.last_loss)
     return rows
@@ -435,11 +444,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def make_table(names: list, results: list) -> dict:
     """The rows of one launch: median ms/step over rounds (slowest rank per round), the ratios to
-    DTensor at its best (the fastest DTensor row) and to DTensor eager, rank 0's losses and bytes."""
+    DTensor at its best (the fastest DTensor row) and to DTensor eager, rank 0's losses and bytes; the
+    CPU a rank spends per step (median over rounds of the mean over ranks), and the least step time
+    the cores allow for that work (every rank's CPU over the cores): the rest of a step is waiting."""
     medians = {name: statistics.median(max(times) for times in zip(*(rank[index]["times"] for rank in results)))
                for index, name in enumerate(names)}
+    cpus = {name: statistics.median(statistics.fmean(cpu) for cpu in zip(*(rank[index]["cpu"] for rank in results)))
+            for index, name in enumerate(names)}
     candidates = [name for name in names if CONFIGS[name].dtensor]
     best = min(candidates, key=medians.get) if candidates else None
     eager = medians.get("DTensor eager")
@@ -455,6 +473,8 @@ def make_table(names: list, results: list) -> dict:
             "loss_last": row["loss_last"],
             "saved_bytes": row["saved"],
             "moved_bytes": row["moved"],
+            "cpu_ms_per_rank": round(cpus[name] * 1e3, 2),
+            "cpu_bound_ms": round(cpus[name] * len(results) / _cores() * 1e3, 2),
             "round_ms": [round(max(times) * 1e3, 2) for times in zip(*(rank[index]["times"] for rank in results))],
         })
     return {"best": best, "rows": rows}
@@ -471,11 +491,12 @@ def print_table(table: dict) -> None:
         ms = next(row["ms_per_step"] for row in table["rows"] if row["configuration"] == best)
         print(f"DTensor at its best: {best} ({ms:.1f} ms/step)")
     print(f"{'configuration':<22} {'ms/step':>8} {'vs best':>8} {'vs DT eager':>11} {'loss first':>11} "
-          f"{'loss last':>10} {'saved B/rank':>13} {'moved B/rank/step':>18}")
+          f"{'loss last':>10} {'saved B/rank':>13} {'moved B/rank/step':>18} {'CPU ms/rank':>12} {'CPU-bound ms':>13}")
     for row in table["rows"]:
         print(f"{row['configuration']:<22} {row['ms_per_step']:8.1f} {_ratio(row['vs_best']):>8} "
               f"{_ratio(row['vs_dtensor_eager']):>11} {row['loss_first']:11.6f} {row['loss_last']:10.6f} "
-              f"{row['saved_bytes']:>13,} {row['moved_bytes']:>18,}")
+              f"{row['saved_bytes']:>13,} {row['moved_bytes']:>18,} {row['cpu_ms_per_rank']:12.1f} "
+              f"{row['cpu_bound_ms']:13.1f}")
     losses = [row["loss_first"] for row in table["rows"]]
     print(f"(first-step losses agree to {max(losses) - min(losses):.1e})")
 

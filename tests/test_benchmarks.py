@@ -65,6 +65,7 @@ def test_vs_dtensor_benchmark_runs(capsys, tmp_path):
     (run,) = json.loads((tmp_path / "vs_dtensor.json").read_text())["runs"]
     losses = [row["loss_first"] for row in run["rows"]]  # the same model, weights and batch in every row
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
+    assert "CPU-bound ms" in out and all(row["cpu_ms_per_rank"] > 0 for row in run["rows"])
 
 
 def test_plan_accuracy_benchmark_runs(capsys, tmp_path):
