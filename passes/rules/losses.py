@@ -2,8 +2,9 @@
 gathered whole (Optimus 3.2): each rank's log-sum-exp and its part of the
 target logit (a one-hot sum) are gathered together, two numbers a row and
 rank, in one all-gather per class axis (and one reduce-scatter back in
-backward), and combined; rows split over other axes are summed by all-reduce. Targets are range-checked
-as torch checks them (`tess_compile.passes.rules.index_checks`).
+backward), and combined; rows split over other axes are summed by
+all-reduce. Targets are range-checked as torch checks them
+(`tess_compile.passes.rules.index_checks`).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def lower_cross_entropy(b: Builder, node: Node, args, kwargs):
     """-log softmax(x)[target] with the class dim split: each rank's log-sum-exp and
     one-hot sum of its target logits, gathered in one collective per class axis, then
     combined (a log-sum-exp and a sum). Rows split over other axes are summed by
-    all-reduce. An uneven
-    class split's padding is -inf in the log-sum-exp, and no target picks it."""
+    all-reduce. An uneven class split's padding is -inf in the log-sum-exp, and no
+    target picks it."""
     reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
     ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
     check_targets(b, node, args[1], ignore_index)
