@@ -424,7 +424,7 @@ def main(argv=None) -> int:
                             timeout_s=3600, collective_timeout_s=600)
         print(f"\nPyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
               f"vocabulary {sizes['vocab']} (tied), batch {sizes['batch']}, sequence {sizes['seq']}, fp32, "
-              f"cross-entropy, AdamW; {q * q * d} gloo processes on {os.cpu_count()} CPU cores (DTensor and "
+              f"cross-entropy, AdamW; {q * q * d} gloo processes on {_cores()} CPU cores (DTensor and "
               f"tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after "
               f"{warmup} warm-up")
         table = make_table(names, results)

@@ -147,3 +147,18 @@ def test_cross_attention_1d():
               torch.randn(BATCH, 2 * SEQ, HIDDEN, generator=gen, dtype=torch.float64))
     sim, oracle = _check_exact(CrossAttention().double(), inputs, ONE_D)
     assert _redundant(sim, oracle, inputs) <= 1.05
+
+
+@pytest.mark.parametrize("mesh", [ONE_D, (2, 2, "1d"), (1, 1, "2.5d")], ids=["1d-p4", "1d-p8", "world-of-one"])
+def test_linear_biases_run_in_the_products(mesh):
+    """A linear runs with its bias in the product, as the unsharded model's addmm: on a mesh with
+    q = 1 (one step: its bias block in one local linear), and in 1-D (column-parallel, and
+    row-parallel with the bias on one rank). No add follows a product; exact in float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN)).double()
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
+    sim, _ = _check_exact(model, (x,), mesh)
+    nodes = sim.program.runnable.graph.nodes
+    linears = [n for n in nodes if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == 2 and all(len(n.args) == 3 for n in linears)
+    assert not any(n.target is torch.ops.aten.add.Tensor for n in nodes)
