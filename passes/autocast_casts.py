@@ -38,12 +38,13 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
-from tess_compile.passes.view_mutations import node_like
 from tess_compile.core.meta_keys import AUTOCAST_REGION, RECOMPUTE_REGION
+from tess_compile.passes.view_mutations import node_like
 
 __all__ = ["apply_autocast"]
 
 aten = torch.ops.aten
+
 
 def apply_autocast(gm: GraphModule, autocast: Autocast | None) -> GraphModule:
     """`gm` with autocast's casts of `autocast` (None: none, but in autocast regions) as ops, and its

@@ -34,8 +34,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tess_compile.passes.source_lines import source_line
 from tess_compile.core.meta_keys import RECOMPUTE_REGION
+from tess_compile.passes.source_lines import source_line
 
 __all__ = ["functionalize_view_mutations", "may_alias_root", "node_like", "writes_in_place"]
 
