@@ -19,7 +19,8 @@ section that fails or runs out of time leaves the others' results:
   rank's stack comes back);
 - `compiled`: `simulate(compile=True)` (inductor's Triton kernels) against
   eager on the GPT stack in float64, [1,1,1] then [2,2,2]: parity, the first
-  (compiling) step, and the simulated step eager and compiled;
+  (compiling) step, and the simulated step eager and compiled; and under bf16
+  autocast at [2,2,2] against the float64 model, with test_bf16's bound;
 - `kernels`: every row of the Tesseract paper's Tables 1 and 2 (one
   checkpointed layer, `benchmarks.paper_tables`), in bf16: rank 0's per-rank
   program, its collectives replaced by buffers of their outputs' shapes, timed
@@ -31,10 +32,13 @@ section that fails or runs out of time leaves the others' results:
 - `kernels_compiled`: a few of those rows eager, compiled (`CompiledRank`,
   the `compile=True` runtime) and compiled with inductor's CUDA graphs;
 - `memory`: the same local step for the GPT stack in each mode and `recompute=`
-  option: peak memory (`torch.cuda.max_memory_allocated`) against
-  `predict_memory`;
+  option: the peak of two training steps, the allocator's
+  (`torch.cuda.max_memory_allocated`) and `MemTracker`'s (what dispatch sees),
+  against `predict_memory`;
 - `world1`: a world of one under NCCL: the unsharded model under
-  `torch.compile` against `shard(model, 1, 1, compile=True)`, step times.
+  `torch.compile` against `shard(model, 1, 1, compile=True)`, step times;
+- `adamw`: AdamW's step over that model's parameters as plain tensors and as
+  DTensors, default (foreach), for-loop and fused.
 
 Sections that compile run in child processes with a time limit, each printing
 its main thread's stack every `--watchdog` seconds (where a hang hangs);
@@ -53,8 +57,10 @@ tests' dry run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
+import functools
 import json
 import math
 import os
@@ -82,7 +88,7 @@ from tess_compile.passes.driver import compile_model
 from tess_compile.runtime import state
 from tess_compile.runtime.launch import run_local
 
-SECTIONS = ("exact", "bf16", "nccl1", "kernels", "memory", "compiled", "gloo8", "kernels_compiled", "world1")
+SECTIONS = ("exact", "bf16", "nccl1", "kernels", "memory", "compiled", "gloo8", "kernels_compiled", "world1", "adamw")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
 MESHES = [("2.5d", 2, 2), ("1d", 2, 1)]  # [2,2,2] and 1-D p=4
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}  # dense bf16, SXM datasheets
@@ -172,35 +178,44 @@ def exact(args) -> list[dict]:
     return rows
 
 
+def bf16_errors(make_sharded, model, inputs, loss_of, device) -> dict:
+    """One forward and backward under bf16 autocast of `make_sharded(model)` and of `model` (its
+    float32 weights): each one's error against the float64 model, the loss and every gradient
+    not ~0, and whether the sharded one keeps within test_bf16's bound (at most twice the
+    unsharded error + 1e-3)."""
+    truth_model = copy.deepcopy(model).double()
+    truth = loss_of(_call(truth_model, _to(inputs, device, torch.float64)))
+    truth.backward()
+    unsharded = copy.deepcopy(model)
+    sharded = make_sharded(model)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        sharded_loss, plain_loss = loss_of(_call(sharded, inputs)), loss_of(_call(unsharded, inputs))
+    sharded_loss.backward()
+    plain_loss.backward()
+    grads = sharded.full_grads()
+    errors = {"loss": (rel(sharded_loss, truth), rel(plain_loss, truth))}
+    for (n, p), t in zip(unsharded.named_parameters(), truth_model.parameters()):
+        if p.grad is not None and t.grad.norm() > 1e-6:
+            errors[n] = (rel(grads[n], t.grad), rel(p.grad, t.grad))
+    over = {n: e for n, e in errors.items() if e[0] > 2 * e[1] + 1e-3}
+    worst = max(errors, key=lambda n: errors[n][0] - 2 * errors[n][1])
+    return {"loss_sharded": errors["loss"][0], "loss_unsharded": errors["loss"][1], "worst": worst,
+            "worst_sharded": errors[worst][0], "worst_unsharded": errors[worst][1], "within_bound": not over,
+            "over": sorted(over)}
+
+
 def bf16(args) -> list[dict]:
     """bf16 autocast on the device: sharded and unsharded errors against the float64 model."""
     rows = []
     for name, build in MODELS.items():
         for mode, q, d in MESHES:
             model, inputs, loss_of = build(args.size)
-            model = model.to(args.device)
-            truth_model = copy.deepcopy(model).double()
-            truth = loss_of(_call(truth_model, _to(inputs, args.device, torch.float64)))
-            truth.backward()
             inputs = _to(inputs, args.device)
-            unsharded = copy.deepcopy(model)
-            sim = tess_compile.simulate(model, q, d, example_inputs=inputs, mode=mode)
-            with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
-                sharded_loss, plain_loss = loss_of(_call(sim, inputs)), loss_of(_call(unsharded, inputs))
-            sharded_loss.backward()
-            plain_loss.backward()
-            grads = sim.full_grads()
-            errors = {"loss": (rel(sharded_loss, truth), rel(plain_loss, truth))}
-            for (n, p), t in zip(unsharded.named_parameters(), truth_model.parameters()):
-                if p.grad is not None and t.grad.norm() > 1e-6:
-                    errors[n] = (rel(grads[n], t.grad), rel(p.grad, t.grad))
-            over = {n: e for n, e in errors.items() if e[0] > 2 * e[1] + 1e-3}
-            worst = max(errors, key=lambda n: errors[n][0] - 2 * errors[n][1])
-            rows.append({"model": name, "mode": mode, "ranks": q * q * d, "loss_sharded": errors["loss"][0],
-                         "loss_unsharded": errors["loss"][1], "worst": worst, "worst_sharded": errors[worst][0],
-                         "worst_unsharded": errors[worst][1], "within_bound": not over, "over": sorted(over)})
-            print(f"bf16 {name} {mode}: loss {errors['loss'][0]:.1e} vs {errors['loss'][1]:.1e}, "
-                  f"within bound: {not over}", flush=True)
+            sharded = functools.partial(tess_compile.simulate, q=q, d=d, example_inputs=inputs, mode=mode)
+            row = bf16_errors(sharded, model.to(args.device), inputs, loss_of, args.device)
+            rows.append({"model": name, "mode": mode, "ranks": q * q * d, **row})
+            print(f"bf16 {name} {mode}: loss {row['loss_sharded']:.1e} vs {row['loss_unsharded']:.1e}, "
+                  f"within bound: {row['within_bound']}", flush=True)
     return rows
 
 
@@ -343,6 +358,19 @@ def _median_step(step, device, warmup: int = 2, steps: int = 5) -> float:
     return statistics.median(times)
 
 
+def _compiled_bf16_worker(size: dict, device: str, q: int, d: int) -> dict:
+    """simulate(compile=True) under bf16 autocast on `[q, q, d]`: its error and the unsharded
+    bf16 model's against the float64 model (`bf16_errors`), and the first (compiling) step."""
+    model, inputs, loss_of = gpt_stack(size)
+    inputs = _to(inputs, device)
+    start = time.perf_counter()
+    row = bf16_errors(lambda m: tess_compile.simulate(m, q, d, example_inputs=inputs, compile=True),
+                      model.to(device), inputs, loss_of, device)
+    _sync(device)
+    return {"model": "gpt_stack", "dtype": "bf16 autocast", "size": size, "mesh": f"[{q},{q},{d}]", **row,
+            "first_step_s": time.perf_counter() - start}
+
+
 def _compiled_worker(rank: int, world: int, size: dict, device: str, q: int, d: int) -> dict:
     """simulate(compile=True) against eager on `[q, q, d]` in float64: parity, the first
     (compiling) step, the median step; first a one-kernel `torch.compile`, to tell the
@@ -377,17 +405,23 @@ def _compiled_worker(rank: int, world: int, size: dict, device: str, q: int, d: 
 
 
 def compiled(args, meanwhile=None) -> list[dict]:
-    """simulate(compile=True) against eager on the GPT stack in float64 at [1,1,1] and [2,2,2],
-    each in a child with a time limit that prints its stack every `--watchdog` seconds (so a
-    hang shows where it hangs), `meanwhile()` running beside the first."""
+    """simulate(compile=True) on the GPT stack: against eager in float64 at [1,1,1] and [2,2,2],
+    and under bf16 autocast at [2,2,2] against the float64 model; each in a child with a time
+    limit that prints its stack every `--watchdog` seconds (so a hang shows where it hangs),
+    `meanwhile()` running beside the first."""
     size = dict(args.size, hidden=4 * args.size["hidden"], seq=8 * args.size["seq"])
     rows = []
-    for q, d in ((1, 1), (2, 2)):
-        child = _start_child(args, "compiled_worker", {"size": size, "q": q, "d": d})
+    for q, d, work in ((1, 1, "compiled_worker"), (2, 2, "compiled_worker"), (2, 2, "compiled_bf16_worker")):
+        limit = min(args.compile_limit, args.deadline - time.perf_counter() - 10)
+        if limit < 20:
+            rows.append({"mesh": f"[{q},{q},{d}]", "work": work, "error": "skipped: --budget spent"})
+            continue
+        child = _start_child(args, work, {"size": size, "q": q, "d": d})
         if meanwhile is not None and q == 1:
             meanwhile()
-        rows.append({**_one(_finish_child(child, args.compile_limit)), "mesh": f"[{q},{q},{d}]"})
-        print(f"compiled {rows[-1]['mesh']}: {rows[-1].get('worst_vs_eager', rows[-1].get('error'))}", flush=True)
+        rows.append({**_one(_finish_child(child, limit)), "mesh": f"[{q},{q},{d}]"})
+        result = rows[-1].get("worst_vs_eager", rows[-1].get("within_bound", rows[-1].get("error")))
+        print(f"compiled {work} {rows[-1]['mesh']}: {result}", flush=True)
     return rows
 
 
@@ -484,17 +518,16 @@ class BufferComm(Comm):
     def __init__(self):
         super().__init__()
         self.buffers: dict = {}
+        self.fresh = False  # True: every output a new tensor, as a real collective's (memory, CUDA graphs)
 
     def run(self, op: str, x: torch.Tensor, *args) -> torch.Tensor:
-        like = output_like(op, x, *args)
-        key = (tuple(like.shape), like.dtype, like.device)
+        like = output_like(op, x.to("meta"), *args)  # its shape and dtype, no bytes allocated
+        key = (tuple(like.shape), like.dtype, x.device)
         if key not in self.buffers:
-            self.buffers[key] = torch.randn(like.shape, dtype=like.dtype, device=like.device) * 0.1
+            self.buffers[key] = torch.randn(like.shape, dtype=like.dtype, device=x.device) * 0.1
         buffer = self.buffers[key]
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or buffer.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            # an op's output may not alias its input, and in a CUDA graph it must come from the graph's pool
-            return buffer.clone()
+        if self.fresh or buffer.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            return buffer.clone()  # an op's output may not alias its input
         return buffer.detach()  # a new tensor object: autograd gives each call's output its own node
 
 
@@ -537,12 +570,12 @@ def _forward_of(program, module, inputs, comm, variant: str):
 def local_step(program, inputs: list, device, *, steps: int = 10, variant: str = "eager") -> dict:
     """Rank 0's program forward and backward with `BufferComm`, timed with CUDA events (median
     of `steps`, after 3 warm-up steps, the first of which compiles a compiled `variant`); the
-    device's busy fraction (kernel time over wall time, `busy_fraction`); the peak memory
-    allocated in a step with AdamW (shards, gradients and AdamW's state included), less the inputs."""
+    device's busy fraction (kernel time over wall time, `busy_fraction`); the peak memory of two
+    training steps (`step_peak_bytes`): the allocator's, with AdamW's default (foreach on CUDA) and
+    for-loop steps, and (eager) `MemTracker`'s."""
     program = state.off_meta(program, torch.device(device))
     module = _rank0_shards(program, device)
     comm = BufferComm()
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
     forward = _forward_of(program, module, inputs, comm, variant)
 
     def backward(roots):
@@ -556,6 +589,7 @@ def local_step(program, inputs: list, device, *, steps: int = 10, variant: str =
 
     if variant == "cudagraphs":  # the comm's buffers made before any capture (one made inside would stay in its pool)
         backward(_forward_of(program, module, inputs, comm, "eager")())
+        comm.fresh = True  # inductor's CUDA graphs want every output from their pool, in warm-up runs too
 
     cuda = torch.device(device).type == "cuda"
     fwd, bwd = [], []
@@ -580,21 +614,51 @@ def local_step(program, inputs: list, device, *, steps: int = 10, variant: str =
                 fwd.append(events[0].elapsed_time(events[1]) / 1e3)
                 bwd.append(events[1].elapsed_time(events[2]) / 1e3)
         del roots
-    peak = busy = None
+    peak = peak_forloop = busy = None
     if cuda:
         busy = busy_fraction(step, (statistics.median(fwd) + statistics.median(bwd)))
-        for p in module.parameters():
-            p.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        backward(forward())
-        opt.step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - sum(t.numel() * t.element_size() for t in inputs
-                                                       if isinstance(t, torch.Tensor))
+        peak = step_peak_bytes(forward, backward, module, comm, inputs)
+        peak_forloop = step_peak_bytes(forward, backward, module, comm, inputs, foreach=False)
+    tracked = step_peak_bytes(forward, backward, module, comm, inputs, tracked=True) if variant == "eager" else None
     return {"variant": variant, "forward_s": statistics.median(fwd) if fwd else None,
             "backward_s": statistics.median(bwd) if bwd else None, "first_step_s": first_step_s,
-            "busy": busy, "peak_bytes": peak}
+            "busy": busy, "peak_bytes": peak, "peak_bytes_forloop": peak_forloop, "tracked_bytes": tracked}
+
+
+def step_peak_bytes(forward, backward, module, comm: BufferComm, inputs: list, *, tracked: bool = False,
+                    **adamw) -> int:
+    """The most bytes held at once in two training steps, as `step_peak` counts them: a new AdamW
+    (`adamw` its options; its state made in the first step), every collective's output a new
+    tensor. The CUDA allocator's peak, less what it held at the start beyond the parameters and
+    inputs (the comm's buffers, cuBLAS's workspace); or with `tracked`, torch's `MemTracker`'s,
+    which sees what dispatch sees (the prediction's view), not the buffers kernels make inside."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    for p in module.parameters():
+        p.grad = None
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, **adamw)
+    fresh, comm.fresh = comm.fresh, True
+    tracker = MemTracker()
+    if tracked:
+        tracker.track_external(module, opt, *inputs)
+    else:
+        torch.cuda.synchronize()
+        held = sum(t.numel() * t.element_size() for t in [*module.parameters(), *inputs])
+        base = torch.cuda.memory_allocated() - held
+        torch.cuda.reset_peak_memory_stats()
+    with tracker if tracked else contextlib.nullcontext():
+        for _ in range(2):
+            if tracked:
+                tracker.reset_mod_stats()  # the tracker refuses a module's second call otherwise
+            backward(forward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    comm.fresh = fresh
+    if tracked:
+        peaks = tracker.get_tracker_snapshot("peak")  # per device; the comm's shape probes are on meta
+        return max(v["Total"] for device, v in peaks.items() if torch.device(device).type != "meta")
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def busy_fraction(step, step_s: float, steps: int = 5) -> float:
@@ -634,17 +698,21 @@ def _memory_row(program) -> dict:
 
 
 def _table_rows(args, which: str) -> list:
-    """The paper rows a kernels section runs: "all", the compiled section's "few" (Table 1's
-    [2,2,2] and [4,4,4], 1-D 64; Table 2's [1,1,1], [4,4,4], [8,8,1]), or one `[table, shape]`."""
+    """The paper rows a kernels section runs: "all", the compiled section's "few" (`FEW`, in its
+    order), or one `[table, shape]`."""
     table = [("1", r) for r in TABLE_1] + [("2", r) for r in TABLE_2]
     if which not in ("all", "few"):  # one row: [table, shape]
         return [(n, r) for n, r in table if [n, r.shape] == list(which)]
     if args.quick:
         return table[:2]
     if which == "few":
-        keep = {("1", "[4,4,4]"), ("1", "[2,2,2]"), ("2", "[4,4,4]"), ("2", "[1,1,1]"), ("2", "[8,8,1]"), ("1", "[64]")}
-        table = [(n, r) for n, r in table if (n, r.shape) in keep]
+        return [next((n, r) for n, r in table if (n, r.shape) == key) for key in FEW]
     return table
+
+
+# The compiled kernels section's rows, most wanted first (its budget may end it): the host-bound
+# Table 1 rows, where CUDA graphs matter, then Table 2's.
+FEW = (("1", "[4,4,4]"), ("2", "[4,4,4]"), ("1", "[2,2,2]"), ("2", "[8,8,1]"), ("1", "[64]"), ("2", "[1,1,1]"))
 
 
 def kernel_rows(args, variant: str = "eager", which="all") -> list[dict]:
@@ -710,7 +778,7 @@ def memory(args) -> list[dict]:
                    **_memory_row(program)}
             rows.append(out)
             print(f"memory {mode} p={out['ranks']} {recompute}: peak {out['peak_bytes']}, "
-                  f"predicted {out['predicted_bytes']}", flush=True)
+                  f"tracked {out['tracked_bytes']}, predicted {out['predicted_bytes']}", flush=True)
     return rows
 
 
@@ -759,10 +827,13 @@ def _world1_worker(rank: int, world: int, size: dict, device: str) -> dict:
                                        / out["torch.compile"]["forward_backward_s"])}
 
 
+WORLD1_SIZES = {"full": {"layers": 2, "hidden": 1024, "heads": 16, "batch": 8, "seq": 512},
+                "quick": {"layers": 1, "hidden": 64, "heads": 8, "batch": 4, "seq": 8}}
+
+
 def world1(args) -> list[dict]:
     """A world of one: tess-compile's compiled program against the unsharded model under torch.compile."""
-    size = ({"layers": 2, "hidden": 1024, "heads": 16, "batch": 8, "seq": 512} if not args.quick
-            else {"layers": 1, "hidden": 64, "heads": 8, "batch": 4, "seq": 8})
+    size = WORLD1_SIZES["quick" if args.quick else "full"]
     try:
         backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
         return run_local(_world1_worker, 1, args=(size, args.device), backend=backend,
@@ -771,9 +842,48 @@ def world1(args) -> list[dict]:
         return [{"error": str(error)[:4000]}]
 
 
+ADAMW_OPTIONS = {"default": {}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
+
+
+def _adamw_worker(rank: int, world: int, size: dict, device: str) -> dict:
+    """AdamW's step over the world-of-one model's parameters (bf16), as plain tensors and as
+    DTensors on a mesh of one (as `shard(model, 1, 1)` holds them), with each of
+    `ADAMW_OPTIONS`: the median step in seconds, or the error."""
+    from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = Stack(size["layers"], size["hidden"], size["heads"]).to(device, torch.bfloat16)
+    mesh = DeviceMesh(torch.device(device).type, [0])
+    kinds = {"plain": [nn.Parameter(p.detach().clone()) for p in model.parameters()],
+             "dtensor": [nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])) for p in model.parameters()]}
+    out = {}
+    for kind, params in kinds.items():
+        for name, options in ADAMW_OPTIONS.items():
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            try:
+                opt = torch.optim.AdamW(params, lr=1e-4, **options)
+                out[f"{kind} {name}"] = _median_step(opt.step, device, warmup=5, steps=10)
+            except (RuntimeError, ValueError) as error:  # an implementation this device or torch lacks
+                out[f"{kind} {name}"] = f"{type(error).__name__}: {str(error)[:200]}"
+            print(f"adamw {kind} {name}: {out[f'{kind} {name}']}", flush=True)
+    return {"parameters": len(kinds["plain"]), "size": size, "seconds": out}
+
+
+def adamw(args) -> list[dict]:
+    """AdamW's step over plain and DTensor parameters in a world of one: what DTensor parameters
+    add to the step of `world1` beyond the program."""
+    backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
+    return run_local(_adamw_worker, 1, args=(WORLD1_SIZES["quick" if args.quick else "full"], args.device),
+                     backend=backend, timeout_s=300)
+
+
 # The work a child of `_in_child` runs, by name.
 CHILD_WORK = {
     "compiled_worker": lambda args, size, q, d: _compiled_worker(0, 1, size, args.device, q, d),
+    "compiled_bf16_worker": lambda args, size, q, d: _compiled_bf16_worker(size, args.device, q, d),
     "kernel_rows": kernel_rows,
 }
 
@@ -892,16 +1002,33 @@ def report(path: str) -> int:
     print(f"{env.get('name', env['device'])}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}")
     for name, error in record.get("errors", {}).items():
         print(f"section {name} failed: {error.strip().splitlines()[-1]}")
-    for name in ("exact", "bf16", "nccl1", "gloo8", "compiled", "world1", "memory"):
+    for name in ("exact", "bf16", "nccl1", "gloo8", "compiled", "world1"):
         for row in sections.get(name, []):
             print(name, {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items() if k != "log_tail"})
+    if sections.get("memory"):
+        _report_memory(sections["memory"])
+    for row in sections.get("adamw", []):
+        print("\nAdamW step ms: " + ", ".join(f"{k} {1e3 * v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in row["seconds"].items()))
     rows = [r for r in sections.get("kernels", []) if r.get("forward_s")]
     if rows:
         _report_kernels(rows, env)
-    variants = [r for r in sections.get("kernels_compiled", [])]
+    variants = [r for r in sections.get("kernels_compiled", []) if "error" in r or r.get("forward_s")]
     if variants:
         _report_variants(variants, env)
     return 0
+
+
+def _report_memory(rows: list[dict]) -> None:
+    """The memory section: each row's peaks against the prediction (error = predicted / measured - 1)."""
+    mib = 2**20
+    print(f"\n{'mode':<5} {'ranks':>5} {'recompute':<10} {'allocator MiB':>13} {'tracked MiB':>11} "
+          f"{'predicted MiB':>13} {'vs allocator':>12} {'vs tracked':>10}")
+    for r in rows:
+        peak, tracked, predicted = r.get("peak_bytes"), r.get("tracked_bytes"), r["predicted_bytes"]
+        cells = [f"{v / mib:{w}.1f}" if v else f"{'-':>{w}}" for v, w in ((peak, 13), (tracked, 11), (predicted, 13))]
+        errors = [f"{100 * (predicted / v - 1):{w}.1f}%" if v else f"{'-':>{w + 1}}" for v, w in ((peak, 11), (tracked, 9))]
+        print(f"{r['mode']:<5} {r['ranks']:>5} {r['recompute']:<10} {' '.join(cells)} {' '.join(errors)}")
 
 
 def _report_variants(rows: list[dict], env: dict) -> None:
@@ -955,7 +1082,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-limit", type=float, default=150.0,
                         help="seconds a compiled section's child may take")
     parser.add_argument("--budget", type=float, default=math.inf,
-                        help="seconds after which the compiled kernels section starts no more rows")
+                        help="seconds after which the compiled sections start no more rows")
     parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -114,9 +114,26 @@ def test_gpu_check_skips_without_cuda_and_dry_runs_on_cpu(capsys, tmp_path):
     assert {"collectives", "num_kernels"} <= set(record["sections"]["kernels"][0]["terms"]["forward"])
 
 
+def test_gpu_check_memory_rows_count_what_the_prediction_counts(tmp_path):
+    """A rank's step with the collectives replaced by buffers holds, by MemTracker's count, the
+    predicted peak to the byte (before, the comm probed each output's shape by allocating it)."""
+    bench = _load("gpu_check")
+    out = tmp_path / "gpu.json"
+    assert bench.main(["--quick", "--device", "cpu", "--sections", "memory", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["errors"] == {}
+    for row in record["sections"]["memory"]:
+        if row["mode"] != "1d":  # 1-D: a few hundred bytes over, in its norms' statistics
+            assert row["tracked_bytes"] == row["predicted_bytes"], row
+
+
 def test_gpu_check_reports_the_committed_runs(capsys):
     bench = _load("gpu_check")
     assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check.json")]) == 0
     assert "local step = max(device, host)" in capsys.readouterr().out
     assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200.json")]) == 0
     assert "cudagraphs" in capsys.readouterr().out
+    assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200_rerun.json")]) == 0
+    assert "allocator MiB" in capsys.readouterr().out
+    assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200_probe.json")]) == 0
+    assert "AdamW step ms" in capsys.readouterr().out
