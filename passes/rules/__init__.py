@@ -2,8 +2,10 @@
 
 Each family's file (`passes/rules/<family>.py`) holds, for the ops of that
 family, its placement rules, its lowering rules and, where mode "1d"
-(Megatron-LM) differs, those of mode "1d", in one `Family`; the contracts
-are in `passes/rules/family.py`, the helpers they share in `passes/rules/common.py`.
+(Megatron-LM) differs, those of mode "1d", in one `Family` (the products
+family keeps its mode "1d" placement in `products_1d.py`, which only
+`products.py` imports); the contracts are in `passes/rules/family.py`, the
+helpers they share in `passes/rules/common.py`.
 A new op's rules go into its family's file; a new family's file is added to
 `FAMILIES` below. No op is in two families.
 
