@@ -50,8 +50,10 @@ its main thread's stack every `--watchdog` seconds (where a hang hangs);
 `--report` (no GPU needed) prints the tables of a results file and fits a
 model of one rank-program's time to its measured local forward and backward
 times: per phase the larger of the device's work and the host's
-(`local_seconds`). `--quick --device cpu` runs tiny sizes on the CPU (the
-tests' dry run).
+(`local_seconds`); and the split fit, the device's terms to each row's kernel
+time and the host's to host-bound rows' steps, checked table against table
+(`fit_split`). `--quick --device cpu` runs tiny sizes on the CPU (the tests'
+dry run).
 """
 
 from __future__ import annotations
@@ -975,20 +977,62 @@ def local_seconds(row: dict, x, flops: float) -> tuple[float, float]:
     return tuple(out)
 
 
-def fit_local(rows: list[dict], flops: float):
-    """The constants of `local_seconds` that best explain the measured forward and backward
-    times (least squares on log seconds; Nelder-Mead from fixed starts: the max is not smooth)."""
+def _least_squares(loss, spread: list[float]):
+    """The constants minimising `loss` (Nelder-Mead from 16 fixed random starts within `spread`:
+    a max of terms is not smooth)."""
     import numpy as np
     from scipy.optimize import minimize  # the bench extra: pip install -e '.[bench]'
 
+    starts = np.random.RandomState(0).rand(16, len(spread)) * spread
+    fits = [minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 20000, "xatol": 1e-6, "fatol": 1e-12})
+            for x0 in starts]
+    return min(fits, key=lambda f: f.fun).x
+
+
+def fit_local(rows: list[dict], flops: float):
+    """The constants of `local_seconds` that best explain the measured forward and backward
+    times (least squares on log seconds)."""
     def loss(x):
         return sum(math.log(p / r[f"{n}_s"]) ** 2 for r in rows
                    for p, n in zip(local_seconds(r, x, flops), ("forward", "backward")))
 
-    starts = np.random.RandomState(0).rand(16, len(HOST_FIT)) * [5, 3, 10, 10, 10, 2]
-    fits = [minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 20000, "xatol": 1e-6, "fatol": 1e-12})
-            for x0 in starts]
-    return min(fits, key=lambda f: f.fun).x
+    return _least_squares(loss, [5, 3, 10, 10, 10, 2])
+
+
+# The split fit: the device's terms fitted to the device's own time in each row (the step's
+# kernel time, busy fraction x step), the host's to the steps of host-bound rows.
+DEVICE_FIT = ("matmul_half_size", "memory_bandwidth GB/s", "per kernel on the device us")
+HOST_BOUND = 0.5  # a row whose device is busy less than this is host-bound: its step is the host's time
+
+
+def _step_s(row: dict) -> float:
+    return row["forward_s"] + row["backward_s"]
+
+
+def device_seconds(row: dict, x, flops: float) -> float:
+    """A step's kernel time: products at `flops` slowed by their smallest dimension, other
+    kernels' bytes at a bandwidth, and a latency per kernel; constants `x` as `DEVICE_FIT`
+    (scaled by 100, 1e12 and 1e-6)."""
+    half, bandwidth, latency = abs(x[0]) * 100, abs(x[1]) * 1e12, abs(x[2]) * 1e-6
+    return sum((t["matmul_flops"] + t["matmul_flops_per_size"] * half) / flops + t["memory_bytes"] / bandwidth
+               + latency * t["num_kernels"] for t in (row["terms"]["forward"], row["terms"]["backward"]))
+
+
+def host_seconds(row: dict, y) -> float:
+    """A step's host time: a cost per kernel, per collective and per phase (scaled by 1e-5, 1e-5, 1e-3)."""
+    kernel, collective, phase = abs(y[0]) * 1e-5, abs(y[1]) * 1e-5, abs(y[2]) * 1e-3
+    return sum(kernel * t["num_kernels"] + collective * t["collectives"] + phase
+               for t in (row["terms"]["forward"], row["terms"]["backward"]))
+
+
+def fit_split(rows: list[dict], flops: float):
+    """(device constants, host constants) of the split fit on `rows`; host None where no row is host-bound."""
+    x = _least_squares(lambda x: sum(math.log(device_seconds(r, x, flops) / (r["busy"] * _step_s(r))) ** 2
+                                     for r in rows), [5, 5, 5])
+    bound = [r for r in rows if r["busy"] < HOST_BOUND]
+    y = _least_squares(lambda y: sum(math.log(host_seconds(r, y) / _step_s(r)) ** 2 for r in bound),
+                       [5, 10, 2]) if bound else None
+    return x, y
 
 
 def _errors(rows: list[dict], x, flops: float) -> list[float]:
@@ -1031,6 +1075,26 @@ def _report_memory(rows: list[dict]) -> None:
         print(f"{r['mode']:<5} {r['ranks']:>5} {r['recompute']:<10} {' '.join(cells)} {' '.join(errors)}")
 
 
+def _report_split_fit(rows: list[dict], flops: float) -> None:
+    """Each table's split fit (`fit_split`), checked on the other table's steps: the larger of
+    the predicted device and host times against the measured step."""
+    print(f"\nsplit fit (device terms to each row's kernel time, host terms to rows under "
+          f"{100 * HOST_BOUND:.0f}% busy):")
+    for fit_on, held_out in (("1", "2"), ("2", "1")):
+        x, y = fit_split([r for r in rows if r["table"] == fit_on], flops)
+        if y is None:
+            print(f"  fitted to Table {fit_on}: no host-bound row, so no host constants; Table {held_out} not predicted")
+            continue
+        held = [r for r in rows if r["table"] == held_out]
+        step = statistics.mean(abs(max(device_seconds(r, x, flops), host_seconds(r, y)) / _step_s(r) - 1) for r in held)
+        device = statistics.mean(abs(device_seconds(r, x, flops) / (r["busy"] * _step_s(r)) - 1) for r in held)
+        constants = (f"{abs(x[0]) * 100:.0f}, {abs(x[1]) * 1e3:.0f} GB/s, {abs(x[2]):.1f} us a kernel on the device; "
+                     f"host {abs(y[0]) * 10:.1f} us a kernel, {abs(y[1]) * 10:.1f} us a collective, "
+                     f"{abs(y[2]):.2f} ms a phase")
+        print(f"  fitted to Table {fit_on} ({constants}): mean error {100 * step:.1f}% on Table {held_out}'s steps, "
+              f"{100 * device:.1f}% on its kernel time")
+
+
 def _report_variants(rows: list[dict], env: dict) -> None:
     """The compiled kernels section: each row eager, compiled and with CUDA graphs, side by side."""
     peak = env.get("bf16_peak_flops") or env["bf16_matmul_flops"]
@@ -1059,6 +1123,8 @@ def _report_kernels(rows: list[dict], env: dict) -> None:
         x_part = fit_local([r for r in rows if r["table"] == fit_on], flops)
         print(f"fitted to Table {fit_on} only: mean error {100 * statistics.mean(_errors(held, x_part, flops)):.1f}% "
               f"on Table {held_out}")
+    if all(r.get("busy") for r in rows):
+        _report_split_fit(rows, flops)
     print(f"\n{'table':>5} {'method':<12} {'shape':<10} {'fwd ms':>7} {'bwd ms':>7} {'TFLOP/s':>8} {'% peak':>7} "
           f"{'pred ms':>8} {'err %':>6} {'busy %':>7}")
     for r in rows:

@@ -134,6 +134,7 @@ def test_gpu_check_reports_the_committed_runs(capsys):
     assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200.json")]) == 0
     assert "cudagraphs" in capsys.readouterr().out
     assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200_rerun.json")]) == 0
-    assert "allocator MiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "allocator MiB" in out and "split fit" in out and "fitted to Table 1 (" in out
     assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200_probe.json")]) == 0
     assert "AdamW step ms" in capsys.readouterr().out
