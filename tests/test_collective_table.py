@@ -73,6 +73,8 @@ def test_every_adjoint_is_a_collective_and_pairs_back():
         adjoint = COLLECTIVES[record.adjoint]
         if record.schema is None:  # an identity forward: its backward is a collective that is its own adjoint
             assert COLLECTIVES[adjoint.adjoint] is adjoint, name
+        elif record.whole_gradient:  # the rank-local part of its counterpart's adjoint: same shape, no bytes
+            assert not adjoint.sends and adjoint.scale == COLLECTIVES[COLLECTIVES[record.counts_as].adjoint].scale
         else:
             assert adjoint.adjoint == record.counts_as, name
             assert adjoint.sends == record.sends, name

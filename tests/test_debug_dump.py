@@ -21,9 +21,10 @@ def test_debug_switch_dumps_every_stage(tmp_path, monkeypatch):
         "02 verify placed",
         "03 rewrite",
         "04 merge products",
-        "05 bucket gradients",
-        "06 verify rewritten",
-        "07 report repeated work",
+        "05 alike tails",
+        "06 bucket gradients",
+        "07 verify rewritten",
+        "08 report repeated work",
     ]
     assert summary[0] == "00 capture: 8 nodes"
     assert summary[1] == "01 place: 8 nodes (8 -> 8, +0)", "placement is an analysis: no node added"

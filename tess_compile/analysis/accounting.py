@@ -51,7 +51,7 @@ from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs
-from tess_compile.ops.collectives import COLLECTIVE_OPS, CommRecord
+from tess_compile.ops.collectives import COLLECTIVE_NAMES, COLLECTIVE_OPS, CommRecord
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.grad_bucket import bucket_groups, grad_bucket
 from tess_compile.ops.recompute_region import region_runs
@@ -175,8 +175,9 @@ def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool =
         op = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
         if op is None:
             continue
-        adjoint = COLLECTIVES[op].adjoint
-        forward = tensor_bytes(values[node.args[0]]) if COLLECTIVES[op].sends else None
+        record = COLLECTIVES[COLLECTIVE_NAMES[node.target]]  # its own adjoint (`all_gather_alike`'s sends nothing)
+        adjoint = record.adjoint
+        forward = tensor_bytes(values[node.args[0]]) if record.sends else None
         runs = COLLECTIVES[adjoint].sends and values[node].grad_fn in reached
         backward = tensor_bytes(values[node]) if runs else None
         costs.append(CollectiveCost(node, op, node.args[1], forward, adjoint, backward))

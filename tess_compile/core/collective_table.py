@@ -65,6 +65,9 @@ class Collective:
     counts_as: str = ""  # the op it is recorded, counted and priced as; "" for itself
     scale: int = 0
     price: dict[str, PriceRule] = field(default_factory=dict)
+    # its backward receives the whole gradient on every rank, not shares (`passes/alike_tails.py`):
+    # its adjoint is the rank-local part of its `counts_as`'s adjoint
+    whole_gradient: bool = False
 
     def __post_init__(self) -> None:
         if not self.counts_as:
@@ -306,6 +309,9 @@ _RECORDS = (
     Collective("keep_first", "(Tensor x, str axis) -> Tensor", "keep_first", _keep_first_group, _keep_first),
     Collective("all_gather", _SPLIT, "reduce_scatter", _all_gather_group, _all_gather, sends=True, scale=1,
                price={"ring": lambda g: (g - 1, g - 1), "tree": lambda g: (_log2(g), g - 1)}),
+    # an all-gather into a tail every rank computes alike: its adjoint takes the rank's own block
+    Collective("all_gather_alike", _SPLIT, "shard_slice", _all_gather_group, _all_gather, sends=True, scale=1,
+               counts_as="all_gather", whole_gradient=True),
     Collective("reduce_scatter", _SPLIT, "all_gather", _reduce_scatter_group, _reduce_scatter, sends=True, scale=-1,
                price={"ring": lambda g: (g - 1, (g - 1) / g), "tree": lambda g: (_log2(g), (g - 1) / g)}),
     Collective("shard_slice", _SPLIT, "shard_pad", _shard_slice_group, _shard_slice, scale=-1),

@@ -243,7 +243,8 @@ def assemble(locals_by_rank: Sequence[torch.Tensor], layout: Layout, mesh: Mesh)
     """The global tensor from every rank's local tensor (inverse of `local_block`).
 
     Replicated axes take the copy at coordinate 0; partial axes are summed.
-    Differentiable: gradients flow back to the locals that were used.
+    Differentiable: each replica along a replicated axis gets the whole gradient, as each rank
+    of a distributed run seeds its own copy (an output's `seed_once` then keeps one seed).
     """
     current = dict(enumerate(locals_by_rank))
     for axis in reversed(AXES):
@@ -257,7 +258,22 @@ def assemble(locals_by_rank: Sequence[torch.Tensor], layout: Layout, mesh: Mesh)
                 merged[rank] = put_blocks(members, placement.dim, placement.groups)
             elif isinstance(placement, Partial):
                 merged[rank] = torch.stack(members).sum(0)
+            elif torch.is_grad_enabled() and any(m.requires_grad for m in members):
+                merged[rank] = _FirstReplica.apply(*members)
             else:
                 merged[rank] = members[0]
         current = merged
     return current[0]
+
+
+class _FirstReplica(torch.autograd.Function):
+    """The first of a replicated axis's copies; its gradient goes to every copy whole."""
+
+    @staticmethod
+    def forward(ctx, *members):
+        ctx.copies = len(members)
+        return members[0].view_as(members[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) * ctx.copies

@@ -29,6 +29,7 @@ from tess_compile.core.collective_table import COLLECTIVES
 
 __all__ = [
     "ADJOINT",
+    "COLLECTIVE_NAMES",
     "COLLECTIVE_OPS",
     "COMMUNICATING",
     "EAGER_TARGETS",
@@ -37,6 +38,7 @@ __all__ = [
     "ShapeComm",
     "active_comm",
     "all_gather",
+    "all_gather_alike",
     "all_reduce",
     "broadcast",
     "broadcast_start",
@@ -222,6 +224,9 @@ keep_first = _define("keep_first")
 all_gather = _define("all_gather")
 
 
+all_gather_alike = _define("all_gather_alike")
+
+
 reduce_scatter = _define("reduce_scatter")
 
 
@@ -289,6 +294,10 @@ _TARGETS.update(grad_sync=grad_sync, seed_once=seed_once)
 
 # Graph targets that the runtimes treat as collectives, by the op they count as (`broadcast_start`: broadcast).
 COLLECTIVE_OPS = {target: COLLECTIVES[name].counts_as for name, target in _TARGETS.items()}
+
+# The same targets by their own record's name, whose adjoint their backward runs
+# (`all_gather_alike` counts as an all-gather; its adjoint is its own).
+COLLECTIVE_NAMES = {target: name for name, target in _TARGETS.items()}
 
 
 class _Collective(torch.autograd.Function):

@@ -253,6 +253,7 @@ LOWERINGS: dict[str, Callable[..., torch.Tensor]] = {
     "all_reduce": _all_reduce,
     "keep_first": _keep_first,
     "all_gather": _all_gather,
+    "all_gather_alike": _all_gather,
     "reduce_scatter": _reduce_scatter,
     "shard_slice": _rank_local("shard_slice"),
     "shard_pad": _rank_local("shard_pad"),

@@ -24,7 +24,7 @@ from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.layout import assemble
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import COLLECTIVE_OPS, Comm, current_comm, use_comm
+from tess_compile.ops.collectives import COLLECTIVE_NAMES, COLLECTIVE_OPS, Comm, current_comm, use_comm
 from tess_compile.ops.dropout import LOCKSTEP as RANDOM_LOCKSTEP
 from tess_compile.ops.fetched_product import fetched_product, lockstep_product
 from tess_compile.ops.grad_bucket import grad_bucket, lockstep_bucket
@@ -87,7 +87,7 @@ def run_lockstep(graph: GraphModule, comm: SimComm, rank_inputs: list[list]) -> 
             env[node] = [rank_inputs[r][index] for r in range(num_ranks)]
         elif node.op == "call_function" and node.target in COLLECTIVE_OPS:
             xs = env[node.args[0]]
-            env[node] = list(_Collective.apply(comm, COLLECTIVE_OPS[node.target], tuple(node.args[1:]), *xs))
+            env[node] = list(_Collective.apply(comm, COLLECTIVE_NAMES[node.target], tuple(node.args[1:]), *xs))
         elif node.op == "call_function" and node.target in _LOCKSTEP:
             env[node] = _LOCKSTEP[node.target](comm, *map_arg(node.args, lambda n: _lockstep_arg(env[n])))
         elif node.op == "call_module":
