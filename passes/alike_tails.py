@@ -46,7 +46,7 @@ from tess_compile.ops import collectives as c
 
 __all__ = ["alike_tails"]
 
-_COLLECTIVE_TARGETS = set(c.COLLECTIVE_OPS) | {c.grad_sync, c.seed_once, c.wait}
+_COLLECTIVE_TARGETS = set(c.COLLECTIVE_OPS) | {c.wait}  # grad_sync and seed_once among them
 
 
 def alike_tails(gm: GraphModule, mesh: Mesh) -> GraphModule:
@@ -80,7 +80,7 @@ def _gradient_reach(gm: GraphModule) -> set[Node]:
     return reach
 
 
-def _gathers_of_tail(seed: Node, reach: set[Node]) -> list[Node] | None:
+def _gathers_of_tail(seed: Node, reach: set[Node]) -> set[Node] | None:
     """The all-gathers along `seed`'s axis that `seed`'s value is computed from alike, if its
     tail qualifies (`reach`: the nodes a gradient flows through); else None."""
     axis = seed.args[1]
@@ -99,7 +99,7 @@ def _gathers_of_tail(seed: Node, reach: set[Node]) -> list[Node] | None:
     inside = tail | gathers | {seed}
     if any(node in reach and any(user not in inside for user in node.users) for node in tail | gathers):
         return None  # a share from outside would meet the whole gradient inside
-    return sorted(gathers, key=lambda n: n.name) or None
+    return gathers or None
 
 
 def _alike(node: Node, axis: str) -> bool:
