@@ -640,7 +640,7 @@ def step_peak_bytes(forward, backward, module, comm: BufferComm, inputs: list, *
         p.grad = None
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, **adamw)
     fresh, comm.fresh = comm.fresh, True
-    tracker = MemTracker()
+    tracker = MemTracker() if tracked else None
     if tracked:
         tracker.track_external(module, opt, *inputs)
     else:
@@ -648,7 +648,7 @@ def step_peak_bytes(forward, backward, module, comm: BufferComm, inputs: list, *
         held = sum(t.numel() * t.element_size() for t in [*module.parameters(), *inputs])
         base = torch.cuda.memory_allocated() - held
         torch.cuda.reset_peak_memory_stats()
-    with tracker if tracked else contextlib.nullcontext():
+    with tracker or contextlib.nullcontext():
         for _ in range(2):
             if tracked:
                 tracker.reset_mod_stats()  # the tracker refuses a module's second call otherwise
@@ -837,8 +837,7 @@ def world1(args) -> list[dict]:
     """A world of one: tess-compile's compiled program against the unsharded model under torch.compile."""
     size = WORLD1_SIZES["quick" if args.quick else "full"]
     try:
-        backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
-        return run_local(_world1_worker, 1, args=(size, args.device), backend=backend,
+        return run_local(_world1_worker, 1, args=(size, args.device), backend=_backend(args.device),
                          timeout_s=max(min(args.compile_limit * 2, args.deadline - time.perf_counter()), 10))
     except (RuntimeError, TimeoutError) as error:
         return [{"error": str(error)[:4000]}]
@@ -877,9 +876,13 @@ def _adamw_worker(rank: int, world: int, size: dict, device: str) -> dict:
 def adamw(args) -> list[dict]:
     """AdamW's step over plain and DTensor parameters in a world of one: what DTensor parameters
     add to the step of `world1` beyond the program."""
-    backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
     return run_local(_adamw_worker, 1, args=(WORLD1_SIZES["quick" if args.quick else "full"], args.device),
-                     backend=backend, timeout_s=300)
+                     backend=_backend(args.device), timeout_s=300)
+
+
+def _backend(device) -> str:
+    """The process group backend of a world of one on `device`."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 # The work a child of `_in_child` runs, by name.
@@ -1036,7 +1039,7 @@ def fit_split(rows: list[dict], flops: float):
 
 
 def _errors(rows: list[dict], x, flops: float) -> list[float]:
-    return [abs(sum(local_seconds(r, x, flops)) / (r["forward_s"] + r["backward_s"]) - 1) for r in rows]
+    return [abs(sum(local_seconds(r, x, flops)) / _step_s(r) - 1) for r in rows]
 
 
 def report(path: str) -> int:
