@@ -8,9 +8,13 @@ dropout; batch 16, sequences 32, 64 and 128 (`--seqs`, one launch each, with
 `max_seq_len` the sequence), fp32. `WithLoss` adds the loss, the
 cross-entropy of the logits against random targets, so every row runs the
 same module and the loss is part of what each one shards. Each step:
-zero_grad, forward, backward, AdamW (torch's CPU default, its for-loop
-implementation, on every row: the foreach and fused ones refuse the plans
-that leave some parameters plain tensors beside DTensors).
+zero_grad, forward, backward, AdamW in torchtitan's default implementation,
+`fused=True` (`--optimizer`; torch's CPU default is the for-loop one), on
+every row. A fused or foreach step refuses plain tensors beside DTensors
+in one call, and the plans that leave some parameters plain (the norms of
+a plan without sequence parallelism) are such; so every row's AdamW holds
+two parameter groups, its DTensors and its plain tensors, and each group
+takes one fused step (`make_adamw`).
 
 Configurations (`CONFIGS`), each on all 8 ranks of one launch:
 
@@ -83,7 +87,8 @@ running. CPU cores are shared by all 8 processes: the times rank
 configurations on this machine, they are not GPU predictions.
 
     python3 benchmarks/vs_dtensor.py [--dims 128,256] [--seqs 32,64,128] [--rounds 7] [--steps 5]
-        [--warmup 3] [--configs NAME,...] [--schedules] [--quick] [--out benchmarks/results/vs_dtensor.json]
+        [--warmup 3] [--optimizer fused|foreach|for-loop] [--configs NAME,...] [--schedules] [--quick]
+        [--out benchmarks/results/vs_dtensor.json]
 
 `--quick` runs tiny sizes (one sequence, 8) on 4 ranks (`[2,2,1]`), eager
 rows only (compiling costs minutes), for the tests.
@@ -290,14 +295,27 @@ def _loss_value(loss: torch.Tensor) -> float:
     return float(loss)
 
 
-class Trainer:
-    """One configuration on this rank: its module, AdamW, and the global batch."""
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
 
-    def __init__(self, name: str, sizes: dict, q: int, d: int):
+
+def make_adamw(module: nn.Module, implementation: str) -> torch.optim.AdamW:
+    """AdamW over `module`'s parameters in `implementation` (a key of `OPTIMIZERS`), the DTensors
+    and the plain tensors each a parameter group of their own: a fused or foreach step runs per
+    group, and refuses the two kinds in one call."""
+    params = list(module.parameters())
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return torch.optim.AdamW([{"params": group} for group in kinds if group], lr=1e-4,
+                             **OPTIMIZERS[implementation])
+
+
+class Trainer:
+    """One configuration on this rank: its module, AdamW (`make_adamw`), and the global batch."""
+
+    def __init__(self, name: str, sizes: dict, q: int, d: int, optimizer: str = "fused"):
         self.config = CONFIGS[name]
         self.batch = make_batch(sizes)
         self.module = self.config.build(make_model(sizes), self.batch, q, d)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
+        self.optimizer = make_adamw(self.module, optimizer)
         self.last_loss = None
 
     def context(self):
@@ -357,8 +375,8 @@ class Trainer:
 
 
 def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int,
-            rounds: int, steps: int, warmup: int) -> list:
-    trainers = [Trainer(name, sizes, q, d) for name in names]
+            rounds: int, steps: int, warmup: int, optimizer: str) -> list:
+    trainers = [Trainer(name, sizes, q, d, optimizer) for name in names]
     first_losses = []
     for trainer in trainers:
         for index in range(warmup):
@@ -394,6 +412,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="fused",
+                        help="AdamW's implementation on every row (default: fused, torchtitan's default)")
     parser.add_argument("--configs", help="only these rows, by name, separated by commas (default: all)")
     parser.add_argument("--schedules", action="store_true", help="also tess 2.5d in each fixed schedule")
     parser.add_argument("--quick", action="store_true",
@@ -420,11 +440,11 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     tables = []
     for sizes in runs:
-        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup),
+        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup, args.optimizer),
                             timeout_s=3600, collective_timeout_s=600)
         print(f"\nPyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
               f"vocabulary {sizes['vocab']} (tied), batch {sizes['batch']}, sequence {sizes['seq']}, fp32, "
-              f"cross-entropy, AdamW; {q * q * d} gloo processes on {_cores()} CPU cores (DTensor and "
+              f"cross-entropy, AdamW ({args.optimizer}); {q * q * d} gloo processes on {_cores()} CPU cores (DTensor and "
               f"tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after "
               f"{warmup} warm-up")
         table = make_table(names, results)
@@ -437,7 +457,7 @@ def main(argv=None) -> int:
     if args.out:
         record = {"command": "python3 benchmarks/vs_dtensor.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "torch": torch.__version__, "cpu_count": os.cpu_count(), "world_size": q * q * d,
-                  "mesh_2_5d": [q, q, d], "rounds": rounds, "steps": steps, "warmup": warmup,
+                  "mesh_2_5d": [q, q, d], "optimizer": args.optimizer, "rounds": rounds, "steps": steps, "warmup": warmup,
                   "wall_s": round(wall_s, 1), "runs": tables}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
