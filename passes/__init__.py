@@ -1,7 +1,7 @@
 """The compiler, `tess_compile.passes`: a model's graph in, one SPMD per-rank graph out, one pass a file.
 
     capture (writes through views made functional) -> boundary -> place -> verify
-    -> (recompute blocks) -> rewrite -> merge products -> alike tails
+    -> (recompute blocks) -> rewrite -> merge products -> alike regions
     -> (recompute selective) -> bucket gradients -> verify -> report repeated work
 
 `tess_compile.passes.driver.compile_model` calls the passes in that order and

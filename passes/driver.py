@@ -1,7 +1,7 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
     capture (+ boundary, autocast) -> place -> (verify placed) -> (recompute blocks) -> rewrite -> merge products
-            -> alike tails -> (recompute selective) -> bucket gradients -> verify rewritten -> report repeated work
+            -> alike regions -> (recompute selective) -> bucket gradients -> verify rewritten -> report repeated work
 
 `compile_model` runs them as plain calls, one line a pass; a pass that fails
 with anything but a user's ValueError is named in a RuntimeError. After each
@@ -22,7 +22,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from tess_compile.passes.alike_tails import alike_tails
+from tess_compile.passes.alike_regions import alike_regions
 from tess_compile.passes.autocast_casts import apply_autocast
 from tess_compile.passes.boundary import mark_boundary
 from tess_compile.passes.bucket_gradients import bucket_gradients
@@ -133,7 +133,7 @@ def compile_model(
     cluster = CALIBRATED_CLUSTER if cluster is None else cluster
     gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks, cluster=cluster)
     gm = run("merge products", merge_products, gm, mesh)
-    gm = run("alike tails", alike_tails, gm, mesh)
+    gm = run("alike regions", alike_regions, gm, mesh)
     if options.summa == AUTO and SCHEDULE_COUNTS.of(gm):
         log.info("summa=auto on mesh %s: %s (priced on %s)", mesh, describe_schedules(SCHEDULE_COUNTS.of(gm)),
                  "CALIBRATED_CLUSTER" if cluster == CALIBRATED_CLUSTER else "the given cluster")

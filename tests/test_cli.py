@@ -387,7 +387,8 @@ def test_plan_json_to_stdout_goes_in_place_of_the_table(plan_dir, monkeypatch, c
                                      "--json", "-"], plan_dir, monkeypatch, capsys)
     assert code == 0 and err == "", err
     document = json.loads(out)  # all of stdout is the document
-    assert [(row["mode"], row["mesh"]) for row in document["rows"]] == [("2.5d", [2, 2, 2]), ("1d", [8])]
+    # 1d first: its MLP runs one all-reduce a step (forward), its backward none (passes/alike_regions.py)
+    assert [(row["mode"], row["mesh"]) for row in document["rows"]] == [("1d", [8]), ("2.5d", [2, 2, 2])]
 
 
 def test_plan_plot_draws_a_point_per_configuration_and_marks_the_pick(planned):
@@ -399,7 +400,7 @@ def test_plan_plot_draws_a_point_per_configuration_and_marks_the_pick(planned):
     assert sorted(g.get("data-mode") for g in points) == sorted(row["mode"] for row in document["rows"])
     picks = [g for g in root.iter(f"{SVG}g") if g.get("class") == "pick"]
     assert len(picks) == 1
-    assert "".join(picks[0].itertext()) == "pick: 2.5d [2, 2, 2], dp 1, pp 1"
+    assert "".join(picks[0].itertext()) == "pick: 1d [8], dp 1, pp 1"
     assert [line.get("class") for line in root.iter(f"{SVG}line")].count("budget") == 1
     texts = [" ".join(text.itertext()) for text in root.iter(f"{SVG}text")]
     assert "memory per rank (GB, log scale)" in texts and "predicted step time (ms)" in texts, texts

@@ -54,6 +54,11 @@ CASES = [
     ("shard_pad", (4, 2), (RANKS, 0, 2)),
     ("grad_sync", (2, 5), ()),
     ("seed_once", (2, 5), ()),
+    ("sum_shares", (2, 5), ()),
+    ("identity", (2, 5), ()),
+    ("all_reduce_alike", (2, 5), ()),
+    ("keep_first_alike", (2, 5), ()),
+    ("all_gather_alike", (4, 2), (RANKS, 0, 2)),
 ]
 
 
@@ -88,7 +93,8 @@ def test_every_collective_is_a_graph_target_of_its_schema():
             assert str(target._schema) == f"tess::{name}{record.schema}"
 
 
-@pytest.mark.parametrize("case", [k for k in CASES if COLLECTIVES[k[0]].schema is not None], ids=_case_id)
+@pytest.mark.parametrize("case", [k for k in CASES if COLLECTIVES[k[0]].schema is not None
+                                  and not COLLECTIVES[k[0]].whole_gradient], ids=_case_id)
 def test_the_adjoint_is_the_transpose(case):
     name, shape, args = case
     record = COLLECTIVES[name]
@@ -99,6 +105,25 @@ def test_the_adjoint_is_the_transpose(case):
     forward = sum(float((f * y).sum()) for f, y in zip(fx, ys, strict=True))
     backward = sum(float((x * a).sum()) for x, a in zip(xs, adjoint_ys, strict=True))
     assert forward == backward
+
+
+@pytest.mark.parametrize("case", [k for k in CASES if COLLECTIVES[k[0]].whole_gradient], ids=_case_id)
+def test_a_whole_gradient_adjoint_gives_each_rank_its_whole_gradient(case):
+    """Where every rank holds the whole gradient `y` of the op's result (the same on every rank), the
+    adjoint gives each rank the whole gradient of its input: of a block (all_gather_alike) or of a
+    summand (all_reduce_alike), its own; of a value replicated before keep_first, all of it. Each
+    equals the derivative of the loss <result, y>, counted once (a replicated result: on one rank;
+    keep_first's partial sums: summed over the ranks)."""
+    name, shape, args = case
+    record = COLLECTIVES[name]
+    xs = [x.requires_grad_() for x in _inputs(shape)]
+    if name == "keep_first_alike":
+        xs = [xs[0]] * RANKS  # a replicated input
+    fx = record.group_results(xs, *args)
+    y = _inputs(fx[0].shape, seed=10)[0]
+    loss = sum((f * y).sum() for f in fx) if name == "keep_first_alike" else (fx[0] * y).sum()
+    expected = torch.autograd.grad(loss, xs[0])[0]
+    assert torch.equal(COLLECTIVES[record.adjoint].group_results([y] * RANKS, *args)[0], expected)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -21,7 +21,7 @@ def test_debug_switch_dumps_every_stage(tmp_path, monkeypatch):
         "02 verify placed",
         "03 rewrite",
         "04 merge products",
-        "05 alike tails",
+        "05 alike regions",
         "06 bucket gradients",
         "07 verify rewritten",
         "08 report repeated work",

@@ -32,7 +32,7 @@ def compile_and_watch(**options) -> list:
 def test_observers_see_every_pass_in_order():
     seen = compile_and_watch()
     results, nodes = [r for r, _ in seen], [n for _, n in seen]
-    assert [r.name for r in results] == ["capture", "place", "rewrite", "merge products", "alike tails",
+    assert [r.name for r in results] == ["capture", "place", "rewrite", "merge products", "alike regions",
                                            "bucket gradients", "verify rewritten", "report repeated work"]
     assert [r.index for r in results] == list(range(8))
     assert results[0].nodes_before is None

@@ -155,7 +155,7 @@ def test_the_paper_ranking_on_64_gpus():
 def test_memory_budget_drops_the_meshes_over_it():
     rows = plan(make_mlp, 64, keep_blocks=False)
     totals = sorted(row.memory.total for row in rows)
-    budget = totals[0] * 1.05  # only the leanest mesh fits, in any schedule (the others' leanest ones need 15% more)
+    budget = (totals[0] + totals[1]) / 2  # only the leanest mesh fits, in any schedule (1d's needs 5% more)
     limited = plan(make_mlp, 64, memory_budget=budget, keep_blocks=False)
     assert [row.fits for row in limited] == [True, False, False]
     assert limited[0].memory.total == totals[0]

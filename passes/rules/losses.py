@@ -2,7 +2,7 @@
 gathered whole (Optimus 3.2): each rank's log-sum-exp and its part of the
 target logit (a one-hot sum) are gathered together, two numbers a row and
 rank, in one all-gather per class axis, and combined alike by every rank
-(so that `passes/alike_tails.py` can make the gather's backward local where
+(so that `passes/alike_regions.py` can make the gather's backward local where
 the loss is the output); rows split over other axes are summed by
 all-reduce. Targets are range-checked as torch checks them
 (`tess_compile.passes.rules.index_checks`).

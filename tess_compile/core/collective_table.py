@@ -65,7 +65,7 @@ class Collective:
     counts_as: str = ""  # the op it is recorded, counted and priced as; "" for itself
     scale: int = 0
     price: dict[str, PriceRule] = field(default_factory=dict)
-    # its backward receives the whole gradient on every rank, not shares (`passes/alike_tails.py`):
+    # its backward receives the whole gradient on every rank, not shares (`passes/alike_regions.py`):
     # its adjoint is the rank-local part of its `counts_as`'s adjoint
     whole_gradient: bool = False
 
@@ -256,8 +256,9 @@ def _padded(x, coord, parts, dim, groups):
     return put_blocks([x if t == coord else torch.zeros_like(x) for t in range(parts)], dim, groups)
 
 
-# grad_sync and seed_once: identities in forward, for their backward (all_reduce of a
-# replicated parameter's gradient; keep_first of a replicated output's).
+# grad_sync, seed_once and sum_shares: identities in forward, for their backward (all_reduce of a
+# replicated parameter's gradient; keep_first of a replicated output's; all_reduce of the shares of an
+# activation's gradient, `passes/alike_regions.py`). identity: the identity both ways.
 
 
 def _identity_group(xs):
@@ -306,7 +307,13 @@ _RECORDS = (
     Collective("all_reduce", "(Tensor x, str axis) -> Tensor", "all_reduce", _all_reduce_group, _all_reduce,
                sends=True, price={"ring": lambda g: (2 * (g - 1), 2 * (g - 1) / g),
                                   "tree": lambda g: (_log2(g), _log2(g))}),
+    # an all-reduce into values every rank holds the whole gradient of: its adjoint passes it on
+    Collective("all_reduce_alike", "(Tensor x, str axis) -> Tensor", "identity", _all_reduce_group, _all_reduce,
+               sends=True, counts_as="all_reduce", whole_gradient=True),
     Collective("keep_first", "(Tensor x, str axis) -> Tensor", "keep_first", _keep_first_group, _keep_first),
+    # keep_first of a value whose gradient every rank holds whole: its adjoint passes that gradient on
+    Collective("keep_first_alike", "(Tensor x, str axis) -> Tensor", "identity", _keep_first_group, _keep_first,
+               counts_as="keep_first", whole_gradient=True),
     Collective("all_gather", _SPLIT, "reduce_scatter", _all_gather_group, _all_gather, sends=True, scale=1,
                price={"ring": lambda g: (g - 1, g - 1), "tree": lambda g: (_log2(g), g - 1)}),
     # an all-gather into a tail every rank computes alike: its adjoint takes the rank's own block
@@ -318,6 +325,10 @@ _RECORDS = (
     Collective("shard_pad", _SPLIT, "shard_slice", _shard_pad_group, _shard_pad, scale=1),
     Collective("grad_sync", None, "all_reduce", _identity_group, _identity),
     Collective("seed_once", None, "keep_first", _identity_group, _identity),
+    # the gradient's shares summed into the whole gradient on every rank (Megatron-LM's f)
+    Collective("sum_shares", None, "all_reduce", _identity_group, _identity),
+    # the adjoint of the ops whose backward passes the whole gradient on
+    Collective("identity", None, "identity", _identity_group, _identity),
 )
 
 

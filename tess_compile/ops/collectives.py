@@ -10,11 +10,13 @@ Gradients are exact adjoints (see docs/gradients.md): each op's backward is
 the op its record names as `adjoint`. `broadcast_start` is a broadcast that a
 communicator may leave running until `wait` is called on its output
 (double-buffered SUMMA steps); the simulator and the accounting treat it as a
-broadcast (its `counts_as`). Two ops are the identity in forward and exist for
+broadcast (its `counts_as`). Three ops are the identity in forward and exist for
 their backward: `grad_sync` (all-reduce of a replicated parameter's gradient
-over its replica axis) and `seed_once` (a replicated output seeds its gradient
+over its replica axis), `seed_once` (a replicated output seeds its gradient
 from the replica at coordinate 0 only, so a loss held by every rank counts
-once).
+once) and `sum_shares` (all-reduce of an activation's gradient shares into the
+whole gradient, where a region of values holds whole gradients:
+`passes/alike_regions.py`, whose `*_alike` ops pass the whole gradient on).
 """
 
 from __future__ import annotations
@@ -40,18 +42,22 @@ __all__ = [
     "all_gather",
     "all_gather_alike",
     "all_reduce",
+    "all_reduce_alike",
     "broadcast",
     "broadcast_start",
     "current_comm",
     "current_phase",
     "grad_sync",
+    "identity",
     "keep_first",
+    "keep_first_alike",
     "output_like",
     "reduce",
     "reduce_scatter",
     "seed_once",
     "shard_pad",
     "shard_slice",
+    "sum_shares",
     "use_comm",
     "wait",
 ]
@@ -157,6 +163,12 @@ def _run(op: str, x: torch.Tensor, *args) -> torch.Tensor:
     return current_comm().run(op, x, *args)
 
 
+def _adjoint(op: str, grad: torch.Tensor, *args) -> torch.Tensor:
+    """`op`'s adjoint on `grad` by the running communicator; the identity passes `grad` on."""
+    adjoint = COLLECTIVES[op].adjoint
+    return grad if adjoint == "identity" else _run(adjoint, grad.contiguous(), *args)
+
+
 def _backward_through(op: str):
     """The autograd formula of `op`: its adjoint, run by the forward's comm."""
 
@@ -166,7 +178,7 @@ def _backward_through(op: str):
 
     def backward(ctx, grad):
         with use_comm(ctx.comm or current_comm(), phase="backward"):
-            out = _run(COLLECTIVES[op].adjoint, grad.contiguous(), *ctx.args)
+            out = _adjoint(op, grad, *ctx.args)
         return (out,) + (None,) * len(ctx.args)
 
     return backward, setup_context
@@ -218,7 +230,13 @@ reduce = _define("reduce")
 all_reduce = _define("all_reduce")
 
 
+all_reduce_alike = _define("all_reduce_alike")
+
+
 keep_first = _define("keep_first")
+
+
+keep_first_alike = _define("keep_first_alike")
 
 
 all_gather = _define("all_gather")
@@ -247,7 +265,7 @@ class _IdentityWithAdjoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with use_comm(ctx.comm or current_comm(), phase="backward"):
-            return _run(COLLECTIVES[ctx.op].adjoint, grad.contiguous(), ctx.axis), None, None
+            return _adjoint(ctx.op, grad, ctx.axis), None, None
 
 
 class _Wait(torch.autograd.Function):
@@ -289,7 +307,17 @@ def seed_once(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _IdentityWithAdjoint.apply(x, "seed_once", axis)
 
 
-_TARGETS.update(grad_sync=grad_sync, seed_once=seed_once)
+def sum_shares(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity; the gradient's shares are all-reduced along `axis` into the whole gradient."""
+    return _IdentityWithAdjoint.apply(x, "sum_shares", axis)
+
+
+def identity(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity, and so its gradient (the adjoint of the `*_alike` ops)."""
+    return _IdentityWithAdjoint.apply(x, "identity", axis)
+
+
+_TARGETS.update(grad_sync=grad_sync, seed_once=seed_once, sum_shares=sum_shares, identity=identity)
 
 
 # Graph targets that the runtimes treat as collectives, by the op they count as (`broadcast_start`: broadcast).
@@ -313,7 +341,7 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with use_comm(ctx.comm or current_comm(), phase="backward"):
-            out = _run(COLLECTIVES[ctx.op].adjoint, grad.contiguous(), *ctx.args)
+            out = _adjoint(ctx.op, grad, *ctx.args)
         return (out, None) + (None,) * len(ctx.args)
 
 

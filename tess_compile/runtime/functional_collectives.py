@@ -29,8 +29,11 @@ Each lowering gives exactly what the record's `on_process_group`
 - keep_first, shard_slice, shard_pad: rank-local, with this rank's coordinate on the
   axis, a constant of the process; shard_slice and shard_pad run the record's own
   function.
-- grad_sync and seed_once do not reach the compiled graphs: they are identities
-  in forward whose backward AOTAutograd traces as all_reduce and keep_first.
+- all_gather_alike, all_reduce_alike, keep_first_alike: as all_gather, all_reduce
+  and keep_first (they differ in their adjoints only).
+- grad_sync, seed_once and sum_shares do not reach the compiled graphs: they are
+  identities in forward whose backward AOTAutograd traces as all_reduce, keep_first
+  and all_reduce; the identity adjoint of the `*_alike` ops passes the gradient on.
 
 Every rank's lowered graph has the same nodes; ranks differ only in constants (group
 names, coordinates, which rank keeps a sum: a `where` on a constant flag). So
@@ -251,7 +254,9 @@ LOWERINGS: dict[str, Callable[..., torch.Tensor]] = {
     "broadcast_start": _broadcast_start,
     "reduce": _reduce,
     "all_reduce": _all_reduce,
+    "all_reduce_alike": _all_reduce,
     "keep_first": _keep_first,
+    "keep_first_alike": _keep_first,
     "all_gather": _all_gather,
     "all_gather_alike": _all_gather,
     "reduce_scatter": _reduce_scatter,
