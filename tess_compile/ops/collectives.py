@@ -16,7 +16,8 @@ over its replica axis), `seed_once` (a replicated output seeds its gradient
 from the replica at coordinate 0 only, so a loss held by every rank counts
 once) and `sum_shares` (all-reduce of an activation's gradient shares into the
 whole gradient, where a region of values holds whole gradients:
-`passes/alike_regions.py`, whose `*_alike` ops pass the whole gradient on).
+`passes/alike_regions.py`); `identity` is the identity both ways, the adjoint
+of the `*_alike` ops, which pass the whole gradient on.
 """
 
 from __future__ import annotations
