@@ -311,7 +311,7 @@ def make_adamw(module: nn.Module, implementation: str) -> torch.optim.AdamW:
 class Trainer:
     """One configuration on this rank: its module, AdamW (`make_adamw`), and the global batch."""
 
-    def __init__(self, name: str, sizes: dict, q: int, d: int, optimizer: str = "fused"):
+    def __init__(self, name: str, sizes: dict, q: int, d: int, optimizer: str):
         self.config = CONFIGS[name]
         self.batch = make_batch(sizes)
         self.module = self.config.build(make_model(sizes), self.batch, q, d)
