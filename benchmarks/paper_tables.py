@@ -73,11 +73,12 @@ def compile_layer(mesh: Mesh, batch: int, hidden: int, heads: int, seq: int = SE
                   dtype: torch.dtype = torch.float32, checkpoint: bool = False) -> Program:
     """One `Block` (a `CheckpointedBlock` if `checkpoint`) on a `[batch, seq, hidden]` input
     of `dtype`, built on the meta device (no weight is allocated) and compiled for `mesh` in the
-    papers' schedule (q broadcasts of each operand), as the paper's codes ran it."""
+    papers' schedule (q broadcasts of each operand) with the batch split alone (Megatron-LM without
+    sequence parallelism), as the paper's codes ran it."""
     with torch.device("meta"):
         block = (CheckpointedBlock if checkpoint else Block)(hidden, heads).to(dtype)
         x = torch.empty(batch, seq, hidden, dtype=dtype)
-    return compile_model(block, mesh, (x,), summa="broadcast")
+    return compile_model(block, mesh, (x,), summa="broadcast", token_split="none")
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,7 @@ from tess_compile.passes.bucket_gradients import bucket_gradients
 from tess_compile.passes.capture import capture, shape_env_of
 from tess_compile.passes.merge_products import merge_products
 from tess_compile.passes.observers import PassResult, notify
-from tess_compile.passes.place import batch_parts, place, resolve_batch_split
+from tess_compile.passes.place import place
 from tess_compile.passes.recompute_blocks import mark_blocks
 from tess_compile.passes.recompute_selective import mark_selective
 from tess_compile.passes.repeated_work import report_repeated_work
@@ -56,10 +56,11 @@ from tess_compile.core.meta_keys import (
     WEIGHT_INPUT,
 )
 from tess_compile.core.options import AUTO, CompileOptions
+from tess_compile.core.row_split import RowSplit, batch_parts, resolve_row_split
 from tess_compile.core.program import Program, Slot, describe_schedules, input_names, split_example_inputs
 from tess_compile.ops.recompute_region import outline_regions
 
-__all__ = ["compile_model", "mode_compiler"]
+__all__ = ["compile_model", "mode_compiler", "row_split_for"]
 
 log = logging.getLogger("tess_compile")
 
@@ -117,15 +118,15 @@ def compile_model(
     args, kwargs = split_example_inputs(example_inputs)
     start = time.perf_counter()
     run = _Passes(mesh, options.dynamic)
-    batch_split = resolve_batch_split(options.batch_split, _example_batch(args, kwargs, weight_inputs), mesh)
-    batch_factor = batch_parts(batch_split, mesh) if options.dynamic else None
+    rows = row_split_for(options, mesh, args, kwargs, weight_inputs)
+    batch_factor = batch_parts(rows.batch, mesh) if options.dynamic else None
     gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
              autocast=autocast, guarded=False)
     # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
     gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
     gm = apply_autocast(gm, autocast)
     placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs,
-                 batch_split=batch_split, state_layouts=state_layouts)
+                 rows=rows, state_layouts=state_layouts)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)
     if options.recompute == "blocks":
@@ -158,14 +159,22 @@ def compile_model(
         autocast=autocast,
         runnable=outline_regions(gm),
         dynamic=_dynamic_shapes(placed, mesh) if options.dynamic else None,
+        rows=rows,
     )
 
 
-def _example_batch(args: tuple, kwargs: dict, weight_inputs: dict[int, str] | None) -> int | None:
-    """Dim 0 of the first tensor input that is not a weight (None: there is none)."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    return next((x.shape[0] for i, x in enumerate(leaves)
-                 if i not in (weight_inputs or {}) and isinstance(x, torch.Tensor) and x.dim()), None)
+def row_split_for(options: CompileOptions, mesh: Mesh, args: tuple, kwargs: dict,
+                  weight_inputs: dict[int, str] | None = None) -> RowSplit:
+    """How the rows of these example inputs split under `options` (`tess_compile.core.row_split`): their
+    batch is dim 0 of the first tensor input that is not a weight, their token count dim 1 of the first
+    integer input of two or more dims, else of the first float input of three or more."""
+    leaves = [x for i, x in enumerate(pytree.tree_leaves((args, kwargs)))
+              if i not in (weight_inputs or {}) and isinstance(x, torch.Tensor) and x.dim()]
+    batch = leaves[0].shape[0] if leaves else None
+    sequences = [x for x in leaves if x.dim() >= 2 and not x.is_floating_point()]
+    sequences += [x for x in leaves if x.dim() >= 3 and x.is_floating_point()]
+    length = sequences[0].shape[1] if sequences and not options.dynamic else None  # no guard on a symbol
+    return resolve_row_split(options.batch_split, options.token_split, batch, length, mesh, options.dynamic)
 
 
 class _Passes:

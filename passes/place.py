@@ -10,7 +10,8 @@ the collectives that convert one into the other. Ops that run replicated get `RE
 (the op's own line of model code, `source_line`).
 
 User inputs start in their home layout (batch split over depth and row,
-last dim over col; whole in mode "1d"), and outputs of a pipeline stage
+or tokens over the axes the batch leaves, `tess_compile.core.row_split`; last dim over col;
+whole in mode "1d" but for its token split), and outputs of a pipeline stage
 (`LOCAL_OUTPUTS`) leave in the home layout of their shape, so that one stage's output blocks
 are the next stage's input blocks. Parameters, buffers, constants and weights that arrive
 as inputs (`WEIGHT_INPUT`) are free until their first consumer
@@ -44,7 +45,7 @@ from tess_compile.passes.rules.uneven import check_uneven
 from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
-from tess_compile.core.options import AUTO, BATCH_SPLITS
+from tess_compile.core.row_split import RowSplit, token_dim
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
     ARG_LAYOUTS,
@@ -57,7 +58,7 @@ from tess_compile.core.meta_keys import (
     WEIGHT_INPUT,
 )
 
-__all__ = ["PlacementContext", "batch_parts", "home_layout", "place", "resolve_batch_split", "splits_of"]
+__all__ = ["PlacementContext", "home_layout", "place"]
 
 _MAX_ROUNDS = 4
 # Ops whose output layout may take groups on its last dim for free.
@@ -73,9 +74,9 @@ class PlacementContext:
     """What a placement rule may ask: layouts, shapes, the mesh, hints, other families' rules."""
 
     def __init__(self, mesh: Mesh, hints: dict[Node, int], carried: dict[Node, Layout] | None = None,
-                 batch_split: str = "depth_row"):
+                 rows: RowSplit = RowSplit()):
         self.mesh = mesh
-        self.batch_split = batch_split  # of the inputs (`home_layout`)
+        self.rows = rows  # how the inputs' rows split (`home_layout`)
         self.hints = hints
         self.carried = carried if carried is not None else {}  # a carried input -> its layout
         self.layouts: dict[Node, object] = {}
@@ -125,70 +126,49 @@ class PlacementContext:
         return True
 
 
-def home_layout(node: Node, mesh: Mesh, batch_split: str = "depth_row") -> Layout | None:
-    """A user input's layout: batch split over depth and row, features ([b, h] or
-    [b, s, h]) over col; whole in mode "1d" (Megatron's inputs are replicated).
+def home_layout(node: Node, mesh: Mesh, rows: RowSplit = RowSplit()) -> Layout | None:
+    """A user input's layout: its rows split as `rows` says (`tess_compile.core.row_split`: by default the
+    batch over depth and row), the features of a float `[b, h]` or `[b, s, h]` over col; in mode "1d"
+    whole, or with the tokens over col (sequence parallelism).
 
-    `batch_split` (`CompileOptions.batch_split`, resolved by `resolve_batch_split`) may keep
-    the batch whole over row ("depth") or over both ("none"), for a batch that d*q does not
-    divide (a batch of one) or a decode step: products then keep their weights still and
-    move these few rows instead (`tess_compile.passes.rules.products`).
+    A batch that d*q does not divide may stay whole over row ("depth") or over both ("none"), for a
+    batch of one or a decode step: products then keep their weights still and move these few rows
+    (`tess_compile.passes.rules.products`); the tokens of each sequence may take the axes the batch
+    leaves whole.
     """
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):
         return None  # a flag or number: no layout
-    if val.dim() == 0 or mesh.mode == "1d":
+    if val.dim() == 0:
         return Layout.replicated()
+    tokens = token_dim(val, rows.length)
+
+    def rows_on(axis: str):
+        if axis in rows.batch_axes():
+            return Shard(0)
+        return Shard(tokens) if tokens is not None and axis in rows.token_axes() else Replicate()
+
+    if mesh.mode == "1d":
+        return Layout(Replicate(), Replicate(), rows_on("col"))
     # [b, h] and [b, s, h] split their features; images and other inputs do not.
     features_split = val.is_floating_point() and val.dim() in (2, 3) and val.shape[-1] % mesh.q == 0
     col = Shard(val.dim() - 1) if features_split else Replicate()
-    depth = Shard(0) if batch_split in ("depth_row", "depth") else Replicate()
-    row = Shard(0) if batch_split == "depth_row" else Replicate()
-    return Layout(depth, row, col)
-
-
-def batch_parts(batch_split: str, mesh: Mesh) -> int:
-    """How many blocks `batch_split` cuts the batch in on `mesh`."""
-    return {"depth_row": mesh.size("depth") * mesh.size("row"), "depth": mesh.size("depth"), "none": 1}[batch_split]
-
-
-def splits_of(batch: int | None, mesh: Mesh) -> list[str]:
-    """The batch splits that divide `batch` (None: every one) on `mesh`, in `BATCH_SPLITS`' order; "depth"
-    only where depth has more than one rank (else it is "none")."""
-    if mesh.mode == "1d":
-        return ["none"]
-    return [s for s in BATCH_SPLITS if (s != "depth" or mesh.size("depth") > 1)
-            and (batch is None or batch % batch_parts(s, mesh) == 0)]
-
-
-def resolve_batch_split(batch_split: str, batch: int | None, mesh: Mesh) -> str:
-    """`batch_split` for an example `batch` (None: no batch): "auto" is the first split that divides
-    it (so a batch of one stays whole); another is checked against it (ValueError naming the fix)."""
-    if mesh.mode == "1d":
-        return "none"
-    if batch_split == AUTO:
-        return splits_of(batch, mesh)[0]
-    if batch is not None and batch % batch_parts(batch_split, mesh):
-        parts = batch_parts(batch_split, mesh)
-        raise ValueError(f"batch_split={batch_split!r}: the inputs' batch {batch} is not divisible by the {parts} "
-                         f"ranks that split it on mesh {mesh}: use a batch that is a multiple of {parts}, or "
-                         "batch_split='auto'")
-    return batch_split
+    return Layout(rows_on("depth"), rows_on("row"), col)
 
 
 def place(gm: GraphModule, mesh: Mesh, *, strict: bool = False, replicate_outputs: bool = False,
-          batch_split: str = "depth_row", state_layouts: dict[str, Layout] | None = None) -> GraphModule:
+          rows: RowSplit = RowSplit(), state_layouts: dict[str, Layout] | None = None) -> GraphModule:
     """Annotate every node of `gm` with its layout; see the module docstring.
 
     `replicate_outputs`: every output leaves whole on every rank (for callers
-    that go on with plain tensors, as Dynamo's do). `batch_split`: how the
-    inputs' batch splits (`home_layout`). `state_layouts`: parameters and
+    that go on with plain tensors, as Dynamo's do). `rows`: how the
+    inputs' batch and tokens split (`home_layout`). `state_layouts`: parameters and
     buffers (by name) whose layouts are fixed already, not free.
     """
     hints: dict[Node, int] = {}
     carried: dict[Node, Layout] = {}
     for _ in range(_MAX_ROUNDS):
-        ctx = PlacementContext(mesh, hints, carried, batch_split)
+        ctx = PlacementContext(mesh, hints, carried, rows)
         ctx.layouts.update(_fixed_state(gm, state_layouts or {}))
         decisions = {node: _decide(node, ctx, strict, replicate_outputs) for node in gm.graph.nodes}
         if not ctx.rerun and not _carry_layouts(gm, ctx, carried):
@@ -241,7 +221,7 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
         if CARRIED.has(node):  # free in the first round, then its output's layout (`_carry_layouts`)
             ctx.layouts[node] = ctx.carried.get(node)
         elif role == "input" and not WEIGHT_INPUT.has(node):
-            ctx.layouts[node] = home_layout(node, ctx.mesh, ctx.batch_split)
+            ctx.layouts[node] = home_layout(node, ctx.mesh, ctx.rows)
         return Decision({}, ctx.layouts.get(node))
     if node.op == "output":
         return _decide_outputs(node, ctx, replicate_outputs)
@@ -278,7 +258,7 @@ def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decis
     for out in node.all_input_nodes:
         layout = ctx.layouts.get(out) or Layout.replicated()
         if LOCAL_OUTPUTS.has(node):
-            layout = home_layout(out, ctx.mesh, ctx.batch_split) or Layout.replicated()
+            layout = home_layout(out, ctx.mesh, ctx.rows) or Layout.replicated()
         args[out] = Layout.replicated() if replicate else Layout(*(_plain(p) for p in layout.placements))
     leaves = pytree.tree_leaves(node.args[0])
     for index, source in CARRIED_OUTPUTS.get(node, {}).items():

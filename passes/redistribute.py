@@ -7,7 +7,9 @@ block is always the one DTensor's left-to-right order gives it.
 An uneven split (a dim its parts do not divide; `tess_compile.core.layout`)
 holds padded blocks: gathering them gives the dim padded at its end, which
 is cut back to its true size; a whole dim is padded at its end before it is
-split. The collectives themselves always see even splits.
+split. The collectives themselves always see even splits. Partial sums that
+become a split are reduce-scattered (Megatron-LM's sequence-parallel "g"), not
+all-reduced and then sliced.
 """
 
 from __future__ import annotations
@@ -43,14 +45,15 @@ def redistribute(b: Builder, x: Node, src: Layout, dst: Layout, shape: Sequence[
                 x = b.call(aten.slice.Tensor, x, p.dim, 0, shape[p.dim])
             current[AXES.index(axis)] = Replicate()
     for index, axis in enumerate(AXES):
-        if isinstance(current[index], Partial) and not isinstance(dst.on(axis), Partial):
+        if isinstance(current[index], Partial) and not isinstance(dst.on(axis), (Partial, Shard)):
             x = b.collective(c.all_reduce, x, axis)
             current[index] = Replicate()
     for index, axis in enumerate(AXES):
         target = dst.on(axis)
-        if isinstance(current[index], Replicate) and isinstance(target, Shard):
+        if isinstance(current[index], (Replicate, Partial)) and isinstance(target, Shard):
             x = _padded_to_split(b, x, target.dim, shape, b.mesh.size(axis))
-            x = b.split_op(c.shard_slice, x, axis, target.dim, target.groups)
+            op = c.reduce_scatter if isinstance(current[index], Partial) else c.shard_slice
+            x = b.split_op(op, x, axis, target.dim, target.groups)
             current[index] = target
     return x
 

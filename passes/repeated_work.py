@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
 from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, placeholder_values
+from tess_compile.core.flops import flop_counter
 from tess_compile.core.layout import Layout, Partial
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import GLOBAL_NODE, LAYOUT, REPLICATED
@@ -92,7 +93,7 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
 def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
     """The matmul-like FLOPs (torch's FlopCounterMode) each node of `gm` runs on `inputs`, on fake
     tensors; nodes that run none are left out."""
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     run = _CountingRun(gm, counter)
     with FakeTensorMode(allow_non_fake_inputs=True), counter:
         run.run(*inputs)

@@ -1,6 +1,7 @@
 """Any batch on every mesh: a batch that d*q does not divide stays whole over row (and over depth
 unless d divides it), and the matrix products keep their weight blocks still and move the rows
-(weight-stationary, `passes/rules/products.py`). The oracle is the unsharded model in float64:
+(weight-stationary, `passes/rules/products.py`). The tokens stay whole here (`token_split="none"`; a
+token split takes the axes the batch leaves by default: tests/test_token_split.py). The oracle is the unsharded model in float64:
 outputs and every gradient."""
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_a_batch_that_does_not_split_is_exact(batch, q, d, split):
     model = TinyGPT(VOCAB, hidden, 6 if q == 3 else HEADS, LAYERS, SEQ).double()
     ids = torch.randint(0, VOCAB, (batch, SEQ))
     with pytest.warns(UserWarning, match="repeat work") if split == "none" and d > 1 else _no_warning():
-        sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=(ids,))
+        sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=(ids,), token_split="none")
     assert_matches_model(sim, model, ids, rtol=1e-12)
     # weight-stationary: every product's output a partial sum, its rows split as the batch; no weight
     # block moves along row
@@ -61,7 +62,7 @@ def test_a_tied_head_runs_weight_stationary_as_a_b_transposed():
     sums its partial products over col instead, and the bias-free head needs nothing else."""
     model = tiny_gpt(tied=True)
     ids = torch.randint(0, VOCAB, (1, SEQ))
-    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(ids,))
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(ids,), token_split="none")
     assert_matches_model(sim, model, ids, rtol=1e-12)
 
 
@@ -81,7 +82,8 @@ def test_a_batch_that_splits_can_stay_whole_over_row():
     """batch_split="depth" on a batch that d*q divides: the decode layout, exact, its products stationary."""
     model = tiny_gpt()
     ids = torch.randint(0, VOCAB, (4, SEQ))
-    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(ids,), batch_split="depth")
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(ids,), batch_split="depth",
+                                token_split="none")
     assert_matches_model(sim, model, ids, rtol=1e-12)
     partial = [n for n in products(sim.program) if any(isinstance(p, Partial) for p in LAYOUT.of(n).placements)]
     assert partial and len(partial) == len(products(sim.program))

@@ -23,6 +23,7 @@ GOLDEN_LINEAR_RANK0 = """\
 # rank 0 at (k, i, j) = (0, 0, 0); peers along depth [0, 4], row [0, 2], col [0, 1]
 # parameter bytes on this rank: 24
 # summa=auto on mesh [q=2, q=2, d=2]: gather for 1 product (priced on the default cluster (CALIBRATED_CLUSTER))
+# rows: batch over depth_row, tokens over none
 # memory per rank (bytes): peak of a step 328; at the start of backward parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
 # redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
 # bytes moved by this rank, inputs without grad: forward 32, backward 80
@@ -53,6 +54,7 @@ GOLDEN_LINEAR_RANK5 = """\
 # rank 5 at (k, i, j) = (1, 0, 1); peers along depth [1, 5], row [5, 7], col [4, 5]
 # parameter bytes on this rank: 24
 # summa=auto on mesh [q=2, q=2, d=2]: gather for 1 product (priced on the default cluster (CALIBRATED_CLUSTER))
+# rows: batch over depth_row, tokens over none
 # memory per rank (bytes): peak of a step 328; at the start of backward parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
 # redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
 # bytes moved by this rank, inputs without grad: forward 32, backward 80

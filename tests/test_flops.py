@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from models import GPTBlock, LlamaBlock, mesh_id
-from torch.utils.flop_counter import FlopCounterMode
 
 import tess_compile
+from tess_compile.core.flops import flop_counter
 from tess_compile.analysis.accounting import forward_flops
 
 MESHES = [(2, 1), (2, 2), (3, 3), (4, 2)]
@@ -20,7 +20,7 @@ def test_per_rank_flops_times_p_equal_the_model(block, q, d):
     model = block(8 * q, 2 * q)
     x = torch.randn(2 * q * d, 8, 8 * q)
     sim = tess_compile.simulate(model, q, d, example_inputs=(x,))
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         model(x)
     total = counter.get_total_flops()
     per_rank = forward_flops(sim.program)

@@ -22,13 +22,13 @@ LM_VOCAB = 128  # wider than HIDDEN, as a vocabulary is
 ONE_D, TESSERACT = (2, 1, "1d"), (2, 2, "2.5d")
 
 
-def _check_exact(model: nn.Module, inputs: tuple, mesh: tuple, loss=lambda out: out.square().sum()):
-    """Simulate `model` on `mesh`, compare the output and every full gradient with the
+def _check_exact(model: nn.Module, inputs: tuple, mesh: tuple, loss=lambda out: out.square().sum(), **options):
+    """Simulate `model` on `mesh` (with compile `options`), compare the output and every full gradient with the
     unsharded model's, and return (simulation, the unsharded model, its FLOPs)."""
     oracle = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no op may run replicated
-        sim = tess_compile.simulate(model, *mesh[:2], example_inputs=inputs, mode=mesh[2])
+        sim = tess_compile.simulate(model, *mesh[:2], example_inputs=inputs, mode=mesh[2], **options)
     out, expected = sim(*inputs), oracle(*inputs)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     loss(out).backward()
@@ -152,12 +152,13 @@ def test_cross_attention_1d():
 @pytest.mark.parametrize("mesh", [ONE_D, (2, 2, "1d"), (1, 1, "2.5d")], ids=["1d-p4", "1d-p8", "world-of-one"])
 def test_linear_biases_run_in_the_products(mesh):
     """A linear runs with its bias in the product, as the unsharded model's addmm: on a mesh with
-    q = 1 (one step: its bias block in one local linear), and in 1-D (column-parallel, and
-    row-parallel with the bias on one rank). No add follows a product; exact in float64."""
+    q = 1 (one step: its bias block in one local linear), and in 1-D without sequence parallelism
+    (column-parallel, and row-parallel with the bias on one rank). No add follows a product; exact in
+    float64."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN)).double()
     x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
-    sim, _ = _check_exact(model, (x,), mesh)
+    sim, _ = _check_exact(model, (x,), mesh, token_split="none")
     nodes = sim.program.runnable.graph.nodes
     linears = [n for n in nodes if n.target is torch.ops.aten.linear.default]
     assert len(linears) == 2 and all(len(n.args) == 3 for n in linears)

@@ -56,13 +56,13 @@ def test_block_parity_and_bytes(kind, mode, q, d):
 
 
 def test_megatron_layouts_and_collectives():
-    """1-D GPT block at p=4: column-parallel QKV and fc (fused QKV keeps whole heads),
-    row-parallel proj layers with partial outputs, two all-reduces a phase of [b, s, h]
+    """1-D GPT block at p=4 without sequence parallelism: column-parallel QKV and fc (fused QKV keeps
+    whole heads), row-parallel proj layers with partial outputs, two all-reduces a phase of [b, s, h]
     plus, in backward, one of the replicated vectors' gradients (one bucket)."""
     mesh = Mesh(2, 1, "1d")
     torch.manual_seed(0)
     model, x = block_for("gpt", mesh)
-    sim = tess_compile.simulate(model, 2, 1, example_inputs=(x,), mode="1d", strict=True)
+    sim = tess_compile.simulate(model, 2, 1, example_inputs=(x,), mode="1d", strict=True, token_split="none")
     layouts = {slot.name: slot.layout for slot in sim.program.slots if slot.role == "param"}
     assert layouts["qkv.weight"] == Layout(R, R, Shard(0, 3))
     assert layouts["qkv.bias"] == Layout(R, R, Shard(0, 3))

@@ -46,11 +46,12 @@ def test_the_command_line_takes_the_same_options(command):
     args = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1"])
     assert {name: getattr(args, name) for name in FIELDS} == FIELDS
     args = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--mode", "2d", "--summa", "gather",
-                              "--keep-blocks", "--recompute", "blocks", "--batch-split", "depth", "--dynamic",
-                              "--strict", "--verify"])
+                              "--keep-blocks", "--recompute", "blocks", "--batch-split", "depth", "--token-split",
+                              "row", "--dynamic", "--strict", "--verify"])
     assert {name: getattr(args, name) for name in FIELDS} == dict(mode="2d", summa="gather", keep_blocks=True,
                                                                    recompute="blocks", batch_split="depth",
-                                                                   dynamic=True, strict=True, verify=True)
+                                                                   token_split="row", dynamic=True, strict=True,
+                                                                   verify=True)
     old = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--checkpoint", "selective"])
     assert old.recompute == "selective"
     auto = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--summa", "auto",

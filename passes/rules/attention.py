@@ -1,39 +1,95 @@
 """Placement and lowering rules of attention: scaled_dot_product_attention runs
-locally on each rank's batch block and heads; sequence and head dims stay whole.
+locally on each rank's batch block and heads; the head dim stays whole.
 Grouped-query attention keeps each query head with its key/value head.
+
+Queries that arrive split by tokens (a token split, `tess_compile.core.row_split`) keep
+their split: each rank attends its own queries over every key (context parallelism).
+The keys and values are all-gathered along those axes and the rank's queries run
+against them in `tess_compile.ops.context_attention`, masked by their global positions
+(the causal mask, the rank's rows of a given mask), which keeps only the own blocks for
+backward and fetches again there. Otherwise the sequence dims stay whole.
 
 With dropout_p > 0 the local op would draw its own dropout mask; it lowers to
 `tess_compile.ops.dropout.sharded_attention`, which runs the same op with the
-block of the unsharded model's mask that the rank's batch and heads select.
+block of the unsharded model's mask that the rank's batch and heads select (the
+queries' tokens whole).
 """
 
 from __future__ import annotations
 
 from torch.fx import Node
 
+import math
+
 from tess_compile.passes.builder import Builder
-from tess_compile.passes.rules.common import R, align, aligned, aten, get_arg, lower_default, shape_of, tensor_inputs
+from tess_compile.passes.rules.common import (
+    R,
+    align,
+    aligned,
+    arg_layout,
+    aten,
+    block_indices,
+    get_arg,
+    layout_of,
+    lower_default,
+    shape_of,
+    tensor_inputs,
+    without_partial,
+)
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.core.meta_keys import LAYOUT
+from tess_compile.ops import collectives as c
+from tess_compile.ops.context_attention import context_attention, position_bias
 from tess_compile.ops.dropout import block_spec, sharded_attention
+from tess_compile.ops.local import arange_like
 
 __all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_attention", "place_attention"]
 
 
 def place_attention(node: Node, ctx) -> Decision:
-    """scaled_dot_product_attention: local when batch and heads are split, not seq or head dim."""
+    """scaled_dot_product_attention: local when batch and heads are split; queries split by tokens
+    keep their split (context parallelism, see the module docstring); the head dim stays whole."""
     tensors = tensor_inputs(node)
     out_shape = shape_of(node)
     n_out = len(out_shape)
     required, out = align(ctx, node, tensors, out_shape, frozen=(n_out - 2, n_out - 1))
+    _split_queries_by_tokens(ctx, node, required, out)
     if get_arg(node, 7, "enable_gqa", False):
         _keep_gqa_pairing(ctx, node, required, out)
     else:
         _split_whole_heads(ctx, node, required, out)
     return Decision(required, Layout(*out))
+
+
+def _split_queries_by_tokens(ctx, node: Node, required: dict, out: list) -> None:
+    """On each axis where the queries come split by tokens (a plain split of their sequence dim), keep
+    that split: the output's sequence dim is split alike, the keys and values are split by their own
+    tokens where they come so (all-gathered by the lowering) and whole otherwise, and an attention mask
+    takes the queries' rows (its key dim whole). With dropout only where the tokens split evenly
+    (`sharded_attention` then draws the rank's rows of the unsharded model's mask)."""
+    query, key, value = node.args[:3]
+    mask = get_arg(node, 3, "attn_mask")
+    dropout = get_arg(node, 4, "dropout_p", 0.0)
+    q_layout = without_partial(layout_of(ctx, query))
+    q_seq, n_out = len(shape_of(query)) - 2, len(shape_of(node))
+    for index, axis in enumerate(AXES):
+        if ctx.mesh.size(axis) == 1 or q_layout.on(axis) != Shard(q_seq):
+            continue
+        if dropout and any(shape_of(t)[-2] % ctx.mesh.size(axis) for t in (query, key)):
+            continue
+        required[query] = required[query].with_axis(axis, Shard(q_seq))
+        for kv in (key, value):
+            kv_seq = len(shape_of(kv)) - 2
+            split = without_partial(layout_of(ctx, kv)).on(axis) == Shard(kv_seq)
+            required[kv] = required[kv].with_axis(axis, Shard(kv_seq) if split else R)
+        if isinstance(mask, Node):
+            rows = len(shape_of(mask)) - 2
+            by_rows = rows >= 0 and shape_of(mask)[rows] == shape_of(node)[n_out - 2]
+            required[mask] = required[mask].with_axis(axis, Shard(rows) if by_rows else R)
+        out[index] = Shard(n_out - 2)
 
 
 def _split_whole_heads(ctx, node: Node, required: dict, out: list) -> None:
@@ -75,14 +131,19 @@ def _keep_gqa_pairing(ctx, node: Node, required: dict, out: list) -> None:
 
 
 def lower_attention(b: Builder, node: Node, args, kwargs):
-    """scaled_dot_product_attention: as it is, or with dropout_p > 0 `sharded_attention`, whose
-    mask is this rank's block of the unsharded model's (weights `[..., L, S]`, laid out as the output)."""
-    dropout_p = get_arg(node, 4, "dropout_p", 0.0)
-    if not dropout_p:
-        return lower_default(b, node, args, kwargs)
+    """scaled_dot_product_attention: as it is, over a token split `context_attention`, or with
+    dropout_p > 0 `sharded_attention`, whose mask is this rank's block of the unsharded model's
+    (weights `[..., L, S]`, laid out as the output)."""
 
     def local(index: int, name: str, default=None):  # a lowered argument, by position or keyword
         return args[index] if len(args) > index else kwargs.get(name, default)
+
+    n_out = len(shape_of(node))
+    if any(p == Shard(n_out - 2) and b.mesh.size(axis) > 1 for axis, p in zip(AXES, LAYOUT.of(node).placements)):
+        return _lower_context_attention(b, node, local)
+    dropout_p = get_arg(node, 4, "dropout_p", 0.0)
+    if not dropout_p:
+        return lower_default(b, node, args, kwargs)
 
     weights_shape = list(shape_of(node)[:-1]) + [shape_of(get_arg(node, 1, "key"))[-2]]
     return b.call(
@@ -90,6 +151,40 @@ def lower_attention(b: Builder, node: Node, args, kwargs):
         local(5, "is_causal", False), kwargs.get("scale"), kwargs.get("enable_gqa", False),
         weights_shape, *block_spec(LAYOUT.of(node), weights_shape, b.mesh), source_line(node),
     )
+
+
+def _lower_context_attention(b: Builder, node: Node, local) -> Node:
+    """Attention of this rank's queries over every key: the keys and values split by tokens all-gathered
+    along those axes, inner axis first (so that the blocks join in global token order), and
+    `context_attention` on the global positions of the rank's queries."""
+    query, key = node.args[:2]
+    q_layout, k_layout = arg_layout(node, query), arg_layout(node, key)
+    q_seq, k_seq = len(shape_of(query)) - 2, len(shape_of(key)) - 2
+    fetch = tuple(("all_gather", axis, b.mesh.size(axis), k_seq, 1) for axis in reversed(AXES)
+                  if k_layout.on(axis) == Shard(k_seq) and b.mesh.size(axis) > 1)
+    k_own, v_own = local(1, "key"), local(2, "value")
+    k_used, v_used = k_own, v_own
+    for _, axis, *rest in fetch:
+        k_used = b.call(c.all_gather, k_used, axis, *rest)
+        v_used = b.call(c.all_gather, v_used, axis, *rest)
+    is_causal = get_arg(node, 5, "is_causal", False)
+    key_length = shape_of(key)[k_seq]
+    padded = any(key_length % b.mesh.size(step[1]) for step in fetch)
+    positions = None
+    if is_causal or padded:
+        positions = block_indices(b, local(0, "query"), shape_of(query)[q_seq], q_layout, q_seq)
+    scale = get_arg(node, 6, "scale") or 1.0 / math.sqrt(shape_of(query)[-1])
+    dropout_p = get_arg(node, 4, "dropout_p", 0.0)
+    if dropout_p:  # the gathered keys kept: sharded_attention draws the rank's rows of the model's mask
+        keys = b.call(arange_like, k_used, key_length)
+        mask = b.call(position_bias, positions, keys, key_length, is_causal, local(3, "attn_mask"),
+                      query.meta["val"].dtype)
+        weights_shape = list(shape_of(node)[:-1]) + [key_length]
+        return b.call(sharded_attention, local(0, "query"), k_used, v_used, mask, dropout_p, False, scale,
+                      get_arg(node, 7, "enable_gqa", False), weights_shape,
+                      *block_spec(LAYOUT.of(node), weights_shape, b.mesh), source_line(node))
+    return b.call(context_attention, local(0, "query"), k_used, v_used, k_own, v_own, local(3, "attn_mask"),
+                  positions, fetch, key_length, is_causal, scale)
 
 
 PLACEMENT = {

@@ -292,6 +292,8 @@ def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=(),
                 if od not in frozen and shape_of(t)[p.dim] == out_shape[od]:
                     chosen = Shard(od, p.groups)
                     break
+        if chosen is None and any(isinstance(p, Partial) for p in placements.values()):
+            chosen = _token_split(ctx, axis, out_shape, frozen)
         for t in tensors:
             required[t].append(aligned(chosen, shape_of(t), out_shape))
         out.append(chosen or R)
@@ -301,6 +303,18 @@ def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=(),
         for t in tensors:
             required[t][index] = R
     return {t: Layout(*ps) for t, ps in required.items()}, out
+
+
+def _token_split(ctx, axis: str, out_shape, frozen) -> Shard | None:
+    """Where partial sums over an axis that splits the tokens (`tess_compile.core.row_split`) meet an op
+    that cannot take them: the split of the output's token dim (the first dim but the last of the
+    inputs' token count), so that they are reduce-scattered over the tokens rather than all-reduced
+    (Megatron-LM's sequence parallelism); None if there is none."""
+    rows = getattr(ctx, "rows", None)
+    if rows is None or axis not in rows.token_axes():
+        return None
+    dims = [d for d in range(len(out_shape) - 1) if d not in frozen and out_shape[d] == rows.length]
+    return Shard(dims[0]) if dims else None
 
 
 def aligned(chosen, shape, out_shape) -> Placement:

@@ -128,7 +128,8 @@ _POINTWISE = [
     aten.hardsigmoid.default, aten.leaky_relu.default,
     aten.elu.default, aten.softplus.default, aten.mish.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.log1p.default, aten.expm1.default, aten.sign.default, aten.floor.default, aten.ceil.default,
-    aten.min.other, aten.max.other, aten.fill.Scalar, aten.fill.Tensor,
+    aten.min.other, aten.max.other, aten.fill.Scalar, aten.fill.Tensor, aten.remainder.Scalar,
+    aten.remainder.Tensor, aten.fmod.Scalar, aten.fmod.Tensor,
     # made like the input: its layout, no partial sums (ones_like of a partial sum is no partial sum)
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
 ]

@@ -49,6 +49,7 @@ from tess_compile.passes.rules.common import (
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.passes.rules.products_1d import place_parallel_linear
 from tess_compile.passes.summa import matmul
+from tess_compile.ops.fetched_product import fetched_product
 
 __all__ = [
     "FAMILY",
@@ -181,11 +182,12 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
 
 def _rows_whole_over_row(ctx, x: Node, x_layout: Layout) -> bool:
     """Whether activations `x` (a model input flows into them) come with their rows whole over
-    row in a program whose batch does not split over row (`tess_compile.passes.place.home_layout`).
-    Where the batch splits over row, rows an op left whole are split again for SUMMA instead."""
+    row in a program whose rows (batch or tokens) do not split over row
+    (`tess_compile.passes.place.home_layout`). Where they do, rows an op left whole are split again
+    for SUMMA instead."""
     row = x_layout.row
     whole = not (isinstance(row, Shard) and row.dim < len(shape_of(x)) - 1)
-    return whole and ctx.batch_split != "depth_row" and _reads_inputs(x)
+    return whole and not ctx.rows.splits_rows("row") and _reads_inputs(x)
 
 
 def _place_stationary(x: Node, w: Node, bias, w_in: int, w_out: int, x_layout: Layout, groups: tuple[int, int],
@@ -403,14 +405,33 @@ LOWERING = {  # a weight-stationary product (partial output) runs locally, as a 
 }
 
 
+def _gathered_product(x_index: int, bias_index: int | None, product: str):
+    """Lowering of a 1-D column-parallel product (`product` of its input, argument `x_index`, by a weight,
+    the argument after it) whose input arrives all-gathered by tokens (sequence parallelism): a
+    `fetched_product` that keeps the input's own block of tokens for backward and gathers it again there,
+    as Megatron-LM's sequence-parallel linear does, its bias (argument `bias_index`) added after. Any
+    other product runs as it is."""
+
+    def lower(b: Builder, node: Node, args, kwargs):
+        x, w = args[x_index], args[x_index + 1]
+        bias = None if bias_index is None else args[bias_index] if len(args) > bias_index else kwargs.get("bias")
+        if b.keep_blocks or not uses_summa(node) or not isinstance(x, Node) or x.target is not c.all_gather:
+            return lower_default(b, node, args, kwargs)
+        own, axis, *rest = x.args
+        y = b.call(fetched_product, x, w, own, w, product, ("all_gather", axis, *rest), None)
+        return y if bias is None else b.call(aten.add.Tensor, y, bias)
+
+    return lower
+
+
 PLACEMENT_1D = weight_product_rules(place_parallel_linear)
 
 
 LOWERING_1D = {
-    aten.linear.default: _bias_once(2),
-    aten.addmm.default: _bias_once(0),
-    aten.matmul.default: lower_default,
-    aten.mm.default: lower_default,
+    aten.linear.default: _bias_once(2, _gathered_product(0, 2, "linear")),
+    aten.addmm.default: _bias_once(0, _gathered_product(1, 0, "matmul")),
+    aten.matmul.default: _gathered_product(0, None, "matmul"),
+    aten.mm.default: _gathered_product(0, None, "matmul"),
     aten.bmm.default: lower_default,
 }
 

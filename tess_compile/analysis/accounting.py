@@ -14,7 +14,8 @@ grad. Then, per collective that sends bytes:
 
 A `fetched_product` (`tess_compile.ops.fetched_product`) fetches its operands again in
 backward: each fetch whose block the backward needs counts in backward, with
-the bytes of the own block it sends. A `split_norm` (`tess_compile.ops.split_norm`)
+the bytes of the own block it sends; a `context_attention`
+(`tess_compile.ops.context_attention`) fetches its keys and values again so. A `split_norm` (`tess_compile.ops.split_norm`)
 all-reduces its backward statistics when x's gradient is needed. A
 `grad_bucket` (`tess_compile.ops.grad_bucket`) all-reduces its members'
 gradients in backward, a few per collective, counted as `grad_sync`.
@@ -44,14 +45,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 from tess_compile.passes.capture import capture
 from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
+from tess_compile.core.flops import flop_counter
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs
 from tess_compile.ops.collectives import COLLECTIVE_NAMES, COLLECTIVE_OPS, CommRecord
+from tess_compile.ops.context_attention import context_attention
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.grad_bucket import bucket_groups, grad_bucket
 from tess_compile.ops.recompute_region import region_runs
@@ -81,7 +83,7 @@ BytesByKey = dict[tuple[str, str], int]
 
 def forward_flops(program: Program) -> int:
     """FLOPs of the matmul-like ops (torch's FlopCounterMode) one rank runs in forward."""
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     fake_run(program.graph, program.mesh, within=counter)
     return counter.get_total_flops()
 
@@ -96,7 +98,7 @@ def unsharded_forward_flops(model: torch.nn.Module, example_inputs) -> int:
 
 def captured_forward_flops(gm: GraphModule) -> int:
     """`unsharded_forward_flops` of a graph already captured."""
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = [global_placeholder(n) for n in gm.graph.nodes if n.op == "placeholder"]
         with counter:
@@ -240,8 +242,23 @@ def _bucket_costs(node: Node, values: dict[Node, object], reached: set) -> list[
                            backward_of=tuple(members[m] for m in group)) for axis, group in groups]
 
 
+def _attention_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
+    """The backward fetches of a `context_attention` node: its keys' steps, then its values'."""
+    _, k_used, v_used, k_own, v_own, _, _, fetch = node.args[:8]
+    if values[node].grad_fn not in reached:
+        return []
+    costs = []
+    for own in (k_own, v_own):
+        num_bytes = tensor_bytes(values[own])
+        for op, axis, parts, *_ in fetch:
+            costs.append(CollectiveCost(node, op, axis, None, op, num_bytes, backward_of=own))
+            num_bytes *= parts
+    return costs
+
+
 # Graph targets that communicate in backward only, by the function that gives those costs.
-_BACKWARD_COSTS = {fetched_product: _fetch_costs, split_norm: _norm_costs, grad_bucket: _bucket_costs}
+_BACKWARD_COSTS = {fetched_product: _fetch_costs, split_norm: _norm_costs, grad_bucket: _bucket_costs,
+                   context_attention: _attention_costs}
 
 
 def transfers(costs: Iterable[CollectiveCost]) -> Iterator[tuple[str, str, str, int]]:

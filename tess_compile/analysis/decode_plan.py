@@ -47,7 +47,7 @@ from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import INPUT_ROLES, Program
 from tess_compile.ops.recompute_region import outline_regions
 from tess_compile.passes.driver import compile_model
-from tess_compile.passes.place import splits_of
+from tess_compile.core.row_split import splits_of
 
 __all__ = ["DecodeRow", "at_shapes", "format_decode_table", "plan_decode"]
 

@@ -35,6 +35,7 @@ import torch
 from torch.fx import GraphModule
 
 from tess_compile.passes.capture import capture
+from tess_compile.passes.driver import row_split_for
 from tess_compile.passes.observers import PassResult, add_pass_observer
 from tess_compile.passes.place import place
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
@@ -97,7 +98,7 @@ def dump(
     args, kwargs = split_example_inputs(example_inputs)
     gm = capture(model, args, kwargs)
     if stage == "placed":
-        gm = place(gm, mesh, strict=options.strict)
+        gm = place(gm, mesh, strict=options.strict, rows=row_split_for(options, mesh, args, kwargs))
     return dump_graph(gm, mesh, stage=stage, rank=rank, format=format)
 
 
@@ -112,6 +113,7 @@ def dump_program(
     memory = predict_memory(program)
     notes = [
         *notes,
+        *([f"rows: {program.rows}"] if program.rows is not None else []),
         f"memory per rank (bytes): peak of a step {memory.total}; at the start of backward parameters "
         f"{memory.params}, gradients {memory.grads}, AdamW state {memory.optimizer}, saved for backward "
         f"{memory.activations}, collective buffers {memory.transient}",

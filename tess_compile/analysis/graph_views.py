@@ -28,6 +28,7 @@ from tess_compile.core.layout import Layout
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.meta_keys import ARG_LAYOUTS, LAYOUT, RECOMPUTE_REGION, REPLICATED, ROLE
 from tess_compile.ops.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
+from tess_compile.ops.context_attention import context_attention
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.grad_bucket import grad_bucket
 from tess_compile.ops.split_norm import split_norm
@@ -76,7 +77,7 @@ def _arg(value) -> str:
 
 def _target_name(target) -> str:
     # by its own name: broadcast_start, not broadcast
-    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm, grad_bucket):
+    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm, grad_bucket, context_attention):
         return f"tess.{getattr(target, '_opname', None) or target.__name__}"
     if isinstance(target, torch._ops.OpOverload):
         return str(target).removesuffix(".default")

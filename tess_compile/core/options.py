@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from tess_compile.core.mesh import MODES, Mesh, check_mode
 
-__all__ = ["AUTO", "BATCH_SPLITS", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "renamed", "takes_compile_options"]
+__all__ = ["AUTO", "BATCH_SPLITS", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "TOKEN_SPLITS", "renamed",
+           "takes_compile_options"]
 
 # How the q steps of a matrix product run: "broadcast" one after another (the papers'
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
@@ -48,6 +49,10 @@ RECOMPUTE = ("none", "blocks", "selective")
 # How the inputs' batch splits in 2.5-D: over depth and row, over depth alone, or not at
 # all; "auto" (the default): the first of these that divides the example batch.
 BATCH_SPLITS = ("depth_row", "depth", "none")
+# The axes that split each sequence's tokens (`tess_compile.core.row_split`): none, row, depth and row (2.5-D,
+# 2-D, 3-D: the axes the batch leaves), or col (1-D: Megatron-LM's sequence parallelism); "auto" (the
+# default): the widest that the batch leaves and the example's tokens divide.
+TOKEN_SPLITS = ("none", "row", "depth_row", "col")
 # Old keyword -> the option it names now (accepted with a FutureWarning).
 RENAMED = {"checkpoint": "recompute"}
 
@@ -82,6 +87,12 @@ class CompileOptions:
         "help": "how the inputs' batch splits in 2.5-D: depth_row (over depth and row), depth (over depth alone), "
                 "none, or auto (the default: the first that divides the example batch); a batch whole over row "
                 "runs the matrix products weight-stationary, moving the rows, not the weights (docs/modes.md)"})
+    token_split: str = field(default=AUTO, metadata={
+        "choices": (*TOKEN_SPLITS, AUTO), "what": "a token split",
+        "help": "how each sequence's tokens split: over row or depth_row (2.5-D: the axes the batch leaves whole; "
+                "context-parallel attention), over col (1-D: sequence parallelism), none, or auto (the default: the "
+                "widest the batch leaves and the example's tokens divide; none in a dynamic compile) "
+                "(docs/modes.md)"})
     dynamic: bool = field(default=False, metadata={
         "help": "one program for every batch and sequence length: capture the inputs' batch (a multiple of the "
                 "ranks that split it) and their other dims that no weight fixes as symbols (docs/dynamic.md)"})

@@ -21,6 +21,7 @@ from tess_compile.core.dynamic import DynamicShapes
 from tess_compile.core.layout import Layout, local_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import CONSTANT_VALUE, SCHEDULE_COUNTS
+from tess_compile.core.row_split import RowSplit
 
 __all__ = ["INPUT_ROLES", "Program", "Slot", "describe_schedules", "input_name", "input_names", "split_example_inputs"]
 
@@ -63,6 +64,8 @@ class Program:
     runnable: GraphModule | None = None
     # A `dynamic=True` compile's symbolic input and output shapes (None: every shape is fixed).
     dynamic: DynamicShapes | None = None
+    # How the inputs' batch and tokens split (`tess_compile.core.row_split`); None: not recorded.
+    rows: RowSplit | None = None
 
     def __post_init__(self) -> None:
         if self.runnable is None:

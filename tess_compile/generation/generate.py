@@ -39,7 +39,7 @@ from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import Program
 from tess_compile.generation.cache_step import CacheStep
 from tess_compile.generation.prepare import Call, prepare_call
-from tess_compile.passes.place import resolve_batch_split, splits_of
+from tess_compile.core.row_split import resolve_batch_split, splits_of
 from tess_compile.runtime.sharded_module import ShardedModule
 
 __all__ = ["Generation"]
