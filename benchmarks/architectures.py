@@ -21,7 +21,10 @@ apply, by the model's `Usage`):
 - `padded`: a padded `attention_mask` (left padding for decoders, right for
   encoders; BERT-like models pad in their default call already);
 - `train`, `eval`: the config's defaults (dropout at its probabilities, the
-  cache as the config sets it), in train mode and after `model.eval()`.
+  cache as the config sets it), in train mode and after `model.eval()`;
+- `tokens` (causal LMs): one sequence, the labels call's row that pads 3
+  positions, with the padded `attention_mask` of the model's side: a batch of
+  one, whose tokens split over the mesh (`token_split`, docs/modes.md).
 
 Libraries: Hugging Face transformers, torch itself (`torch.nn` layers and
 the Transformer of PyTorch's tensor-parallel tests) and torchtitan
@@ -49,8 +52,9 @@ from benchmarks.titan_architectures import TITAN_ARCHITECTURES
 __all__ = ["ARCHITECTURES", "CALL_NAMES", "Architecture", "Case", "LogitsLoss", "Usage", "build", "calls", "libraries"]
 
 HIDDEN, HEADS, LAYERS, VOCAB, SEQ, BATCH, MLP = 32, 4, 2, 64, 8, 4, 64
-CALL_NAMES = ("default", "labels", "padded", "train", "eval")
+CALL_NAMES = ("default", "labels", "padded", "train", "eval", "tokens")
 PADDED = {1: 3, 2: 1}  # batch row -> positions padded (mask 0, label -100) in the labels and padded calls
+TOKENS_ROW = 1  # the batch row the tokens call keeps
 
 
 @dataclass(frozen=True)
@@ -364,7 +368,7 @@ def calls(name: str) -> list[str]:
     """The calls of `CALL_NAMES` that `name`'s users make (the module docstring)."""
     usage = ARCHITECTURES[name].usage
     made = {"default": True, "labels": usage.labels is not None, "padded": usage.padding is not None,
-            "train": usage.config, "eval": usage.config}
+            "train": usage.config, "eval": usage.config, "tokens": usage.labels == "next"}
     return [call for call in CALL_NAMES if made[call]]
 
 
@@ -379,6 +383,10 @@ def build(name: str, call: str = "default", dtype: torch.dtype = torch.float64) 
         return _with_labels(case, usage.labels)
     if call == "padded":
         return _padded(case, usage.padding)
+    if call == "tokens":
+        case = _with_labels(case, usage.labels)
+        case = dataclasses.replace(_padded(case, usage.padding), own_loss=True) if usage.padding else case
+        return _one_sequence(case, TOKENS_ROW)
     return case
 
 
@@ -412,6 +420,17 @@ def _with_labels(case: Case, use: str) -> Case:
         inputs["attention_mask"] = _padding_mask("right")
     loss = LogitsLoss(labels, shift=use == "next")
     return Case(case.model, {**inputs, "labels": labels}, loss, own_loss=True)
+
+
+def _one_sequence(case: Case, row: int) -> Case:
+    """The call on batch row `row` alone: every input and the scored labels of batch `BATCH` cut to it."""
+    def cut(value):
+        return value[row:row + 1] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == BATCH \
+            else value
+
+    inputs = {k: cut(v) for k, v in case.inputs.items()} if isinstance(case.inputs, dict) else tuple(map(cut, case.inputs))
+    loss = dataclasses.replace(case.loss, labels=cut(case.loss.labels))
+    return Case(case.model, inputs, loss, case.own_loss)
 
 
 def _padded(case: Case, side: str) -> Case:

@@ -54,9 +54,11 @@ __all__ = ["CALLS", "MESHES", "SEED", "Row", "cases", "main", "measure"]
 # (label, q, d, mode)
 MESHES = [("2.5d [2,2,2]", 2, 2, "2.5d"), ("1d p=4", 2, 1, "1d")]
 # call -> the labels of the meshes it runs on (docs/coverage.md, "Calls"): the default call and
-# labels on both; padding, dropout and eval where the batch is split over depth and row
+# labels on both; padding, dropout and eval where the batch is split over depth and row; one sequence
+# (tokens) where its tokens split over depth and row (context parallelism; 1-D p=4 splits the tokens of
+# the other calls over col already: sequence parallelism)
 CALLS = {"default": ["2.5d [2,2,2]", "1d p=4"], "labels": ["2.5d [2,2,2]", "1d p=4"], "padded": ["2.5d [2,2,2]"],
-         "train": ["2.5d [2,2,2]"], "eval": ["2.5d [2,2,2]"]}
+         "train": ["2.5d [2,2,2]"], "eval": ["2.5d [2,2,2]"], "tokens": ["2.5d [2,2,2]"]}
 SEED = 0  # torch's seed before the sharded and the unsharded run
 
 

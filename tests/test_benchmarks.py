@@ -138,3 +138,13 @@ def test_gpu_check_reports_the_committed_runs(capsys):
     assert "allocator MiB" in out and "split fit" in out and "fitted to Table 1 (" in out
     assert bench.main(["--report", str(BENCHMARKS / "results" / "gpu_check_h200_probe.json")]) == 0
     assert "AdamW step ms" in capsys.readouterr().out
+
+
+def test_long_context_benchmark_runs(capsys, tmp_path):
+    bench = importlib.import_module("benchmarks.long_context")  # by package name: spawned ranks import it
+    assert bench.main(["--quick", "--out", str(tmp_path / "long_context.json")]) == 0
+    out = capsys.readouterr().out
+    assert "tess 2.5d [2,2,2]" in out and "DTensor TP+SP" in out and "torchtitan CP=8 (priced)" in out
+    (run,) = json.loads((tmp_path / "long_context.json").read_text())["runs"]
+    losses = [row["loss_first"] for row in run["rows"]]  # the same model, weights and sequence in every row
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0])

@@ -149,3 +149,55 @@ def test_row_split_choices_and_errors():
         resolve_row_split("auto", "row", 1, None, mesh, dynamic=True)
     with pytest.raises(ValueError, match="token_split='rows' is not a token split"):
         tess_compile.simulate(_stack(), 2, 2, example_inputs=(_input(),), token_split="rows")
+
+
+class _Carries(nn.Module):
+    """cumsum, roll and token shifts (pad one end, cut the other) along the tokens, then a product."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        y = x.cumsum(1) + torch.roll(x, 2, 1) + torch.roll(x, -1, 1)
+        y = y + F.pad(x, (0, 0, 1, -1)) + F.pad(x, (0, 0, -2, 2))
+        return self.proj(y)
+
+
+@pytest.mark.parametrize(("q", "d", "mode"), [(2, 2, "2.5d"), (2, 2, "1d")], ids=["q2d2", "1d-p8"])
+def test_carries_and_shifts_keep_the_token_split(q, d, mode):
+    """A prefix sum adds the totals of the blocks before a rank's; a shift takes its edge from the
+    neighbouring block: exact, and the tokens are never gathered whole (only each block's total or
+    edge moves)."""
+    x = _input()
+    sim, _ = simulate_exact(_Carries, (x,), q, d, mode)
+    token_axes = ("col",) if mode == "1d" else ("depth", "row")
+    sources = []  # what each gather along a token axis gathers
+    for node in sim.program.graph.graph.nodes:
+        if node.target is c.all_gather and node.args[1] in token_axes and node.args[0].target is not c.all_gather:
+            source = node.args[0]
+            sources.append("edge" if source.target is torch.ops.aten.narrow.default else source.name)
+    # the edges of cumsum, two rolls and two shifts; in 2.5-D the product's weight (SUMMA, along row), in
+    # 1-D the product's input (sequence parallelism)
+    assert sorted(sources) == sorted(["add_4" if mode == "1d" else "p_proj_weight_synced"] + ["edge"] * 5), sources
+
+
+@pytest.mark.parametrize(("batch", "q", "d", "mode"), [
+    (1, 2, 2, "2.5d"),
+    pytest.param(2, 2, 2, "2.5d", marks=pytest.mark.slow),
+    pytest.param(1, 4, 1, "2.5d", marks=pytest.mark.slow),
+    pytest.param(2, 4, 1, "2.5d", marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, "1d", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, "1d", marks=pytest.mark.slow),
+], ids=["b1-q2d2", "b2-q2d2", "b1-q4d1", "b2-q4d1", "b1-1d-p8", "b2-1d-p8"])
+def test_every_sequence_mixing_op_is_exact_across_the_split(batch, q, d, mode):
+    """Positions (arange, position_ids, rotary), a causal conv, shifts, a prefix sum, a chunked scan with
+    its carry, a windowed ALiBi attention and the shifted labels of the loss (tests/sequence_models.py),
+    with the tokens split: the loss and every gradient exact."""
+    from sequence_models import SequenceMixer
+
+    tokens = 32
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (batch, tokens), generator=generator)
+    inputs = (ids, torch.arange(tokens).repeat(batch, 1), ids)
+    simulate_exact(lambda: SequenceMixer(tokens=tokens), inputs, q, d, mode, gathers=True, strict=False)

@@ -1,5 +1,5 @@
-"""Rules of reductions and of ops along dims (softmax, cumsum, tril,
-pad, diff, roll, argmax and argmin).
+"""Rules of reductions and of ops along dims (softmax, tril, diff, argmax and argmin; cumsum, roll
+and pad are `passes/rules/scans.py`'s).
 
 A sum or mean over a split dim leaves partial sums (the consumer reduces
 them); the other ops need the dims they work along whole on every rank. A mean
@@ -74,13 +74,6 @@ def _last_two(node: Node) -> list[int]:
     return [-2, -1]
 
 
-def _padded_dims(node: Node) -> list[int]:
-    """The dims that aten.pad pads or cuts: `pad` lists (before, after) pairs from the last dim backwards,
-    and a dim with (0, 0) is left as it is, so its split stays."""
-    pad = node.args[1]
-    return [-1 - k for k in range(len(pad) // 2) if pad[2 * k] != 0 or pad[2 * k + 1] != 0]
-
-
 def _unpadded(b: Builder, node: Node, x: Node, dims: list[int]) -> Node:
     """`x` with the padding of the reduced dims that are split unevenly set to 0 (it must not count)."""
     val, layout = node.args[0].meta["val"], arg_layout(node, node.args[0])
@@ -93,12 +86,6 @@ def lower_sum(b: Builder, node: Node, args, kwargs):
     """A sum over a split dim gives partial sums as it is, but for an uneven split's padding."""
     dims = _reduced_dims(node, node.args[0].meta["val"].dim())
     return b.call(node.target, _unpadded(b, node, args[0], dims), *args[1:], **kwargs)
-
-
-def _rolled_dims(node: Node) -> list[int]:
-    """roll's dims; none means the flattened tensor, so every dim."""
-    dims = get_arg(node, 2, "dims", [])
-    return list(dims) if dims else list(range(len(shape_of(node.args[0]))))
 
 
 def place_arg_reduction(node: Node, ctx) -> Decision:
@@ -195,12 +182,9 @@ PLACEMENT = {
     aten._softmax.default: dims_local(dim_arg),
     aten.log_softmax.int: dims_local(dim_arg),
     aten._log_softmax.default: dims_local(dim_arg),
-    aten.cumsum.default: dims_local(dim_arg),
     aten.tril.default: dims_local(_last_two),
     aten.triu.default: dims_local(_last_two),
-    aten.pad.default: dims_local(_padded_dims),
     aten.diff.default: dims_local(lambda node: [get_arg(node, 2, "dim", -1)]),
-    aten.roll.default: dims_local(_rolled_dims),
     aten.argmax.default: place_arg_reduction,
     aten.argmin.default: place_arg_reduction,
 }

@@ -55,9 +55,11 @@ def position_bias(q_positions: torch.Tensor | None, key_positions: torch.Tensor,
     return bias
 
 
-def _flash_on_cpu(q: torch.Tensor) -> bool:
-    """Whether torch's CPU flash-attention kernel takes these queries (`[batch, heads, tokens, dim]`)."""
-    return q.device.type == "cpu" and q.dim() == 4 and q.dtype in (torch.float64, torch.float32, torch.bfloat16)
+def _flash_on_cpu(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's CPU flash-attention kernel takes these queries (`[batch, heads, tokens, dim]`) and
+    values (of the queries' head dim: multi-head latent attention's values are narrower)."""
+    return (q.device.type == "cpu" and q.dim() == 4 and q.dtype in (torch.float64, torch.float32, torch.bfloat16)
+            and v.shape[-1] == q.shape[-1])
 
 
 def _four_dims(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -69,7 +71,7 @@ def _four_dims(bias: torch.Tensor | None) -> torch.Tensor | None:
 
 def attend(q, k, v, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q @ k^T * scale + bias) @ v and the rows' log-sum-exp (q's dims but the last)."""
-    if _flash_on_cpu(q):
+    if _flash_on_cpu(q, v):
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=_four_dims(bias),
                                                                  scale=scale)
     scores = _scores(q, k, bias, scale)
@@ -80,7 +82,7 @@ def attend(q, k, v, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 def attend_backward(grad, q, k, v, bias, out, lse, scale: float, bias_grad: bool = False) -> tuple:
     """The gradients of q, k and v of `attend` given the gradient of its output, and with `bias_grad`
     the gradient of the scores (the bias's, before summing it to the bias's shape; else None)."""
-    if not bias_grad and _flash_on_cpu(q):
+    if not bias_grad and _flash_on_cpu(q, v):
         return (*aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=_four_dims(bias), scale=scale), None)
     probabilities = _probabilities(_scores(q, k, bias, scale), lse)
