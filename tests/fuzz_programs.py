@@ -73,7 +73,9 @@ class Program:
     The batch is `blocks` times the ranks that split it (`d*q` in 2.5-D, 1 in 1-D), or with
     `unsplit` just `blocks`, which d*q does not divide: the rows then stay whole over row and the
     products run weight-stationary (`batch_split="auto"`); `features` is the width of the float input `x` `[batch, seq, features]`; `vocab` bounds
-    the integer input `ids` `[batch, seq]` and the loss's classes."""
+    the integer input `ids` `[batch, seq]` and the loss's classes. `tokens` "split" splits each sequence's
+    tokens over one axis (row in 2.5-D, col in 1-D: `token_split`), evenly or not; "auto" as the compile
+    picks (tokens over the axes a batch leaves, where they divide)."""
 
     mesh: tuple[int, int, str]
     blocks: int = 1
@@ -84,6 +86,7 @@ class Program:
     steps: tuple[Step, ...] = ()
     end: int = 0
     unsplit: bool = False
+    tokens: str = "auto"
 
     @property
     def batch(self) -> int:
@@ -1142,7 +1145,7 @@ def example_inputs(program: Program) -> tuple[torch.Tensor, ...]:
 def describe(program: Program) -> str:
     """The program's description as Python, one step a line (`Program(...)` rebuilds it)."""
     head = ", ".join(f"{name}={getattr(program, name)!r}" for name in
-                     ("mesh", "blocks", "seq", "features", "vocab", "start", "end", "unsplit"))
+                     ("mesh", "blocks", "seq", "features", "vocab", "start", "end", "unsplit", "tokens"))
     steps = [f"    Step({step.op!r}, {step.args!r})," for step in program.steps]
     return "\n".join([f"Program({head}, steps=(", *steps, "))"])
 
@@ -1163,7 +1166,8 @@ def source(program: Program) -> str:
         "import tess_compile", "", "", build_source(program), "",
         *[f"# {line}" for line in describe(program).splitlines()],
         "torch.manual_seed(0)", "model = Fuzzed().double()", *[make[name] for name in names],
-        f"sim = tess_compile.simulate(copy.deepcopy(model), {q}, {d}, mode={mode!r}, example_inputs=({inputs}))",
+        f"sim = tess_compile.simulate(copy.deepcopy(model), {q}, {d}, mode={mode!r}, example_inputs=({inputs}), "
+        f"token_split={_token_split(program)!r})",
         f"out, expected = sim({', '.join(names)}), model({', '.join(names)})",
     ]) + "\n"
 
@@ -1189,6 +1193,7 @@ def programs(draw, meshes=MESHES, max_steps: int = MAX_STEPS, ops=tuple(OPS)):
         steps=tuple(draw(st.lists(steps(ops), min_size=1, max_size=max_steps))),
         end=draw(st.integers(0, ARG_MAX)),
         unsplit=draw(st.booleans()),
+        tokens=draw(st.sampled_from(["auto", "split"])),
     )
 
 
@@ -1208,6 +1213,8 @@ def simpler(program: Program):
                 yield dataclasses.replace(program, steps=ops[:index] + (Step(step.op, args),) + ops[index + 1:])
     if program.unsplit:
         yield dataclasses.replace(program, unsplit=False)
+    if program.tokens != "auto":
+        yield dataclasses.replace(program, tokens="auto")
     for name, low in (("start", 0), ("end", 0), ("blocks", BLOCKS[0]), ("seq", SEQ[0]), ("features", FEATURES[0]),
                       ("vocab", VOCAB[0])):
         value = getattr(program, name)
@@ -1234,6 +1241,7 @@ def random_program(seed: int, meshes=MESHES, max_steps: int = MAX_STEPS) -> Prog
         steps=tuple(Step(rng.choice(list(OPS)), tuple(arg() for _ in range(NUM_ARGS))) for _ in range(num_steps)),
         end=arg(),
         unsplit=rng.random() < 0.3,  # drawn last: the other draws of a seed stay as they were
+        tokens="split" if rng.random() < 0.3 else "auto",
     )
 
 
@@ -1325,6 +1333,11 @@ def check(program: Program) -> Outcome:
     return _compared(lambda: compare(sim, reference, inputs), "mismatch", "run")
 
 
+def _token_split(program: Program) -> str:
+    """The compile's `token_split` for `program.tokens`: one axis, or "auto"."""
+    return "auto" if program.tokens == "auto" else "col" if program.mesh[2] == "1d" else "row"
+
+
 def _compiled(program: Program, model: nn.Module, inputs: tuple) -> tuple[object, Outcome | None]:
     """The simulated module of `program`'s mesh, or None and the outcome of its compile: a ValueError
     that names the mesh is a refusal; one without it, a verifier's, or any other error a defect."""
@@ -1332,7 +1345,8 @@ def _compiled(program: Program, model: nn.Module, inputs: tuple) -> tuple[object
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return tess_compile.simulate(model, q, d, mode=mode, example_inputs=inputs, verify=True), None
+            return tess_compile.simulate(model, q, d, mode=mode, example_inputs=inputs, verify=True,
+                                         token_split=_token_split(program)), None
     except ValueError as err:
         if str(Mesh(q, d, mode)) not in str(err):
             return None, Outcome("fail", f"ValueError without the mesh: {message_kind(str(err))}", str(err))

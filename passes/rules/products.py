@@ -21,7 +21,7 @@ import warnings
 from torch.fx import Node
 
 from tess_compile.core.dynamic import concrete
-from tess_compile.core.layout import Layout, Partial, Placement, Shard
+from tess_compile.core.layout import Layout, Partial, Placement, Shard, split_size
 from tess_compile.core.mesh import AXES
 from tess_compile.core.meta_keys import ARG_LAYOUTS, LAYOUT, ROLE
 from tess_compile.ops import collectives as c
@@ -81,9 +81,9 @@ def _row_blocks(node: Node, ctx, x: Node, layout: Layout) -> tuple[Placement, Pl
     for axis in ("depth", "row"):
         p, parts = layout.on(axis), ctx.mesh.size(axis)
         on_rows = isinstance(p, Shard) and p.dim < len(shape) - 1
-        if on_rows and shape[p.dim] % parts == 0:
+        if on_rows and (shape[p.dim] % parts == 0 or p.groups == 1):  # padded rows give padded output rows
             blocks.append(p)
-            shape[p.dim] //= parts
+            shape[p.dim] = split_size(shape[p.dim], parts)
             continue
         dim = p.dim if on_rows else 0
         if shape[dim] % parts:

@@ -6,7 +6,8 @@ end to the full block size (`tess_compile.core.layout`). Padding is never
 seen outside, because the rules that take such blocks handle it: elementwise
 ops leave it where it is; a product's padded weight rows and columns are
 zeros, so a padded output holds zeros and a padded contraction adds nothing;
-a sum or mean over the dim and a cross-entropy over padded classes mask it
+a sum or mean over the dim, a prefix sum along it and a cross-entropy over padded classes
+mask it
 (`tess_compile.passes.rules.common.masked_padding`); a lookup in a padded vocabulary never
 reaches it; a view that keeps the dim whole keeps the padding at its end; a
 gather cuts it off (`tess_compile.passes.redistribute`). Any other op that would take an
@@ -31,7 +32,7 @@ from tess_compile.core.mesh import AXES
 __all__ = ["check_uneven"]
 
 # Families whose every op takes uneven blocks (see the module docstring).
-_TAKE_UNEVEN = ("pointwise", "embeddings", "losses", "reductions", "factories")
+_TAKE_UNEVEN = ("pointwise", "embeddings", "losses", "reductions", "factories", "scans")
 # Ops that contract the last dim of their first operand with the second's second-to-last:
 # an uneven contraction needs a zero-padded side, which only a weight is.
 _ACTIVATION_PRODUCTS = (aten.bmm.default, aten.matmul.default, aten.baddbmm.default)

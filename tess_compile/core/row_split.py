@@ -115,8 +115,9 @@ def resolve_row_split(batch_split: str, token_split: str, batch: int | None, len
     "auto" tokens take the row axes that the batch leaves whole, where the tokens divide them (more
     than one token a rank): the batch first (SUMMA over the batch), then the tokens. A dynamic compile
     splits tokens only where asked (its token count is a symbol). Splits that share an axis, or that do
-    not divide, are a ValueError naming the fix; so is a token split of a dynamic compile, whose
-    token count is a symbol (not supported yet)."""
+    cannot split unevenly (over two axes), are a ValueError naming the fix; so is a token split of a
+    dynamic compile, whose token count is a symbol (not supported yet). A split over one axis that the
+    tokens do not divide is uneven: its last blocks padded (`tess_compile.core.layout`)."""
     if token_split not in (*TOKEN_SPLITS, AUTO):
         raise ValueError(f"token_split={token_split!r} is not a token split: use one of "
                          f"{', '.join(map(repr, (*TOKEN_SPLITS, AUTO)))}")
@@ -138,7 +139,8 @@ def resolve_row_split(batch_split: str, token_split: str, batch: int | None, len
                          f"{' and '.join(sorted(taken))} on mesh {mesh}: split the tokens over the axes the batch "
                          "leaves, or token_split='auto'")
     parts = token_parts(token_split, mesh)
-    if token_split != "none" and (length is None or (not dynamic and length % parts)):
+    stacked = sum(mesh.size(axis) > 1 for axis in _AXES_OF[token_split]) > 1  # an uneven split cannot be nested
+    if token_split != "none" and (length is None or (not dynamic and stacked and length % parts)):
         what = "no token dim" if length is None else f"{length} tokens, not divisible by {parts}"
         raise ValueError(f"token_split={token_split!r} on mesh {mesh}: the inputs have {what}; use a sequence "
                          f"length that is a multiple of {parts}, or token_split='auto'")
