@@ -19,14 +19,16 @@ class Builder:
     `summa` is the schedule of the matrix products' steps (`tess_compile.core.options.SCHEDULES`),
     or "auto": each product's cheapest on `cluster` (`tess_compile.passes.summa.cheapest_schedule`);
     `schedules` counts the products of each schedule. `keep_blocks` keeps their fetched blocks for
-    backward instead of fetching again.
+    backward instead of fetching again. `context` schedules attention over a token split
+    (`tess_compile.core.options.CONTEXT_SCHEDULES`).
     `shared` holds values that later products may read again instead of fetching them
     once more (`tess_compile.passes.summa`); any in-place op empties it, as it may change a source.
     """
 
     def __init__(self, mesh: Mesh, summa: str = "broadcast", keep_blocks: bool = False,
-                 cluster: Cluster = CALIBRATED_CLUSTER):
+                 cluster: Cluster = CALIBRATED_CLUSTER, context: str = "gather"):
         self.mesh = mesh
+        self.context = context  # attention over a token split: "gather" or "ring"
         self.summa = summa
         self.keep_blocks = keep_blocks
         self.cluster = cluster

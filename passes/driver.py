@@ -132,7 +132,8 @@ def compile_model(
     if options.recompute == "blocks":
         placed = run("recompute blocks", mark_blocks, placed, mesh)
     cluster = CALIBRATED_CLUSTER if cluster is None else cluster
-    gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks, cluster=cluster)
+    gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks, cluster=cluster,
+             context=options.context)
     gm = run("merge products", merge_products, gm, mesh)
     gm = run("alike regions", alike_regions, gm, mesh)
     if options.summa == AUTO and SCHEDULE_COUNTS.of(gm):

@@ -26,6 +26,7 @@ from tess_compile.core.meta_keys import RECOMPUTE_REGION, SUMMA_STEP
 from tess_compile.ops.collectives import COLLECTIVE_OPS, wait
 from tess_compile.ops.context_attention import context_attention
 from tess_compile.ops.fetched_product import fetched_product
+from tess_compile.ops.ring_attention import ring_attention
 from tess_compile.ops.recompute_region import outline_regions
 
 __all__ = ["mark_selective"]
@@ -39,7 +40,7 @@ _SAVED_OPS = (
     aten.baddbmm.default, aten.convolution.default, aten.conv1d.default, aten.conv2d.default,
     aten.conv3d.default, aten.einsum.default, aten.embedding.default,
     aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-    fetched_product, context_attention, wait,
+    fetched_product, context_attention, ring_attention, wait,
 )
 
 

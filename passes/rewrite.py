@@ -69,18 +69,19 @@ log = logging.getLogger("tess_compile.passes")
 
 
 def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_blocks: bool = False,
-            cluster: Cluster = CALIBRATED_CLUSTER) -> GraphModule:
+            cluster: Cluster = CALIBRATED_CLUSTER, context: str = "gather") -> GraphModule:
     """The per-rank graph of the placed graph `gm`; see the module docstring.
 
     `summa` schedules the steps of the matrix products (`tess_compile.core.options.SCHEDULES`,
     or "auto": each product's cheapest on `cluster`); `keep_blocks` keeps their fetched blocks
-    for backward (see `tess_compile.passes.summa`). Writes `SCHEDULE_COUNTS` on the result: how many
+    for backward (see `tess_compile.passes.summa`); `context` schedules attention over a token split.
+    Writes `SCHEDULE_COUNTS` on the result: how many
     products took each schedule.
     """
     if summa not in (*SCHEDULES, AUTO):
         raise ValueError(f"summa={summa!r} is not a schedule: use one of {', '.join(map(repr, (*SCHEDULES, AUTO)))}")
     start = time.perf_counter()
-    b = Builder(mesh, summa, keep_blocks, cluster)
+    b = Builder(mesh, summa, keep_blocks, cluster, context)
     env: dict[Node, object] = {}
     converted: dict[tuple[Node, Layout], Node] = {}
     rules = lowering_rules(mesh.mode)

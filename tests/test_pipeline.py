@@ -213,8 +213,8 @@ def test_pipeline_two_stages_over_gloo_is_exact():
                     assert abs(got - expected) <= TOL * abs(expected), f"rank {rank} {schedule}: {got} != {expected}"
             elif schedule != "dp2-1d":  # what stage 0 sends: hidden states, batch over (depth, row), hidden over col
                 assert run["layouts"] == {"S(0)S(0)S(2)"}, run["layouts"]
-            else:  # in 1-D, Megatron's activations are whole on every rank
-                assert run["layouts"] == {"RRR"}, run["layouts"]
+            else:  # in 1-D, Megatron-LM's sequence-parallel activations: each rank's tokens
+                assert run["layouts"] == {"RRS(1)"}, run["layouts"]
         msg = res["boundary"]
         assert "UNEXPECTED" not in msg, f"rank {rank}: {msg}"
         assert "stage 0" in msg and "stage 1" in msg and "[2, 4, 8]" in msg and "[4, 4, 8]" in msg, msg

@@ -42,8 +42,10 @@ from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES
 from tess_compile.core.meta_keys import LAYOUT
 from tess_compile.ops import collectives as c
-from tess_compile.ops.context_attention import context_attention, position_bias
+from tess_compile.ops.attention_kernels import position_bias
+from tess_compile.ops.context_attention import context_attention
 from tess_compile.ops.dropout import block_spec, sharded_attention
+from tess_compile.ops.ring_attention import ring_attention
 from tess_compile.ops.local import arange_like
 
 __all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_attention", "place_attention"]
@@ -154,15 +156,18 @@ def lower_attention(b: Builder, node: Node, args, kwargs):
 
 
 def _lower_context_attention(b: Builder, node: Node, local) -> Node:
-    """Attention of this rank's queries over every key: the keys and values split by tokens all-gathered
-    along those axes, inner axis first (so that the blocks join in global token order), and
-    `context_attention` on the global positions of the rank's queries."""
+    """Attention of this rank's queries over every key: with `context="ring"` (and no dropout) one key
+    block at a time (`ring_attention`); else the keys and values split by tokens all-gathered along
+    those axes, inner axis first (so that the blocks join in global token order), and
+    `context_attention`; both on the global positions of the rank's queries."""
     query, key = node.args[:2]
     q_layout, k_layout = arg_layout(node, query), arg_layout(node, key)
     q_seq, k_seq = len(shape_of(query)) - 2, len(shape_of(key)) - 2
     fetch = tuple(("all_gather", axis, b.mesh.size(axis), k_seq, 1) for axis in reversed(AXES)
                   if k_layout.on(axis) == Shard(k_seq) and b.mesh.size(axis) > 1)
     k_own, v_own = local(1, "key"), local(2, "value")
+    if b.context == "ring" and fetch and not get_arg(node, 4, "dropout_p", 0.0):
+        return _lower_ring_attention(b, node, local, fetch)
     k_used, v_used = k_own, v_own
     for _, axis, *rest in fetch:
         k_used = b.call(c.all_gather, k_used, axis, *rest)
@@ -185,6 +190,22 @@ def _lower_context_attention(b: Builder, node: Node, local) -> Node:
                       *block_spec(LAYOUT.of(node), weights_shape, b.mesh), source_line(node))
     return b.call(context_attention, local(0, "query"), k_used, v_used, k_own, v_own, local(3, "attn_mask"),
                   positions, fetch, key_length, is_causal, scale)
+
+
+def _lower_ring_attention(b: Builder, node: Node, local, fetch: tuple) -> Node:
+    """`ring_attention` over the key blocks of the token axes that `fetch` gathers (outer axis first)."""
+    query, key = node.args[:2]
+    q_seq, k_seq = len(shape_of(query)) - 2, len(shape_of(key)) - 2
+    key_length = shape_of(key)[k_seq]
+    axes = tuple((axis, size) for _, axis, size, *_ in reversed(fetch))
+    block = arg_layout(node, key).local_shape(shape_of(key), b.mesh)[k_seq]
+    is_causal = get_arg(node, 5, "is_causal", False)
+    positions = None
+    if is_causal or block * math.prod(size for _, size in axes) != key_length:
+        positions = block_indices(b, local(0, "query"), shape_of(query)[q_seq], arg_layout(node, query), q_seq)
+    scale = get_arg(node, 6, "scale") or 1.0 / math.sqrt(shape_of(query)[-1])
+    return b.call(ring_attention, local(0, "query"), local(1, "key"), local(2, "value"), local(3, "attn_mask"),
+                  positions, axes, block, key_length, is_causal, scale)
 
 
 PLACEMENT = {

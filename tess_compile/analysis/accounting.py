@@ -37,6 +37,7 @@ placeholders; writes nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ from tess_compile.ops.context_attention import context_attention
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.grad_bucket import bucket_groups, grad_bucket
 from tess_compile.ops.recompute_region import region_runs
+from tess_compile.ops.ring_attention import ring_attention
 from tess_compile.ops.split_norm import split_norm
 
 __all__ = [
@@ -256,9 +258,29 @@ def _attention_costs(node: Node, values: dict[Node, object], reached: set) -> li
     return costs
 
 
-# Graph targets that communicate in backward only, by the function that gives those costs.
+def _ring_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
+    """The collectives a `ring_attention` node runs itself: per key block, the broadcasts of its keys and
+    values along the token axes forward, and in backward the same broadcasts again and the reduces of
+    their gradients to the block's owner."""
+    _, k_own, v_own, _, _, axes = node.args[:6]
+    runs = values[node].grad_fn in reached
+    blocks = math.prod(size for _, size in axes)
+    costs = []
+    for own in (k_own, v_own):
+        num_bytes = tensor_bytes(values[own])
+        for _ in range(blocks):
+            for axis, _ in reversed(axes):
+                costs.append(CollectiveCost(node, "broadcast", axis, num_bytes, "broadcast", num_bytes if runs else None,
+                                            backward_of=own))
+                if runs:
+                    costs.append(CollectiveCost(node, "reduce", axis, None, "reduce", num_bytes, backward_of=own))
+    return costs
+
+
+# Graph targets that run collectives of their own (in backward, and a ring's in forward too), by the
+# function that gives those costs.
 _BACKWARD_COSTS = {fetched_product: _fetch_costs, split_norm: _norm_costs, grad_bucket: _bucket_costs,
-                   context_attention: _attention_costs}
+                   context_attention: _attention_costs, ring_attention: _ring_costs}
 
 
 def transfers(costs: Iterable[CollectiveCost]) -> Iterator[tuple[str, str, str, int]]:

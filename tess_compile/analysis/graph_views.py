@@ -31,6 +31,7 @@ from tess_compile.ops.collectives import COLLECTIVE_OPS, COMMUNICATING, wait
 from tess_compile.ops.context_attention import context_attention
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.grad_bucket import grad_bucket
+from tess_compile.ops.ring_attention import ring_attention
 from tess_compile.ops.split_norm import split_norm
 
 __all__ = ["STAGE_VIEWS", "redundant_work_text", "render_dot", "render_svg", "render_text", "rewritten_view"]
@@ -77,7 +78,8 @@ def _arg(value) -> str:
 
 def _target_name(target) -> str:
     # by its own name: broadcast_start, not broadcast
-    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm, grad_bucket, context_attention):
+    if target in COLLECTIVE_OPS or target in (wait, fetched_product, split_norm, grad_bucket, context_attention,
+                                                ring_attention):
         return f"tess.{getattr(target, '_opname', None) or target.__name__}"
     if isinstance(target, torch._ops.OpOverload):
         return str(target).removesuffix(".default")

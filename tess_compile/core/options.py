@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from tess_compile.core.mesh import MODES, Mesh, check_mode
 
-__all__ = ["AUTO", "BATCH_SPLITS", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES", "TOKEN_SPLITS", "renamed",
-           "takes_compile_options"]
+__all__ = ["AUTO", "BATCH_SPLITS", "CONTEXT_SCHEDULES", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES",
+           "TOKEN_SPLITS", "renamed", "takes_compile_options"]
 
 # How the q steps of a matrix product run: "broadcast" one after another (the papers'
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
@@ -53,6 +53,10 @@ BATCH_SPLITS = ("depth_row", "depth", "none")
 # 2-D, 3-D: the axes the batch leaves), or col (1-D: Megatron-LM's sequence parallelism); "auto" (the
 # default): the widest that the batch leaves and the example's tokens divide.
 TOKEN_SPLITS = ("none", "row", "depth_row", "col")
+# How attention over a token split meets the other ranks' keys (`tess_compile.ops.context_attention`,
+# `tess_compile.ops.ring_attention`): all of them at once (all-gathered, Llama 3's context parallelism), or
+# one block at a time, partial softmaxes merged by their log-sum-exp (the ring schedule).
+CONTEXT_SCHEDULES = ("gather", "ring")
 # Old keyword -> the option it names now (accepted with a FutureWarning).
 RENAMED = {"checkpoint": "recompute"}
 
@@ -93,6 +97,11 @@ class CompileOptions:
                 "context-parallel attention), over col (1-D: sequence parallelism), none, or auto (the default: the "
                 "widest the batch leaves and the example's tokens divide; none in a dynamic compile) "
                 "(docs/modes.md)"})
+    context: str = field(default="gather", metadata={
+        "choices": CONTEXT_SCHEDULES, "what": "a context schedule",
+        "help": "attention over a token split: gather (the default: the keys and values of the token axes "
+                "all-gathered, Llama 3's context parallelism) or ring (one block of keys and values at a time, "
+                "merged by log-sum-exp: less memory, more collectives) (docs/modes.md)"})
     dynamic: bool = field(default=False, metadata={
         "help": "one program for every batch and sequence length: capture the inputs' batch (a multiple of the "
                 "ranks that split it) and their other dims that no weight fixes as symbols (docs/dynamic.md)"})

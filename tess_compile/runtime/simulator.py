@@ -28,6 +28,7 @@ from tess_compile.ops.collectives import COLLECTIVE_NAMES, COLLECTIVE_OPS, Comm,
 from tess_compile.ops.dropout import LOCKSTEP as RANDOM_LOCKSTEP
 from tess_compile.ops.context_attention import context_attention, lockstep_context_attention
 from tess_compile.ops.fetched_product import fetched_product, lockstep_product
+from tess_compile.ops.ring_attention import lockstep_ring_attention, ring_attention
 from tess_compile.ops.grad_bucket import grad_bucket, lockstep_bucket
 from tess_compile.ops.recompute_region import checkpointed
 from tess_compile.ops.split_norm import lockstep_norm, split_norm
@@ -74,7 +75,7 @@ class _Collective(torch.autograd.Function):
 # Graph targets that communicate in backward, or draw random numbers once for all ranks,
 # by their versions over every rank's tensors.
 _LOCKSTEP = {fetched_product: lockstep_product, split_norm: lockstep_norm, grad_bucket: lockstep_bucket,
-             context_attention: lockstep_context_attention,
+             context_attention: lockstep_context_attention, ring_attention: lockstep_ring_attention,
              **RANDOM_LOCKSTEP}
 
 
