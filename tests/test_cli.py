@@ -116,19 +116,18 @@ def test_installed_script_dumps_the_rewritten_graph(workdir):
     assert "tess.all_gather" in proc.stdout, report(proc)
 
 
-def test_dump_writes_the_output_file(workdir):
+def test_dump_writes_the_output_file(workdir, monkeypatch, capsys):
     out = workdir / "out.txt"
-    proc = run_cli("dump", "model.py:make_mlp", "--q", "2", "--d", "2", "--rank", "3", "-o", str(out),
-                        cwd=workdir)
-    assert proc.returncode == 0, report(proc)
-    assert proc.stdout == "", report(proc)
+    code, stdout, err = run_in_process(["dump", "model.py:make_mlp", "--q", "2", "--d", "2", "--rank", "3", "-o",
+                                        str(out)], workdir, monkeypatch, capsys)
+    assert code == 0 and stdout == "", err
     assert "all_gather" in out.read_text(), out.read_text()
 
 
-def test_run_simulated(workdir):
-    proc = run_cli("run", "model.py:make_mlp", "--q", "2", "--d", "2", "--simulate", "--steps", "3",
-                        cwd=workdir)
-    check_run(proc, steps=3)
+def test_run_simulated(workdir, monkeypatch, capsys):
+    code, out, err = run_in_process(["run", "model.py:make_mlp", "--q", "2", "--d", "2", "--simulate", "--steps", "3"],
+                                    workdir, monkeypatch, capsys)
+    check_run(subprocess.CompletedProcess([], code, out, err), steps=3)
 
 
 @pytest.mark.slow
@@ -158,6 +157,7 @@ def test_user_errors(workdir, argv, expected, monkeypatch, capsys):
     assert expected in err, err
 
 
+@pytest.mark.slow  # the same error in this process: test_user_errors[import-error]
 def test_a_user_error_exits_2_without_a_traceback(workdir):
     proc = run_cli("run", "bad_import.py:make", *MESH, cwd=workdir, timeout=60)
     assert proc.returncode == 2, report(proc)
@@ -234,18 +234,19 @@ def test_plan_prints_the_meshes_fastest_first(plan_dir):
 
 
 def test_plan_enumerates_data_and_pipeline_parallelism(plan_dir, monkeypatch, capsys):
-    """--dp/--pp auto: rows of (dp, pp, mode, mesh) whose ranks make the 16 GPUs; pp divides the 4 blocks."""
-    code, out, err = run_in_process(["plan", "plan_model.py:make_stack", "--gpus", "16", "--modes", "1d,2d,2.5d",
+    """--dp/--pp auto: rows of (dp, pp, mode, mesh) whose ranks make the 8 GPUs; pp divides the 4 blocks
+    (mode 1d, whose meshes take any count of ranks; the other modes' meshes: tests/test_planner.py)."""
+    code, out, err = run_in_process(["plan", "plan_model.py:make_stack", "--gpus", "8", "--modes", "1d",
                                      "--summa", "broadcast", "--keep-blocks", "off"], plan_dir, monkeypatch, capsys)
     assert code == 0, err
-    rows = re.findall(r"^(1d|2d|2\.5d)\s+(\d+)\s+(\d+)\s+\[([\d, ]+)\]", out, re.MULTILINE)
+    rows = re.findall(r"^(1d)\s+(\d+)\s+(\d+)\s+\[([\d, ]+)\]", out, re.MULTILINE)
     configs = set()
     for mode, dp, pp, mesh in rows:
         sides = [int(n) for n in mesh.split(",")]
         tp = sides[0] if mode == "1d" else sides[0] * sides[1] * sides[2]
-        assert int(dp) * int(pp) * tp == 16 and 4 % int(pp) == 0, out
+        assert int(dp) * int(pp) * tp == 8 and 4 % int(pp) == 0, out
         configs.add((int(dp), int(pp)))
-    assert {(1, 1), (2, 2), (4, 4), (2, 1), (1, 4)} <= configs, out
+    assert {(1, 1), (2, 2), (2, 4), (2, 1), (1, 4), (8, 1)} <= configs, out
 
 
 def test_plan_with_cluster_options(plan_dir, monkeypatch, capsys):
