@@ -15,10 +15,12 @@ meshes of a model on a cluster by predicted time; `profile_cluster` measures
 the machine it runs on (a `Cluster` to plan with).
 
 The package's layers, each importing only those before it: `core` (mesh,
-layouts, options, programs), `ops` (what a per-rank graph calls), `runtime`
-(distributed, simulated and compiled execution), `analysis` (accounting, cost
-model, planner, dumps), `training`, `scale_out` and `generation`; this file, `backend` and
-`cli` are the face. The compiler itself is the package `passes`.
+layouts, options, programs), `ops` (what a per-rank graph calls), the compiler
+`tess_compile.passes` (its folder is `passes/` at the top of the repository,
+installed under this package's name) beside `runtime` (distributed, simulated
+and compiled execution), `analysis` (accounting, cost model, planner, dumps),
+`training`, `scale_out` and `generation`; this file, `backend`, `validation`
+(`check`), `cli` and `moved` (the old module paths, deprecated) are the face.
 """
 
 from __future__ import annotations

@@ -49,6 +49,10 @@ prints the installed version and torch's.
 
 User errors (the FILE.py:FACTORY argument, the file, the factory, the mesh,
 shapes the mesh cannot split) print a message and exit with 2.
+
+One module a command (`dump`, `check`, `run`, `plan`, `profile`); what they
+share (loading the factory, the compile options as flags, progress bars,
+user errors) is `common`.
 """
 
 from __future__ import annotations
