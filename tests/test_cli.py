@@ -32,6 +32,7 @@ from tess_compile.cli.plan import cluster_of
 from tess_compile.cli.run import TOLERANCE, summarize
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
 from tess_compile.core.mesh import Mesh
+from tess_compile.core.parallel_spec import ParallelSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_PY = '''
@@ -321,7 +322,7 @@ JSON_KEYS = {"schema", "tess_compile", "target", "gpus", "options", "model", "cl
              "rows"}
 ROW_KEYS = {"mode", "mesh", "tp_ranks", "dp", "pp", "microbatches", "zero", "compiled", "fits", "step_s", "time_s",
             "comm_bytes", "memory_bytes", "redundant_work", "summa", "keep_blocks", "schedules", "note", "error", "tie",
-            "pick"}
+            "spec", "pick"}
 TIME_KEYS = {"forward", "backward", "optimizer", "calls", "forward_compute", "forward_comm", "backward_compute", "backward_comm"}
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "transient", "at_backward", "total"}
 SVG = "{http://www.w3.org/2000/svg}"
@@ -347,8 +348,8 @@ def test_version_from_a_source_tree_that_is_not_installed(monkeypatch):
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """`plan --json FILE --plot FILE` of make_mlp on 8 GPUs (dp and pp auto: 6 configurations), run once
-    in this process: (exit code, stdout, stderr, the JSON document, the SVG text)."""
+    """`plan --json FILE --plot FILE --pick FILE` of make_mlp on 8 GPUs (dp and pp auto: 6 configurations), run
+    once in this process: (exit code, stdout, stderr, the JSON document, the SVG text, the picked spec)."""
     folder = tmp_path_factory.mktemp("plan_outputs")
     (folder / "plan_model.py").write_text(PLAN_MODEL_PY)
     out, err = io.StringIO(), io.StringIO()
@@ -356,13 +357,15 @@ def planned(tmp_path_factory):
         patch.chdir(folder)
         patch.setattr(sys, "path", list(sys.path))
         patch.setitem(sys.modules, MODULE_NAME, None)
-        code = cli.main(["plan", "plan_model.py:make_mlp", "--gpus", "8", "--json", "plan.json", "--plot", "plan.svg"])
+        code = cli.main(["plan", "plan_model.py:make_mlp", "--gpus", "8", "--json", "plan.json", "--plot", "plan.svg",
+                         "--pick", "spec.json"])
     document = json.loads((folder / "plan.json").read_text())
-    return code, out.getvalue(), err.getvalue(), document, (folder / "plan.svg").read_text()
+    spec = ParallelSpec.load(folder / "spec.json")
+    return code, out.getvalue(), err.getvalue(), document, (folder / "plan.svg").read_text(), spec
 
 
 def test_plan_json_has_the_documented_keys_and_a_row_per_configuration(planned):
-    code, out, err, document, _ = planned
+    code, out, err, document, _, spec = planned
     assert code == 0 and err == "", err
     table = plan_rows(out)  # the table still goes to stdout beside --json FILE
     assert set(document) == JSON_KEYS and document["schema"] == 1
@@ -377,6 +380,10 @@ def test_plan_json_has_the_documented_keys_and_a_row_per_configuration(planned):
         assert memory["total"] > memory["at_backward"]  # the step's peak: gradients and backward's work on top
     assert {(row["dp"], row["pp"]) for row in rows} == {(1, 1), (2, 1), (4, 1), (8, 1)}
     assert document["pick"] == 0 and [row["pick"] for row in rows] == [True] + [False] * 5
+    # each row's whole layout as a parallel spec of the 8 GPUs; --pick wrote the pick's
+    specs = [ParallelSpec.from_dict(row["spec"]) for row in rows]
+    assert [(s.dp, s.pp, s.mode, s.world_size) for s in specs] == [(r["dp"], r["pp"], r["mode"], 8) for r in rows]
+    assert spec == specs[0] and spec.options.keep_blocks == rows[0]["keep_blocks"]
     assert document["cluster"] == CALIBRATED_CLUSTER.to_dict()
     assert document["model"] == {"class": "Sequential", "parameters": 33088, "parameter_bytes": 4 * 33088,
                                  "repeated_blocks": 1, "batch": 16,
@@ -393,7 +400,7 @@ def test_plan_json_to_stdout_goes_in_place_of_the_table(plan_dir, monkeypatch, c
 
 
 def test_plan_plot_draws_a_point_per_configuration_and_marks_the_pick(planned):
-    _, _, _, document, svg = planned
+    _, _, _, document, svg, _ = planned
     assert svg.isascii()
     root = ET.fromstring(svg)
     assert root.tag == f"{SVG}svg"
