@@ -244,8 +244,9 @@ def shard(
     """
     _check_compile(compile, "tess_compile.shard")
     if zero:
-        warnings.warn("tess_compile.shard(zero=True) is deprecated: describe the layout as tess_compile.ParallelSpec(q, "
-                      "d, dp=N, zero=3) and run it with tess_compile.parallelize", FutureWarning, stacklevel=3)
+        warnings.warn("tess_compile.shard(zero=True) is deprecated: describe the layout as "
+                      "tess_compile.ParallelSpec(q, d, dp=N, zero=3) and run it with tess_compile.parallelize",
+                      FutureWarning, stacklevel=3)
     tess_mesh = options.mesh(q, d)
     if mesh is not None or zero:  # before compiling: a wrong mesh fails at once
         dp_dims = check_device_mesh(mesh, tess_mesh) if mesh is not None else ()

@@ -43,9 +43,10 @@ class ProductKernel:
 
     `operands` names the role of each positional argument: "input" (the first factor, whose last
     dim is the one contracted), "weight" (the second factor: a weight where SUMMA multiplies by
-    one, another activation in a batched product), "bias". `out_dim` is the dim of a 2-D weight that is the output's last dim (linear's [out, in]:
-    0; matmul's [in, out]: 1). `forward(a, w)`, `grad_input(grad, w)` and `grad_weight(grad, a)`
-    are the local kernel and its gradients on blocks, for a kernel that SUMMA runs (`summa`).
+    one, another activation in a batched product), "bias". `out_dim` is the dim of a 2-D weight
+    that is the output's last dim (linear's [out, in]: 0; matmul's [in, out]: 1). `forward(a, w)`,
+    `grad_input(grad, w)` and `grad_weight(grad, a)` are the local kernel and its gradients on
+    blocks, for a kernel that SUMMA runs (`summa`).
     """
 
     name: str

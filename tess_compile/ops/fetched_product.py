@@ -58,8 +58,10 @@ class _FetchedProduct(torch.autograd.Function):
         # The same order on every rank: w's fetch, then a's.
         w_used = _refetch(comm, w_own, ctx.fetch[1]) if need_a else None
         a_used = _refetch(comm, a_own, ctx.fetch[0]) if need_w else None
-        grad_a = [kernel.grad_input(g, w.to(g.dtype)).to(a.dtype) for g, w, a in zip(grads, w_used, a_own)] if need_a else [None] * n
-        grad_w = [kernel.grad_weight(g, a.to(g.dtype)).to(w.dtype) for g, a, w in zip(grads, a_used, w_own)] if need_w else [None] * n
+        grad_a = ([kernel.grad_input(g, w.to(g.dtype)).to(a.dtype) for g, w, a in zip(grads, w_used, a_own)]
+                  if need_a else [None] * n)
+        grad_w = ([kernel.grad_weight(g, a.to(g.dtype)).to(w.dtype) for g, a, w in zip(grads, a_used, w_own)]
+                  if need_w else [None] * n)
         return (None,) * 6 + (*grad_a, *grad_w) + (None,) * (n + n * parts)
 
 

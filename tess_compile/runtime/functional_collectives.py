@@ -88,8 +88,8 @@ def collectives_in(gm: GraphModule, phase: str) -> list[CommRecord]:
 
 def lower_collectives(gm: GraphModule, groups: dict[str, AxisGroup]) -> GraphModule:
     """`gm` (a forward or backward graph of AOTAutograd, its nodes' `meta["val"]` fake tensors) with every
-    `tess::` collective and wait replaced by its functional-collective lowering (its record's `functional`) on this rank's
-    `groups`, in place. Reads `meta["val"]`; the new nodes carry their own."""
+    `tess::` collective and wait replaced by its functional-collective lowering (its record's `functional`)
+    on this rank's `groups`, in place. Reads `meta["val"]`; the new nodes carry their own."""
     for node in list(gm.graph.nodes):
         name = collective_name(node)
         if name is None:
