@@ -50,13 +50,13 @@ class ParallelSpec:
     options: CompileOptions = field(default_factory=CompileOptions)
 
     def __post_init__(self) -> None:
-        for name in ("q", "d", "dp", "pp", "microbatches"):
+        if not isinstance(self.options, CompileOptions):
+            raise ValueError(f"ParallelSpec(options={self.options!r}): pass a tess_compile.CompileOptions")
+        self.mesh  # noqa: B018  (the mesh's own ValueError for a q and d the mode does not take)
+        for name in ("dp", "pp", "microbatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelSpec({name}={value!r}): {name} is a count, an int >= 1")
-        if not isinstance(self.options, CompileOptions):
-            raise ValueError(f"ParallelSpec(options={self.options!r}): pass a tess_compile.CompileOptions")
-        self.mesh  # noqa: B018  (a ValueError for a mesh the mode does not take)
         if isinstance(self.zero, bool) or self.zero not in ZERO_LEVELS:
             raise ValueError(f"ParallelSpec(zero={self.zero!r}): the ZeRO levels are 0 (none) and 3 (FSDP2 shards "
                              "parameters, gradients and optimizer state over the replicas): pass zero=0 or zero=3")
