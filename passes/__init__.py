@@ -5,7 +5,15 @@
     -> (recompute selective) -> bucket gradients -> verify -> report repeated work
 
 `tess_compile.passes.driver.compile_model` calls the passes in that order and
-packs the result in a `Program` (`tess_compile.core.program`). The passes hand
+packs the result in a `Program` (`tess_compile.core.program`). The passes, one
+file each: `capture` (with `view_mutations`, `data_dependent`,
+`checkpoint_regions`), `boundary`, `autocast_casts`, `place`, `verify`,
+`recompute_blocks`, `rewrite` (emitting through `builder`, converting layouts
+by `redistribute`, products by `summa` in a schedule priced by
+`product_schedule`), `merge_products`, `alike_regions`, `recompute_selective`,
+`bucket_gradients` and `repeated_work`; what they share: the observers of a
+compile (`observers`), the model's own source lines in messages
+(`source_lines`) and the bounds of a dynamic program's sizes (`size_limits`). The passes hand
 each other their results in `meta`, through the keys of `tess_compile.core.meta_keys`. The op
 families' rules are in `passes/rules/`, one file a family. The compiler builds
 on tess_compile's core (mesh, layouts, options, programs) and ops (what a

@@ -14,9 +14,10 @@ assembled from what the passes left in `meta` (`tess_compile.core.meta_keys`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.fx import GraphModule
@@ -60,7 +61,7 @@ from tess_compile.core.row_split import RowSplit, batch_parts, resolve_row_split
 from tess_compile.core.program import Program, Slot, describe_schedules, input_names, split_example_inputs
 from tess_compile.ops.recompute_region import outline_regions
 
-__all__ = ["compile_model", "mode_compiler", "row_split_for"]
+__all__ = ["compile_model", "in_mode", "mode_compiler", "row_split_for"]
 
 log = logging.getLogger("tess_compile")
 
@@ -277,11 +278,18 @@ def mode_compiler(model: torch.nn.Module, mesh: Mesh, example_inputs, options: C
     mode restored after (`tess_compile.runtime.programs_by_mode` calls it for a mode not compiled yet)."""
 
     def compile_in(training: bool, autocast: Autocast | None = None) -> Program:
-        was = model.training
-        model.train(training)
-        try:
+        with in_mode(model, training):
             return compile_model(model, mesh, example_inputs, options=options, autocast=autocast, **boundary)
-        finally:
-            model.train(was)
 
     return compile_in
+
+
+@contextlib.contextmanager
+def in_mode(model: torch.nn.Module, training: bool) -> Iterator[None]:
+    """`model` in train (True) or eval (False) mode inside the block, its own mode restored after."""
+    was = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was)

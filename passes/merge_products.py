@@ -9,8 +9,9 @@ its output's last dim into the products' outputs:
 
     y_i = product(fetch_a(x), fetch_w(w_i))  ->  y = product(fetch_a(x), fetch_w(cat(w_i))); y_i = split(y)[i]
 
-A group's products are `fetched_product`s, or plain `aten.linear` /
-`aten.matmul` with 2-D weights (1-D mode, `keep_blocks`), with the same kernel,
+A group's products are `fetched_product`s, or plain products whose record
+merges (`tess_compile.core.product_table`: `aten.linear` and `aten.matmul`) with
+2-D weights (1-D mode, `keep_blocks`), with the same kernel,
 the same input fetched alike (the same source through fetches of the same
 arguments: one all-gather, step t's broadcast, or a broadcast_start and its
 wait), the same refetch specs, and weights that are the graph's weights
@@ -70,6 +71,7 @@ from tess_compile.core.meta_keys import (
     SUMMA_STEP,
     WEIGHT_INPUT,
 )
+from tess_compile.core.product_table import PRODUCT_KERNELS, ProductKernel, product_kernel
 from tess_compile.ops import collectives as c
 from tess_compile.ops.fetched_product import fetched_product
 
@@ -79,12 +81,6 @@ aten = torch.ops.aten
 
 # Collectives that fetch an operand's block for a product.
 _FETCHES = (c.broadcast, c.broadcast_start, c.wait, c.all_gather)
-
-# Plain product kernels, by the name `fetched_product` knows them by.
-_PLAIN = {aten.linear.default: "linear", aten.matmul.default: "matmul"}
-
-# The weight dim that is the output's last dim: linear's [out, in], matmul's [in, out].
-_OUT_DIM = {"linear": 0, "matmul": 1}
 
 # Ops that act on each piece of a split alike, so that they may run once before it.
 _SINKS = (aten.add.Tensor, c.broadcast, c.reduce, c.all_reduce)
@@ -112,7 +108,7 @@ class _Product:
     """One product of the per-rank graph, its operands traced back to their sources."""
 
     node: Node
-    kind: str  # "linear" or "matmul"
+    kernel: ProductKernel
     a_chain: tuple[Node, ...]  # the input's source, then its fetches
     w_chain: tuple[Node, ...]  # the weight's source, then its fetches
     w_shape: tuple[int, ...]  # the weight's local shape
@@ -120,7 +116,7 @@ class _Product:
 
     @property
     def out_dim(self) -> int:
-        return _OUT_DIM[self.kind]
+        return self.kernel.out_dim
 
     @property
     def w_source(self) -> Node:
@@ -185,23 +181,25 @@ def _product(node: Node, mesh: Mesh) -> _Product | None:
     """`node` as a product that may merge, or None."""
     if node.op != "call_function" or node.kwargs:
         return None
+    kernel = product_kernel(node.target)
     if node.target is fetched_product:
-        a_used, w_used, a_own, w_own, kind, _, w_refetch = node.args
+        a_used, w_used, a_own, w_own, name, _, w_refetch = node.args
+        kernel = PRODUCT_KERNELS[name]
         a_chain, w_chain, bias = _chain(a_used, a_own), _chain(w_used, w_own), None
-        if w_refetch is not None and w_refetch[0] == "all_gather" and w_refetch[3] == _OUT_DIM[kind]:
+        if w_refetch is not None and w_refetch[0] == "all_gather" and w_refetch[3] == kernel.out_dim:
             return None
-    elif node.target in _PLAIN and len(node.args) in (2, 3):
-        kind, (a_used, w_used), bias = _PLAIN[node.target], node.args[:2], (node.args[2:] or (None,))[0]
+    elif kernel is not None and kernel.merges and 2 <= len(node.args) <= len(kernel.operands):
+        a_used, w_used, bias = (kernel.arg(node.args, role) for role in ("input", "weight", "bias"))
         a_chain, w_chain = _chain(a_used), _chain(w_used)
     else:
         return None
-    if a_chain is None or w_chain is None or not all(_commutes(link, _OUT_DIM[kind]) for link in w_chain[1:]):
+    if a_chain is None or w_chain is None or not all(_commutes(link, kernel.out_dim) for link in w_chain[1:]):
         return None
     w_shape = _weight_shape(w_chain[0], mesh)
     bias_shape = None if bias is None else _weight_shape(bias, mesh)
     if w_shape is None or len(w_shape) != 2 or (bias is not None and (bias_shape is None or len(bias_shape) != 1)):
         return None
-    return _Product(node, kind, a_chain, w_chain, w_shape, bias)
+    return _Product(node, kernel, a_chain, w_chain, w_shape, bias)
 
 
 def _chain(used, source: Node | None = None) -> tuple[Node, ...] | None:
@@ -271,7 +269,8 @@ def _merge(graph: Graph, group: list[_Product], cats: dict) -> Node:
             y = _call(graph, fetched_product, a_used, w, first.node.args[2], pieces, *first.node.args[4:],
                       meta=merged_meta)
         elif w is w_cat:  # a plain product of local weights (1-D): a product that fetches nothing keeps the pieces
-            y = _call(graph, fetched_product, a_used, w, a_used, pieces, first.kind, None, None, meta=merged_meta)
+            y = _call(graph, fetched_product, a_used, w, a_used, pieces, first.kernel.name, None, None,
+                      meta=merged_meta)
         else:  # the blocks fetched and kept (keep_blocks): the product keeps the fetched concatenation
             y = _call(graph, first.node.target, a_used, w, meta=merged_meta)
         if first.bias is not None:

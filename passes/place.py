@@ -24,7 +24,8 @@ gives an op a padded block it cannot take (an uneven split) is a ValueError
 (`tess_compile.passes.rules.uneven`).
 
 A rule may ask for a producer's output to be laid out with groups (a fused
-QKV projection feeding `split`); the pass then runs once more with that hint.
+QKV projection feeding `split`: a `groupable` product of
+`tess_compile.core.product_table`); the pass then runs once more with that hint.
 A permutation of a free tensor (`x @ W.T`), or autocast's cast of one, is
 free as well: its first consumer fixes its layout, and the tensor's is that
 layout permuted back.
@@ -46,6 +47,7 @@ from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.row_split import RowSplit, token_dim
+from tess_compile.core.product_table import product_kernel
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
     ARG_LAYOUTS,
@@ -61,8 +63,6 @@ from tess_compile.core.meta_keys import (
 __all__ = ["PlacementContext", "home_layout", "place"]
 
 _MAX_ROUNDS = 4
-# Ops whose output layout may take groups on its last dim for free.
-_GROUPABLE = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.matmul.default)
 _KEEP_LAST_DIM = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
 
 
@@ -119,7 +119,8 @@ class PlacementContext:
         """
         while node.target in _KEEP_LAST_DIM and _last_dim(node.args[0]) == _last_dim(node):
             node = node.args[0]
-        if node.target not in _GROUPABLE or self.hints.get(node) == groups:
+        kernel = product_kernel(node.target)  # a product whose output may take groups on its last dim for free
+        if kernel is None or not kernel.groupable or self.hints.get(node) == groups:
             return False
         self.hints[node] = groups
         self.rerun = True

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from tess_compile.core.cluster import Cluster, product_terms
 from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.product_table import PRODUCT_KERNELS
 
 __all__ = ["ProductCase", "ProductPrices", "broadcast_seconds", "gather_seconds", "overlap_seconds"]
 
@@ -42,7 +43,7 @@ class ProductCase:
     transposed: bool
     a_shape: tuple[int, ...]  # this rank's block of A
     w_shape: tuple[int, int]  # this rank's block of the weight as stored
-    product: str  # "linear" (weight [out, in]) or "matmul" (weight [in, out])
+    product: str  # its kernel's name in `PRODUCT_KERNELS`: "linear" (weight [out, in]) or "matmul" ([in, out])
     itemsize: int
     a_shared: bool = False  # A's gather is an earlier product's (the gather schedule shares it)
     keep_blocks: bool = False  # fetched blocks kept for backward (no refetch)
@@ -53,7 +54,8 @@ class ProductCase:
 
     @property
     def w_in_out(self) -> tuple[int, int]:
-        return (self.w_shape[1], self.w_shape[0]) if self.product == "linear" else self.w_shape
+        out_dim = PRODUCT_KERNELS[self.product].out_dim
+        return (self.w_shape[1 - out_dim], self.w_shape[out_dim])
 
     @property
     def dims(self) -> tuple[int, int, int, int]:

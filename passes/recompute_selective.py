@@ -3,7 +3,8 @@
 `mark_selective` makes each run of two or more consecutive cheap local ops
 (pointwise, views, the local parts of norms, softmax) one recompute region
 (`RECOMPUTE_REGION` = "selective N") where that saves memory; matrix
-products, attention and collectives are saved, as torch's selective
+products (the `saved` records of `tess_compile.core.product_table`), attention,
+lookups and collectives are saved, as torch's selective
 activation checkpointing policies save matmul outputs, so a region
 recomputes without communicating. A region saves its inputs and frees what
 its own ops would save inside it; a fake run of the graph prices both, a run
@@ -23,24 +24,24 @@ from torch.fx import GraphModule, Interpreter, Node
 from tess_compile.core.fake_run import placeholder_values, tensor_leaves
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import RECOMPUTE_REGION, SUMMA_STEP
+from tess_compile.core.product_table import product_kernel
 from tess_compile.ops.collectives import COLLECTIVE_OPS, wait
 from tess_compile.ops.context_attention import context_attention
 from tess_compile.ops.fetched_product import fetched_product
 from tess_compile.ops.ring_attention import ring_attention
 from tess_compile.ops.recompute_region import outline_regions
 
-__all__ = ["mark_selective"]
+__all__ = ["mark_selective", "saves_output"]
 
 aten = torch.ops.aten
 
 
-# Ops whose outputs the selective policy saves: products, attention, lookups.
+# Ops besides the products (`product_kernel`) whose outputs the selective policy saves: convolutions,
+# einsum, attention, lookups, a fetched product and an arrived broadcast.
 _SAVED_OPS = (
-    aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
-    aten.baddbmm.default, aten.convolution.default, aten.conv1d.default, aten.conv2d.default,
-    aten.conv3d.default, aten.einsum.default, aten.embedding.default,
-    aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-    fetched_product, context_attention, ring_attention, wait,
+    aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.einsum.default,
+    aten.embedding.default, aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, fetched_product, context_attention, ring_attention, wait,
 )
 
 
@@ -51,7 +52,14 @@ def _recomputable(node: Node) -> bool:
         and not SUMMA_STEP.has(node)  # a product's steps and their sum
         and node.target not in COLLECTIVE_OPS
         and node.target not in _SAVED_OPS
+        and not saves_output(node.target)
     )
+
+
+def saves_output(target) -> bool:
+    """Whether `target` is a product whose output selective recompute keeps (its record's `saved`)."""
+    kernel = product_kernel(target)
+    return kernel is not None and kernel.saved
 
 
 def mark_selective(gm: GraphModule, mesh: Mesh) -> GraphModule:

@@ -25,6 +25,9 @@ product takes the schedule priced cheapest on the builder's cluster
 schedule is adding a record (its lowering here, its price there) and its name
 to `tess_compile.core.options.SCHEDULES`, which must list the table's names.
 
+A product's step runs its kernel (`tess_compile.core.product_table`: a record whose
+`summa` is set), by name in a `fetched_product`.
+
 Writes `SUMMA_STEP` (`tess_compile.core.meta_keys`) = t on the collectives of step t of a loop, so
 that an analysis can count one step q times (`tess_compile.analysis.symbolic`).
 """
@@ -50,6 +53,7 @@ from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import SUMMA_STEP
 from tess_compile.core.options import AUTO, SCHEDULES
+from tess_compile.core.product_table import product_kernel
 from tess_compile.ops import collectives as c
 from tess_compile.ops.fetched_product import fetched_product
 
@@ -68,8 +72,12 @@ __all__ = [
 
 aten = torch.ops.aten
 
-# Product kernels by the name `fetched_product` knows them by.
-_PRODUCT_NAMES = {aten.linear.default: "linear", aten.matmul.default: "matmul"}
+
+def _kernel_name(product) -> str:
+    """The name `fetched_product` knows the kernel of the product op `product` by."""
+    kernel = product_kernel(product)
+    assert kernel is not None and kernel.summa, f"{product} is no kernel of SUMMA's steps"
+    return kernel.name
 
 
 def _broadcast_spec(b: Builder, axis: str, t: int) -> tuple | None:
@@ -87,7 +95,7 @@ def _product(b: Builder, product, a_used: Node, w_used: Node, a: Node, w: Node, 
     `fetched_product` that keeps the own blocks `a`, `w` and fetches again in backward."""
     if b.keep_blocks or (a_fetch is None and w_fetch is None):
         return b.call(product, a_used, w_used)
-    return b.call(fetched_product, a_used, w_used, a, w, _PRODUCT_NAMES[product], a_fetch, w_fetch)
+    return b.call(fetched_product, a_used, w_used, a, w, _kernel_name(product), a_fetch, w_fetch)
 
 
 def _fetch(b: Builder, x: Node, axis: str, t: int, ahead: bool) -> Node:
@@ -240,6 +248,6 @@ def matmul(b: Builder, a: Node, w: Node, w_layout: Layout, out_dim: int, product
     transposed = row.dim == out_dim
     a_shape, w_shape, itemsize = shapes
     shared = not transposed and _gather_key(a, a_dim, row.groups) in b.shared
-    schedule = _schedule_for(b, ProductCase(transposed, a_shape, w_shape, _PRODUCT_NAMES[product], itemsize,
+    schedule = _schedule_for(b, ProductCase(transposed, a_shape, w_shape, _kernel_name(product), itemsize,
                                             a_shared=shared, keep_blocks=b.keep_blocks))
     return schedule.lower(b, a, w, w_layout, a_dim, transposed, product)

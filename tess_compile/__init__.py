@@ -11,19 +11,26 @@ broadcasts in flight during step t's product) or "gather" (one all-gather per
 operand, one product), and what backward keeps or recomputes.
 `check` compares every simulated rank of a model with the model itself
 (outputs, gradients, a step) before a long launch. `plan` ranks the modes and
-meshes of a model on a cluster by predicted time; `profile_cluster` measures
-the machine it runs on (a `Cluster` to plan with).
+meshes of a model on a cluster by predicted time, each row's whole layout a
+`ParallelSpec` (data-parallel replicas and ZeRO, pipeline stages and
+microbatches, the `[q, q, d]` mesh and the compile options), which
+`parallelize` runs on every rank (a `RankRun`: what the rank runs, its
+pipeline stage included) and `simulate(model, spec=...)` in this process;
+`profile_cluster` measures the machine it runs on (a `Cluster` to plan with).
 
 The package's layers, each importing only those before it: `core` (mesh,
-layouts, options, programs), `ops` (what a per-rank graph calls), `runtime`
-(distributed, simulated and compiled execution), `analysis` (accounting, cost
-model, planner, dumps), `training`, `scale_out` and `generation`; this file, `backend` and
-`cli` are the face. The compiler itself is the package `passes`.
+layouts, options, programs), `ops` (what a per-rank graph calls), the compiler
+`tess_compile.passes` (its folder is `passes/` at the top of the repository,
+installed under this package's name) beside `runtime` (distributed, simulated
+and compiled execution), `analysis` (accounting, cost model, planner, dumps),
+`training`, `scale_out` and `generation`; this file, `backend`, `validation`
+(`check`), `cli` and `moved` (the old module paths, deprecated) are the face.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -36,6 +43,7 @@ from tess_compile.backend import backend
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import CompileOptions, takes_compile_options
+from tess_compile.core.parallel_spec import ParallelSpec
 from tess_compile.core.program import split_example_inputs
 from tess_compile.generation.cache_step import is_causal_lm
 from tess_compile.generation.generate import Generation
@@ -47,6 +55,7 @@ from tess_compile.runtime.sharded_module import shard_program
 from tess_compile.runtime.simulator import SimulatedModule
 from tess_compile.scale_out.data_parallel import SimulatedDataParallel, check_batch, split_batch
 from tess_compile.scale_out.pipeline import pipeline_stage
+from tess_compile.scale_out.rank_run import RankRun, parallelize, stage_modules
 from tess_compile.scale_out.simulated_pipeline import simulate_pipeline
 from tess_compile.training.clip import clip_grad_norm_
 from tess_compile.training.shard_loading import for_dcp, load_pretrained_shards, load_shards_from
@@ -56,6 +65,8 @@ __all__ = [
     "Cluster",
     "CompileOptions",
     "Mesh",
+    "ParallelSpec",
+    "RankRun",
     "backend",
     "check",
     "clip_grad_norm_",
@@ -64,6 +75,7 @@ __all__ = [
     "full_tensor",
     "load_pretrained_shards",
     "load_shards_from",
+    "parallelize",
     "pipeline_stage",
     "plan",
     "profile_cluster",
@@ -102,12 +114,13 @@ def _check_compile(compile, where: str) -> None:
 @takes_compile_options
 def simulate(
     model: torch.nn.Module,
-    q: int,
-    d: int,
+    q: int | None = None,
+    d: int | None = None,
     *,
     example_inputs,
     options: CompileOptions | None = None,
-    dp: int = 1,
+    spec: ParallelSpec | None = None,
+    dp: int | None = None,
     compile: bool = False,
     cluster: Cluster | str | os.PathLike | None = None,
 ):
@@ -123,30 +136,60 @@ def simulate(
     `Cluster.save` wrote, or None: `CALIBRATED_CLUSTER`), logged on the
     `tess_compile` logger (docs/modes.md).
 
-    `dp=N` runs N data-parallel groups of that mesh (`N*q*q*d` ranks, the mesh
-    `(dp, depth, row, col)`): `example_inputs` and each call take the
-    concatenated batch of all groups (a multiple of `N*d*q`), group g computes on
-    its g-th slice, outputs are concatenated again, and each parameter's
-    gradient is summed over the groups' replicas (exactly the unsharded model's
-    on the whole batch). Returns a `tess_compile.scale_out.data_parallel.SimulatedDataParallel`.
+    `spec` (a `ParallelSpec`, e.g. a `plan` row's `spec`), in place of `q`, `d`
+    and the options, runs every rank of its `dp x pp x [q, q, d]` layout: with
+    `dp > 1`, `example_inputs` and each call take the concatenated batch of all
+    replicas (a multiple of `dp*d*q`), replica g computes on its g-th slice,
+    outputs are concatenated again, and each parameter's gradient is summed over
+    the replicas' (exactly the unsharded model's on the whole batch): a
+    `tess_compile.scale_out.data_parallel.SimulatedDataParallel`; with `pp > 1`
+    the model is cut into its stages as `parallelize` cuts it
+    (`tess_compile.scale_out.rank_run.stage_modules`) and each call runs its
+    microbatches through them (`simulate_pipeline`). ZeRO, and the microbatches
+    of a spec without a pipeline, change what a rank holds, not the values: the
+    simulation runs without them. `dp=N` is the deprecated spelling of
+    `spec=ParallelSpec(q, d, dp=N)`.
 
     `compile=True` runs the per-rank program, forward and backward, through
     inductor, as `shard(..., compile=True)` does, each rank in its own thread
     (docs/compiled.md).
     """
     _check_compile(compile, "tess_compile.simulate")
-    mesh = options.mesh(q, d)
-    if dp == 1:
+    if spec is None:
+        if q is None or d is None:
+            raise TypeError("tess_compile.simulate() needs q and d, or spec=")
+        if dp is not None:
+            warnings.warn("tess_compile.simulate(dp=...) is deprecated: pass spec=tess_compile.ParallelSpec(q, d, "
+                          "dp=N, options=...)", FutureWarning, stacklevel=3)
+        spec = ParallelSpec(q, d, dp=1 if dp is None else dp, options=options)
+    elif q is not None or d is not None or dp is not None or options != CompileOptions():
+        raise TypeError("tess_compile.simulate() got spec= beside q, d, dp or compile options: pass the spec alone "
+                        "(its compile options are spec.options)")
+    return _simulated(model, spec, example_inputs, compile, cluster)
+
+
+def _simulated(model: torch.nn.Module, spec: ParallelSpec, example_inputs, compile, cluster):
+    """Every rank of `spec` in this process (see `simulate`)."""
+    mesh, options = spec.mesh, spec.options
+    if spec.pp > 1:
+        if compile:
+            raise ValueError("tess_compile.simulate(compile=True) runs no pipeline: pass a spec with pp=1, or "
+                             "compile=False")
+        check_batch(example_inputs, "tess_compile.simulate", spec.dp * spec.microbatches)
+        args, kwargs = split_batch(*split_example_inputs(example_inputs), spec.dp * spec.microbatches)[0]
+        stages = stage_modules(model, spec.pp, kwargs if kwargs else tuple(args))
+        return simulate_pipeline(stages, spec.q, spec.d, example_inputs=example_inputs, options=options,
+                                 microbatches=spec.microbatches, dp=spec.dp, cluster=cluster)
+    if spec.dp == 1:
         compiled = compile_for(model, mesh, example_inputs, options, cluster)
         module = SimulatedModule(compiled.program, recompile=compiled.recompile, compile=compile)
         return _with_generation(module, model, mesh, compiled)
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp={dp!r} is not a number of data-parallel groups: pass an int >= 1, e.g. dp=2")
-    check_batch(example_inputs, "tess_compile.simulate(dp=...)", num_groups=dp)
-    group_args, group_kwargs = split_batch(*split_example_inputs(example_inputs), dp)[0]
+    check_batch(example_inputs, "tess_compile.simulate", num_groups=spec.dp)
+    group_args, group_kwargs = split_batch(*split_example_inputs(example_inputs), spec.dp)[0]
     compiled = compile_for(model, mesh, group_kwargs if group_kwargs else tuple(group_args), options, cluster)
-    return SimulatedDataParallel([SimulatedModule(compiled.program, recompile=compiled.recompile, compile=compile)
-                                  for _ in range(dp)])
+    return SimulatedDataParallel([
+        _with_generation(SimulatedModule(compiled.program, recompile=compiled.recompile, compile=compile), model, mesh,
+                         compiled) for _ in range(spec.dp)])
 
 
 @takes_compile_options
@@ -189,6 +232,10 @@ def shard(
     data-parallel dims with FSDP2 (`fully_shard`; parameters become DTensors on
     the whole mesh). Without `mesh`, the whole world is one `[q, q, d]` mesh.
 
+    `zero=True` is deprecated: a layout with ZeRO is a `ParallelSpec(q, d,
+    dp=N, zero=3)`, which `parallelize` runs. A transformers causal LM compiled
+    with `dynamic=True` generates (`generate`) with or without `mesh` and `zero`.
+
     `compile=True` (or one of inductor's modes, as torch.compile takes them)
     runs this rank's program, forward and backward, through inductor
     (torch.compile's compiler), its collectives lowered to torch's
@@ -196,6 +243,10 @@ def shard(
     (docs/compiled.md).
     """
     _check_compile(compile, "tess_compile.shard")
+    if zero:
+        warnings.warn("tess_compile.shard(zero=True) is deprecated: describe the layout as "
+                      "tess_compile.ParallelSpec(q, d, dp=N, zero=3) and run it with tess_compile.parallelize",
+                      FutureWarning, stacklevel=3)
     tess_mesh = options.mesh(q, d)
     if mesh is not None or zero:  # before compiling: a wrong mesh fails at once
         dp_dims = check_device_mesh(mesh, tess_mesh) if mesh is not None else ()
@@ -203,4 +254,4 @@ def shard(
     compiled = compile_for(model, tess_mesh, example_inputs, options, cluster)
     module = shard_program(compiled.program, device=device, timeout=timeout, recompile=compiled.recompile,
                            mesh=mesh, zero=zero, compile=compile)
-    return module if mesh is not None or zero else _with_generation(module, model, tess_mesh, compiled)
+    return _with_generation(module, model, tess_mesh, compiled)

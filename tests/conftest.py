@@ -16,9 +16,42 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MESHES  # noqa: F401  (re-exported for the tests)
 
+# Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads: two workers of
+# two threads each on two cores would slice each other's time.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import tess_compile
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.passes.observers import add_pass_observer, remove_pass_observer
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
+def pytest_collection_modifyitems(items):
+    """The fast tier keeps one small case of each feature, on the small meshes. A case on a mesh of side
+    q > 2 (a parameter `q` or `qq`), and a case on [2, 2, 1] whose [2, 2, 2] twin (the same parameters but
+    d = 2, the case with depth) runs too, run in the slow tier: the same feature at other sizes."""
+    cases = {_case_key(item, _params(item)) for item in items}
+    for item in items:
+        params = _params(item)
+        q, d = (next((params[name] for name in names if isinstance(params.get(name), int)), None)
+                for names in (("q", "qq"), ("d", "dd")))
+        twin = q == 2 and d == 1 and _case_key(item, params, d=2) in cases
+        if (q is not None and q > 2) or twin:
+            item.add_marker(pytest.mark.slow)
+
+
+def _params(item) -> dict:
+    return item.callspec.params if hasattr(item, "callspec") else {}
+
+
+def _case_key(item, params: dict, **changed) -> tuple:
+    """The test function and its parameters (`changed` replaced: the depth, as `d` or `dd`)."""
+    values = dict(params)
+    for name in ("d", "dd"):
+        if name in values and changed:
+            values[name] = changed["d"]
+    return (item.nodeid.split("[")[0], tuple(sorted((name, repr(value)) for name, value in values.items())))
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +64,17 @@ def _deterministic():
     yield
     torch.backends.cuda.matmul.allow_tf32 = old[0]
     _set_cudnn_tf32(old[1])
+
+
+@pytest.fixture(scope="session")
+def gpt2_generating():
+    """The GPT-2 of tests/test_generation.py simulated on [2, 2, 2] with dynamic=True, its generation programs
+    compiled by a first call on 4 prompts: (the model, the simulated module, the captures of that call). The
+    generation tests share it (one compile a worker) and leave its programs as they are."""
+    from test_generation import compiled, gpt2
+
+    model = gpt2()
+    return (model, *compiled(model, 2, 2))
 
 
 @pytest.fixture

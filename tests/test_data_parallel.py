@@ -1,4 +1,4 @@
-"""Data parallelism around the [q, q, d] mesh: `shard(..., mesh=)`, ZeRO with FSDP2, `simulate(dp=)`.
+"""Data parallelism around the [q, q, d] mesh: `shard(..., mesh=)`, ZeRO with FSDP2, `simulate` of a spec with dp.
 
 One launch of 8 gloo processes on the mesh `(dp, depth, row, col) = (2, 1, 2, 2)`
 (data parallel 2 x [2,2,1]), TESS_COMPILE_DEBUG=1 (every call checks its inputs
@@ -19,8 +19,9 @@ model trains on the whole batch with a mean loss beside it:
 The model (from test_training_loop) has no key bias: its exactly-zero
 gradient's rounding noise would be amplified by AdamW.
 
-In one process: `simulate(dp=2)` at [2,2,2] (16 ranks) trains exactly like the
-unsharded model on the whole batch.
+In one process: `simulate(spec=ParallelSpec(2, 2, dp=2))` (16 ranks) trains exactly like the
+unsharded model on the whole batch; `simulate(dp=...)`, its old spelling, still works, with a
+FutureWarning.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 import tess_compile
 from tess_compile.core.layout import local_block
+from tess_compile.core.parallel_spec import ParallelSpec
 from tess_compile.runtime.consistency import fingerprint
 from tess_compile.runtime.dtensors import placements_of
 from tess_compile.runtime.launch import run_local
@@ -218,7 +220,7 @@ def test_data_parallel_mesh_and_zero_over_gloo(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# In one process: simulate(dp=2) at [2,2,2].
+# In one process: a spec of dp = 2 at [2,2,2].
 # ---------------------------------------------------------------------------
 
 
@@ -229,7 +231,7 @@ def test_simulate_dp2_q2d2_trains_like_the_unsharded_model():
     reference = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (dp * d * q, SEQ))
     targets = torch.randint(0, VOCAB, (dp * d * q, SEQ))
-    sim = tess_compile.simulate(model, q, d, example_inputs=(ids,), dp=dp)
+    sim = tess_compile.simulate(model, spec=ParallelSpec(q, d, dp=dp), example_inputs=(ids,))
     assert sim.num_groups == dp and sim.program.mesh.num_ranks == q * q * d
     # Group g computes on rows [g*b, (g+1)*b): its output is the model's on that slice.
     for g, replica in enumerate(sim.replicas):
@@ -265,8 +267,11 @@ def test_simulate_dp_bad_input():
     model = TiedAttentionLM().double()
     ids = torch.randint(0, VOCAB, (6, SEQ))
     with pytest.raises(ValueError) as err:
-        tess_compile.simulate(model, 2, 2, example_inputs=(ids,), dp=4)
+        tess_compile.simulate(model, spec=ParallelSpec(2, 2, dp=4), example_inputs=(ids,))
     for words in ("shape [6, 4]", "batch of 6, not divisible by dp = 4", "multiple of 4"):
         assert words in str(err.value), str(err.value)
-    with pytest.raises(ValueError, match=r"dp=0 is not a number of data-parallel groups"):
-        tess_compile.simulate(model, 2, 2, example_inputs=(ids,), dp=0)
+    with pytest.raises(ValueError, match=r"ParallelSpec\(dp=0\): dp is a count"):
+        ParallelSpec(2, 2, dp=0)
+    with pytest.warns(FutureWarning, match=r"simulate\(dp=...\) is deprecated: pass spec="), pytest.raises(
+            ValueError, match="batch of 6, not divisible by dp = 4"):  # the old keyword, through the spec
+        tess_compile.simulate(model, 2, 2, example_inputs=(ids,), dp=4)

@@ -1,10 +1,12 @@
 """The docs cite code that exists: every file path of the repository (`passes/place.py`,
 `tess_compile/runtime/simulator.py`, `benchmarks/coverage.py`) and every dotted name of the
 package in backticks (`tess_compile.passes.driver.compile_model`) in README.md and docs/*.md
-names a file, a module or a module's attribute that is there."""
+names a file, a module or a module's attribute that is there. Each package's docstring names
+every module and package it holds."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import warnings
@@ -43,3 +45,17 @@ def test_the_doc_cites_code_that_exists(doc):
     missing = sorted(path for path in paths if not (ROOT / path).exists())
     missing += sorted({name for name in DOTTED.findall(text) if not _resolves(name)})
     assert not missing, f"{doc.name} cites what is not there: {missing}"
+
+
+PACKAGES = sorted(path.parent for folder in ("tess_compile", "passes") for path in (ROOT / folder).rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=[str(path.relative_to(ROOT)) for path in PACKAGES])
+def test_the_package_docstring_names_its_modules(package):
+    """A newcomer reads a package's `__init__` first: its docstring says what each module (and each
+    package) in it holds, by name."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    held = [path.stem for path in package.glob("*.py") if path.stem not in ("__init__", "__main__")]
+    held += [path.name for path in package.iterdir() if (path / "__init__.py").exists()]
+    missing = sorted(name for name in held if not re.search(rf"\b{name}\b", doc))
+    assert not missing, f"{package.relative_to(ROOT)}/__init__.py's docstring does not name {missing}: say what each holds"

@@ -50,6 +50,7 @@ def check_run(proc: subprocess.CompletedProcess, steps: int) -> None:
     assert "max abs diff" in lines[-1] and "wall time" in lines[-1], f"no final summary line\n{report}"
 
 
+@pytest.mark.slow  # the fast tier runs examples/train_gpt.py (tests/test_examples.py)
 def test_finetune_gpt2_simulated():
     proc = run_example("--simulate", "--steps", "3", *TINY, "--q", "2", "--d", "2")
     check_run(proc, steps=3)

@@ -5,8 +5,9 @@ compiled forward and backward graphs to `torch.ops._c10d_functional` ops
 (`tess_compile.runtime.functional_collectives`), which inductor compiles with the rest.
 
 Fast (no processes):
-1. Each collective's lowering on every rank of a group of three (threads that meet at the
-   functional collectives, run by an FX interpreter) gives bit for bit what the record's
+1. Every record with a custom op has a lowering (its `functional`), the identities none; each
+   lowering, the `*_alike` ones included, on every rank of a group of three (threads that meet at
+   the functional collectives, run by an FX interpreter) gives bit for bit what the record's
    `group_results` gives that rank (the simulator's exact collectives), contiguous as the op's fake
    kernel; the lowered graph holds functional collectives and no `tess::` op, and dead-code
    elimination keeps each collective (a reduce's sum that ranks other than its destination drop).
@@ -41,13 +42,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import tess_compile
 from tess_compile.core.collective_table import COLLECTIVES
+from tess_compile.core.functional_lowerings import AxisGroup
 from tess_compile.core.layout import local_block
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.ops import collectives
 from tess_compile.ops.collectives import use_comm
 from tess_compile.runtime import inductor
 from tess_compile.runtime.dist_comm import DistComm
-from tess_compile.runtime.functional_collectives import AxisGroup, lower_collectives
+from tess_compile.runtime.functional_collectives import lower_collectives
 from tess_compile.runtime.inductor import COMPILE_MODES, CompiledRank, compile_mode_options
 from tess_compile.runtime.launch import run_local
 
@@ -130,12 +132,15 @@ CASES = [
     ("reduce", "reduce", (1,), (4, 6), False),
     ("reduce-strided", "reduce", (0,), (4, 6), True),
     ("all_reduce", "all_reduce", (), (4, 6), True),
+    ("all_reduce_alike", "all_reduce_alike", (), (4, 6), False),
     ("keep_first", "keep_first", (), (4, 6), False),
     ("keep_first-strided", "keep_first", (), (4, 6), True),
+    ("keep_first_alike", "keep_first_alike", (), (4, 6), True),
     ("all_gather-dim0", "all_gather", (GROUP_SIZE, 0, 1), (4, 6), False),
     ("all_gather-dim1", "all_gather", (GROUP_SIZE, 1, 1), (4, 6), False),
     ("all_gather-groups", "all_gather", (GROUP_SIZE, 1, 2), (2, 4, 6), True),
     ("all_gather-dim2-groups", "all_gather", (GROUP_SIZE, 2, 3), (2, 4, 6), False),
+    ("all_gather_alike-groups", "all_gather_alike", (GROUP_SIZE, 1, 2), (2, 4, 6), True),
     ("reduce_scatter-dim0", "reduce_scatter", (GROUP_SIZE, 0, 1), (6, 4), False),
     ("reduce_scatter-dim1", "reduce_scatter", (GROUP_SIZE, 1, 1), (4, 6), False),
     ("reduce_scatter-groups", "reduce_scatter", (GROUP_SIZE, 1, 2), (2, 4, 6), True),
@@ -148,7 +153,17 @@ CASES = [
 # Functional collectives a lowering issues (rank-local ops: none).
 ISSUES = {"broadcast": ["broadcast"], "broadcast_start": ["broadcast"], "reduce": ["all_reduce"],
           "all_reduce": ["all_reduce"], "all_gather": ["all_gather_into_tensor"],
-          "reduce_scatter": ["reduce_scatter_tensor"], "keep_first": [], "shard_slice": [], "shard_pad": []}
+          "reduce_scatter": ["reduce_scatter_tensor"], "keep_first": [], "shard_slice": [], "shard_pad": [],
+          "all_reduce_alike": ["all_reduce"], "keep_first_alike": [], "all_gather_alike": ["all_gather_into_tensor"]}
+
+
+def test_every_custom_op_has_a_lowering_and_a_case():
+    """A record with a custom op lowers by its `functional`, checked below on a group of three; an identity
+    (no custom op: AOTAutograd traces it away) has none."""
+    with_ops = [name for name, record in COLLECTIVES.items() if record.schema is not None]
+    assert all(COLLECTIVES[name].functional is not None for name in with_ops)
+    assert all(record.functional is None for record in COLLECTIVES.values() if record.schema is None)
+    assert sorted({case[1] for case in CASES}) == sorted(with_ops) == sorted(ISSUES)
 
 
 def _tess_program(name: str, own: tuple, transposed: bool):

@@ -28,10 +28,13 @@ def both(sim, model, prompt, **kwargs):
 
 
 @pytest.mark.parametrize("mode", ["2.5d", pytest.param("1d", marks=pytest.mark.slow)])
-def test_a_batch_of_one_and_batches_that_do_not_split(mode):
-    model = gpt2()
-    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2 if mode == "2.5d" else 1,
-                                example_inputs={"input_ids": torch.randint(0, VOCAB, (8, 5))}, dynamic=True, mode=mode)
+def test_a_batch_of_one_and_batches_that_do_not_split(mode, request):
+    if mode == "2.5d":  # compiled for the generation tests once (conftest.py)
+        model, sim, _ = request.getfixturevalue("gpt2_generating")
+    else:
+        model = gpt2()
+        example = {"input_ids": torch.randint(0, VOCAB, (8, 5))}
+        sim = tess_compile.simulate(copy.deepcopy(model), 2, 1, example_inputs=example, dynamic=True, mode=mode)
     # (batch, settings, captures): the programs of one sequence once, then those of three (whole over row)
     for batch, settings, compiles in ((1, {}, 2), (1, {"do_sample": True, "top_k": 8}, 0), (3, {}, 2)):
         prompt = torch.randint(0, VOCAB, (batch, 4), generator=torch.Generator().manual_seed(batch))

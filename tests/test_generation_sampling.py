@@ -3,8 +3,9 @@ num_return_sequences, padded prompts and the returned scores.
 
 The oracle is the unsharded model's own `generate` in float64: under one `torch.manual_seed`
 the same tokens (transformers' processors and `torch.multinomial` run on the gathered logits,
-which equal the unsharded model's). Each sharded model is compiled once per module (fixtures),
-its two programs (prefill and decode) serving every call: the captures are counted. The run
+which equal the unsharded model's). Each sharded model is compiled once (GPT-2's for every generation
+test of a worker: conftest.py's `gpt2_generating`), its two programs (prefill and decode) serving every
+call: the captures are counted. The run
 over 8 gloo processes and Llama's padded prompts (its fixture compiles for 7 s) are in the slow tier.
 """
 
@@ -15,7 +16,7 @@ import copy
 import pytest
 import torch
 from conftest import counting_captures
-from test_generation import VOCAB, gpt2
+from test_generation import VOCAB, compiled, gpt2, prompts
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -34,20 +35,6 @@ def llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).double().eval()
 
 
-def prompts(batch: int = 4, length: int = 5, seed: int = 1) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def compiled(model, q: int, d: int, mode: str = "2.5d"):
-    """The model simulated with dynamic=True, its generation programs compiled by a first call; the
-    number of captures that took."""
-    sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs={"input_ids": prompts()}, dynamic=True,
-                                mode=mode)
-    with counting_captures() as captures:
-        sim.generate(prompts(), max_new_tokens=1)
-    return sim, len(captures)
-
-
 def both(sim, model, seed: int = 3, **kwargs):
     """The tokens of the sharded and of the unsharded model, each under `torch.manual_seed(seed)`."""
     torch.manual_seed(seed)
@@ -56,10 +43,10 @@ def both(sim, model, seed: int = 3, **kwargs):
     return sharded, model.generate(**kwargs)
 
 
-@pytest.fixture(scope="module")
-def gpt2_sim():
-    model = gpt2()
-    return model, compiled(model, 2, 2)
+@pytest.fixture
+def gpt2_sim(gpt2_generating):
+    model, sim, first = gpt2_generating  # compiled for the generation tests once (conftest.py)
+    return model, (sim, first)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from tess_compile.analysis.profile_check import check_meshes, self_check, with_t
 from tess_compile.cli import profile
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
-from tess_compile.runtime.launch import run_local
 
 
 def plan_mlp(time_error: float | None, **options):
@@ -108,14 +107,9 @@ def test_self_check_needs_a_process_group():
         self_check(CALIBRATED_CLUSTER)
 
 
-def _self_check_rank(rank: int, world: int) -> tuple:
+def test_self_check_on_one_process_gives_a_relative_error(world_of_one):
     calls = []
     checked = with_time_error(CALIBRATED_CLUSTER, steps=1, warmup=1, progress=lambda *call: calls.append(call))
-    return checked, calls
-
-
-def test_self_check_on_one_process_gives_a_relative_error():
-    ((checked, calls),) = run_local(_self_check_rank, 1, timeout_s=120)
     assert math.isfinite(checked.time_error) and checked.time_error >= 0
     assert replace(checked, time_error=None) == CALIBRATED_CLUSTER
     assert calls == [(0, 1, "self-check on 1d [1]"), (1, 1, "")]

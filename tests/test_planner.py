@@ -188,13 +188,13 @@ def test_keeping_blocks_is_chosen_only_where_memory_allows():
 
 
 def test_a_mesh_that_does_not_compile_says_why():
-    rows = plan(make_four_heads, 64, modes=("2.5d", "1d"))
+    rows = plan(make_four_heads, 8, modes=("2.5d", "1d"))
     failed = rows[-1]
-    assert failed.mesh == Mesh(1, 64, "1d")
+    assert failed.mesh == Mesh(1, 8, "1d")
     assert failed.time is None and not failed.fits
     assert failed.note.startswith("does not compile: ")
-    assert "not divisible by 64" in failed.note
-    assert rows[0].fits  # [4, 4, 4]: 4 heads over q = 4
+    assert "not divisible by 8" in failed.note
+    assert rows[0].fits  # [2, 2, 2]: 4 heads over q = 2
 
 
 def test_a_padded_size_shows_as_redundant_work():
@@ -236,13 +236,13 @@ def test_plan_is_exported():
 
 
 def test_format_table():
-    rows = plan(make_four_heads, 64, modes=("2.5d", "1d"), memory_budget=1.0)
+    rows = plan(make_four_heads, 8, modes=("2.5d", "1d"), memory_budget=1.0)
     text = format_table(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["mode", "dp", "pp", "mesh", "forward", "s", "backward", "s", "step", "s", "comm",
                                 "MB/rank", "saved", "GB/rank", "memory", "GB/rank", "redundant", "work", "note"]
     assert len(lines) == 1 + len(rows)
-    assert lines[-1].split()[:4] == ["1d", "1", "1", "[64]"]
+    assert lines[-1].split()[:4] == ["1d", "1", "1", "[8]"]
     assert "does not compile" in lines[-1]
     assert text.isascii()
 

@@ -33,8 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import tess_compile
-from tess_compile.core.collective_table import in_rank_order
-from tess_compile.core.layout import pad_block, put_blocks, take_block
+from tess_compile.core.layout import in_rank_order, pad_block, put_blocks, take_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import INPUT_ROLES
 from tess_compile.ops.collectives import COLLECTIVE_OPS, EAGER_TARGETS, Comm, use_comm

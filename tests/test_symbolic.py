@@ -33,7 +33,9 @@ DERIVE = {
     "2.5d": (Mesh(2, 2), {"b": 8, "s": 6, "h": 40, "n": 4}),
     "1d": (Mesh(2, 2, "1d"), {"b": 8, "s": 6, "h": 40, "n": 8}),
 }
-# (mode, q, d, scale): meshes of other shapes (d = 1 included) and sizes scaled by 2.
+# (mode, q, d, scale): meshes of other shapes (d = 1 included) and sizes scaled by 2; the fast tier checks
+# FAST_CHECKS (another mesh for each family of formulas, sizes scaled in one), the slow tier the others.
+FAST_CHECKS = (("2.5d", 2, 1, 1), ("1d", 1, 4, 2))
 CHECKS = [
     ("2.5d", 3, 3, 1),
     ("2.5d", 2, 1, 1),
@@ -83,7 +85,9 @@ def derived(kind: str, family: str, summa: str = "broadcast"):
     return program, symbolic_bytes(program, named(sizes))
 
 
-@pytest.mark.parametrize("mode, qq, dd, scale", CHECKS, ids=[check_id(*c) for c in CHECKS])
+@pytest.mark.parametrize("mode, qq, dd, scale", [
+    pytest.param(*check, id=check_id(*check), marks=() if check in FAST_CHECKS else (pytest.mark.slow,))
+    for check in CHECKS])
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_formulas_hold_on_other_meshes_and_sizes(kind, mode, qq, dd, scale):
     _, formulas = derived(kind, "1d" if mode == "1d" else "2.5d")

@@ -7,7 +7,12 @@ family keeps its mode "1d" placement in `products_1d.py`, which only
 `products.py` imports); the contracts are in `passes/rules/family.py`, the
 helpers they share in `passes/rules/common.py`.
 A new op's rules go into its family's file; a new family's file is added to
-`FAMILIES` below. No op is in two families.
+`FAMILIES` below. No op is in two families. The families: `pointwise`,
+`reductions`, `views`, `factories`, `products` (with `products_1d`),
+`attention`, `embeddings`, `losses`, `norms`, `convolutions`,
+`complex_numbers`, `experts`, `pooling`, `indexing`, `sizes`, `einsum`; the
+checks the rules share: which ops take uneven splits (`uneven`) and index
+ranges (`index_checks`).
 
 `placement_rules(mode)` is the table of the place pass, `lowering_rules(mode)`
 that of the rewrite pass; `family_of(op)` names the family whose rule decided

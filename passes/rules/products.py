@@ -339,15 +339,16 @@ def _local_shapes(b: Builder, node: Node, x_index: int, w_index: int) -> tuple:
 
 
 def lower_linear(b: Builder, node: Node, args, kwargs):
-    """A linear by its weight's algorithm; one without steps to take (a weight placed whole, or any
-    on a mesh with q = 1) runs with its bias block in one local linear, one kernel as the unsharded
-    model's. (1-D linears lower by `LOWERING_1D`, which keeps the bias in the product too.)"""
+    """A linear (or another product kernel of a weight [out, in], its op's own: `product_table`) by its
+    weight's algorithm; one without steps to take (a weight placed whole, or any on a mesh with q = 1)
+    runs with its bias block in one local linear, one kernel as the unsharded model's. (1-D linears
+    lower by `LOWERING_1D`, which keeps the bias in the product too.)"""
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     w_layout = _weight_layout(node, 1)
     if bias is not None and (b.mesh.q == 1 or not isinstance(w_layout.row, Shard)):
-        return b.call(aten.linear.default, x, w, bias)
-    y = matmul(b, x, w, w_layout, out_dim=0, product=aten.linear.default, a_dim=_last_dim(node.args[0]),
+        return b.call(node.target, x, w, bias)
+    y = matmul(b, x, w, w_layout, out_dim=0, product=node.target, a_dim=_last_dim(node.args[0]),
                shapes=_local_shapes(b, node, 0, 1))
     return y if bias is None else b.call(aten.add.Tensor, y, bias)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,13 +39,14 @@ from tess_compile.analysis.planner import (
     mesh_label,
     mesh_sides,
 )
+from tess_compile.analysis.schedule_choice import cheapest, compile_each
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import GLOBAL_SHAPE
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import INPUT_ROLES, Program
 from tess_compile.ops.recompute_region import outline_regions
-from tess_compile.passes.driver import compile_model
+from tess_compile.passes.driver import in_mode
 from tess_compile.core.row_split import splits_of
 
 __all__ = ["DecodeRow", "at_shapes", "format_decode_table", "plan_decode"]
@@ -104,28 +104,21 @@ def _batch(inputs) -> int:
 
 def _fastest(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, summa: str, batch: int) -> DecodeRow:
     """`mesh`'s row: each batch split that divides the batch, compiled in eval mode and priced; the fastest,
-    with its peak memory."""
+    with its peak memory (`schedule_choice`'s loop of compiling the candidates and keeping the cheapest)."""
     splits = splits_of(batch, mesh)
-    rows, errors = [], []
-    was = model.training
-    model.eval()
-    try:
-        for split in splits:
-            options = CompileOptions(mode=mesh.mode, summa=summa, batch_split=split if mesh.mode != "1d" else AUTO)
-            try:
-                with warnings.catch_warnings():  # the losing splits' repeated work: the table says what wins
-                    warnings.simplefilter("ignore")
-                    program = compile_model(model, mesh, inputs, options=options, cluster=cluster)
-            except (ValueError, RuntimeError) as err:
-                errors.append(f"{split}: {err}")
-                continue
-            rows.append((_priced(program, mesh, cluster, split, batch), program))
-    finally:
-        model.train(was)
-    if not rows:
+    tried = [CompileOptions(mode=mesh.mode, summa=summa, batch_split=split if mesh.mode != "1d" else AUTO)
+             for split in splits]
+
+    def price(options: CompileOptions, program: Program) -> DecodeRow:
+        return _priced(program, mesh, cluster, options.batch_split, batch)
+
+    with in_mode(model, False):  # the losing splits' repeated work is not shown: the table says what wins
+        results = compile_each(model, mesh, inputs, tried, price, cluster, quiet=True)
+    errors = [f"{split}: {result}" for split, result in zip(splits, results) if isinstance(result, Exception)]
+    if len(errors) == len(results):
         log.info("plan_decode: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), errors)
         return DecodeRow(mesh, note=f"does not compile: {'; '.join(errors)}")
-    row, program = min(rows, key=lambda pair: pair[0].step_s)
+    row, program, _ = cheapest(results, lambda row: row.step_s)
     return dataclasses.replace(row, peak_bytes=predict_memory(program).total)
 
 

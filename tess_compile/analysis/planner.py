@@ -12,7 +12,9 @@ fastest that fits (`schedule_choice.choose_schedule`). Each row also
 gives the redundant work of its program (forward FLOPs over all ranks / the
 unsharded model's, `accounting.redundant_work`) and the cluster's measured error of
 predicted step times (`Cluster.time_error`, `PlanRow.error`): a row that fits within
-it of the pick is a tie (`PlanRow.tie`). `format_table` prints the rows,
+it of the pick is a tie (`PlanRow.tie`). Each row's `spec` is its whole layout as
+a `tess_compile.core.parallel_spec.ParallelSpec`, which `parallelize`, `simulate` and
+`tess-compile run --spec` take. `format_table` prints the rows,
 `PlanRow.to_dict` gives a row as JSON values. `plan(progress=...)` reports each
 configuration as it starts (a progress bar's callback: `tess-compile plan` shows one).
 """
@@ -47,6 +49,7 @@ from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.options import AUTO, CompileOptions, renamed
+from tess_compile.core.parallel_spec import ParallelSpec
 from tess_compile.core.program import describe_schedules
 
 __all__ = [
@@ -93,10 +96,20 @@ class PlanRow:
     outer: Outer = Outer()  # data and pipeline parallelism around the mesh
     error: float | None = None  # the cluster's time_error: how far off predicted step times are; None: unmeasured
     tie: bool = False  # fits, is not the pick, and its step time is within `error` of the pick's
+    options: CompileOptions | None = None  # the compile options it was priced with (None: the mesh's mode's defaults)
 
     @property
     def mode(self) -> str:
         return self.mesh.mode
+
+    @property
+    def spec(self) -> ParallelSpec:
+        """The row's whole layout: its dp, ZeRO, pp, microbatches, mesh and compile options (with fewer
+        microbatches than stages, GPipe: 1F1B then runs alike, and torch's Schedule1F1B takes no fewer)."""
+        outer, options = self.outer, self.options or CompileOptions(mode=self.mode)
+        schedule = outer.schedule if outer.microbatches >= outer.pp else "gpipe"
+        return ParallelSpec(self.mesh.q, self.mesh.d, dp=outer.dp, zero=3 if outer.zero else 0, pp=outer.pp,
+                            schedule=schedule, microbatches=outer.microbatches, options=options)
 
     def to_dict(self) -> dict:
         """The row as JSON values, the same keys on every row (None where it did not compile):
@@ -123,6 +136,7 @@ class PlanRow:
             "note": self.note,
             "error": self.error,
             "tie": self.tie,
+            "spec": self.spec.to_dict(),
         }
 
 
@@ -171,16 +185,17 @@ def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget:
     and without keeping the fetched blocks; `schedule_choice.choose_schedule`), the fastest option
     that fits the budget, or the fastest with the reason if none fits or it fails to compile.
     `unsharded_flops()` gives the unsharded model's forward FLOPs."""
+    options = None
     try:
         options = CompileOptions(mode=mesh.mode, summa=summa, keep_blocks=keep_blocks, recompute=recompute,
                                  strict=strict)
         choice = choose_schedule(model, mesh, inputs, options, cluster, budget=budget, overlap=overlap)
     except (ValueError, RuntimeError) as exc:
         log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
-        return PlanRow(mesh, note=f"does not compile: {exc}")
+        return PlanRow(mesh, note=f"does not compile: {exc}", options=options)
     best = choice.best
     chosen = {"summa": best.summa, "keep_blocks": best.keep_blocks, "schedules": best.schedules,
-              "redundant_work": redundant_work(choice.program, unsharded_flops())}
+              "redundant_work": redundant_work(choice.program, unsharded_flops()), "options": choice.options}
     if not choice.fits:
         note = f"needs {best.memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
         return PlanRow(mesh, best.time, best.memory, note, **chosen)

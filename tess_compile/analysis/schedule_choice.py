@@ -9,7 +9,9 @@ prices each program on a `Cluster` (`cost_model.predict_time`,
 with every candidate priced. A summa="auto" program over the budget is
 compiled once more in the broadcast schedule, whose products hold one fetched
 block at a time. Candidates that do not compile are skipped; if none compiles,
-the first error is raised. The planner calls it for every mesh.
+the first error is raised. The planner calls it for every mesh. Its loop,
+compile each candidate and keep the cheapest (`compile_each`, `cheapest`), is
+the decode planner's too (`tess_compile.analysis.decode_plan`).
 
 `resolve_auto` serves the faces' one compile entry
 (`tess_compile.analysis.compile_entry.compile_for`): it loads the cluster given
@@ -22,10 +24,13 @@ chose. 1-D meshes and q == 1 run no SUMMA steps: nothing to choose there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from torch import nn
 
@@ -37,12 +42,14 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import Program, describe_schedules
 
-__all__ = ["Priced", "Resolved", "ScheduleChoice", "auto_summary", "candidates", "choose_schedule",
-           "has_summa_steps", "load_cluster", "resolve_auto"]
+__all__ = ["Priced", "Resolved", "ScheduleChoice", "auto_summary", "candidates", "cheapest", "choose_schedule",
+           "compile_each", "has_summa_steps", "load_cluster", "resolve_auto"]
 
 log = logging.getLogger("tess_compile")
 
 GB = 1e9
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -98,41 +105,62 @@ def choose_schedule(model: nn.Module, mesh: Mesh, example_inputs, options: Compi
     budget = cluster.memory if budget is None else budget
 
     def price(pairs: list[tuple[str, bool]]) -> list[tuple[Priced, Program] | Exception]:
-        return [_priced(model, mesh, example_inputs, dataclasses.replace(options, summa=summa, keep_blocks=keep),
-                        cluster, overlap, boundary) for summa, keep in pairs]
+        tried = [dataclasses.replace(options, summa=summa, keep_blocks=keep) for summa, keep in pairs]
+        priced = functools.partial(_priced, cluster=cluster, overlap=overlap)
+        return compile_each(model, mesh, example_inputs, tried, priced, cluster, **boundary)
 
     pairs = candidates(mesh, options)
     results = price(pairs)
     if options.summa == AUTO and has_summa_steps(mesh) and not any(
             item.memory.total <= budget for item, _ in _compiled(results)):
         results += price([("broadcast", keep) for _, keep in pairs])
+    best, program, fits = cheapest(results, lambda item: item.time.step_s, lambda item: item.memory.total <= budget)
+    return ScheduleChoice(dataclasses.replace(options, summa=best.summa, keep_blocks=best.keep_blocks), best,
+                          fits, budget, tuple(item for item, _ in _compiled(results)), program)
+
+
+def compile_each(model: nn.Module, mesh: Mesh, example_inputs, tried: Sequence[CompileOptions],
+                 price: Callable[[CompileOptions, Program], T], cluster: Cluster, *, quiet: bool = False,
+                 **boundary) -> list[tuple[T, Program] | Exception]:
+    """`model` compiled for `mesh` with each options of `tried` (`compile_model` with `boundary`'s keywords,
+    summa="auto" priced on `cluster`), each program priced by `price(options, program)`: `(price, program)`,
+    in order, or the error a candidate failed to compile with. `quiet`: the compiles' warnings (what runs
+    replicated) are not shown."""
+    results = []
+    for options in tried:
+        try:
+            with warnings.catch_warnings():
+                if quiet:
+                    warnings.simplefilter("ignore")
+                program = compile_model(model, mesh, example_inputs, options=options, cluster=cluster, **boundary)
+        except (ValueError, RuntimeError) as exc:
+            log.debug("%s does not compile on mesh %s: %s", options, mesh, exc)
+            results.append(exc)
+            continue
+        results.append((price(options, program), program))
+    return results
+
+
+def cheapest(results: list, seconds: Callable[[T], float],
+             fits: Callable[[T], bool] = lambda item: True) -> tuple[T, Program, bool]:
+    """Of `compile_each`'s results, the price of least `seconds` among those that `fits` (among all, if none
+    fits), its program, and whether it fits; the first error if none compiled."""
     compiled = _compiled(results)
     if not compiled:
         raise results[0]  # the first candidate's error
-    priced = [item for item, _ in compiled]
-    fitting = [item for item in priced if item.memory.total <= budget]
-    best = min(fitting or priced, key=lambda item: item.time.step_s)
-    program = next(program for item, program in compiled if item is best)
-    return ScheduleChoice(dataclasses.replace(options, summa=best.summa, keep_blocks=best.keep_blocks), best,
-                          bool(fitting), budget, tuple(priced), program)
+    fitting = [pair for pair in compiled if fits(pair[0])]
+    item, program = min(fitting or compiled, key=lambda pair: seconds(pair[0]))
+    return item, program, bool(fitting)
 
 
-def _compiled(results: list) -> list[tuple[Priced, Program]]:
+def _compiled(results: list) -> list[tuple]:
     return [result for result in results if not isinstance(result, Exception)]
 
 
-def _priced(model, mesh: Mesh, example_inputs, options: CompileOptions, cluster: Cluster, overlap: bool,
-            boundary: dict) -> tuple[Priced, Program] | Exception:
-    """One candidate compiled and priced, or the error it failed to compile with."""
-    try:
-        program = compile_model(model, mesh, example_inputs, options=options, cluster=cluster, **boundary)
-    except (ValueError, RuntimeError) as exc:
-        log.debug("summa=%s, keep_blocks=%s does not compile on mesh %s: %s", options.summa, options.keep_blocks,
-                  mesh, exc)
-        return exc
+def _priced(options: CompileOptions, program: Program, *, cluster: Cluster, overlap: bool) -> Priced:
+    """One candidate's program priced: its step time and memory on `cluster`."""
     time = predict_time(program, cluster, overlap=overlap)
-    return Priced(options.summa, options.keep_blocks, time, predict_memory(program),
-                  tuple(program.schedules.items())), program
+    return Priced(options.summa, options.keep_blocks, time, predict_memory(program), tuple(program.schedules.items()))
 
 
 def load_cluster(cluster: Cluster | str | os.PathLike | None) -> tuple[Cluster, str]:

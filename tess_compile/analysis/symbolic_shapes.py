@@ -8,7 +8,8 @@ one of the model's values carries its global shape and layout
 local dim is a global dim over the sizes of the mesh axes that split it;
 other nodes (the inner nodes of a lowering) take their shape from their
 arguments': a collective by its record's `scale`
-(`tess_compile.core.collective_table`), any other op by `SHAPE_RULES`. A
+(`tess_compile.core.collective_table`), a product by its record's `shape`
+(`tess_compile.core.product_table`), any other op by `SHAPE_RULES`. A
 mesh axis has size `d` (depth) or `q` (row, col); in mode "1d" the col axis
 has size `p = q*q*d` (`AXIS_SYMBOLS`). Every derived shape is checked
 against a fake run.
@@ -28,6 +29,7 @@ from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.meta_keys import GLOBAL_SHAPE, LAYOUT
+from tess_compile.core.product_table import product_kernel
 from tess_compile.ops.collectives import COLLECTIVE_OPS
 from tess_compile.ops.local import arange_like
 
@@ -213,7 +215,7 @@ class SymbolicShapes:
             raise ValueError(self._no_rule(node, "it is not one tensor computed by a call"))
         if self._numeric(node) == ():
             return ()
-        rule = _collective if node.target in COLLECTIVE_OPS else SHAPE_RULES.get(node.target, _broadcast)
+        rule = _collective if node.target in COLLECTIVE_OPS else SHAPE_RULES.get(node.target, _product_or_broadcast)
         shape = rule(self, node)
         if not self._matches(node, shape):
             raise ValueError(self._no_rule(node, f"its rule gives {shape}"))
@@ -222,7 +224,8 @@ class SymbolicShapes:
     def _no_rule(self, node: Node, why: str) -> str:
         return (
             f"cannot derive the local shape of {node.name} ({node.target}) symbolically: {why}; "
-            "add a rule for the op to tess_compile.analysis.symbolic_shapes.SHAPE_RULES"
+            "add a rule for the op to tess_compile.analysis.symbolic_shapes.SHAPE_RULES (a product: its record's "
+            "shape, tess_compile.core.product_table)"
         )
 
     def tensor_args(self, node: Node) -> list[Node]:
@@ -281,18 +284,6 @@ def _scalar(shapes: SymbolicShapes, node: Node) -> Shape:
     return ()
 
 
-def _linear(shapes: SymbolicShapes, node: Node) -> Shape:
-    return shapes.of(node.args[0])[:-1] + shapes.of(node.args[1])[:1]
-
-
-def _matmul(shapes: SymbolicShapes, node: Node) -> Shape | None:
-    a, b = shapes.of(node.args[0]), shapes.of(node.args[1])
-    if len(a) < 2 or len(b) < 2:
-        return None
-    batch = _broadcast_shapes(shapes, [a[:-2], b[:-2]], shapes._numeric(node)[:-2])
-    return None if batch is None else batch + (a[-2], b[-1])
-
-
 def _embedding(shapes: SymbolicShapes, node: Node) -> Shape:
     return shapes.of(node.args[1]) + shapes.of(node.args[0])[-1:]
 
@@ -345,10 +336,21 @@ def _broadcast(shapes: SymbolicShapes, node: Node) -> Shape | None:
     return _broadcast_shapes(shapes, operands, shapes._numeric(node))
 
 
+def _product_or_broadcast(shapes: SymbolicShapes, node: Node) -> Shape | None:
+    """A product by its record's shape rule (`tess_compile.core.product_table`), of the shapes of its input
+    and weight; any other op as `_broadcast`."""
+    kernel = product_kernel(node.target)
+    if kernel is None or kernel.shape is None:
+        return _broadcast(shapes, node)
+    a, w = (shapes.of(kernel.arg(node.args, role)) for role in ("input", "weight"))
+    return kernel.shape(a, w, lambda batch: _broadcast_shapes(shapes, list(batch), shapes._numeric(node)[:-2]))
+
+
 aten = torch.ops.aten
 
 
-# By graph target, besides the collectives (`_collective`); anything else broadcasts.
+# By graph target, besides the collectives (`_collective`) and the products (`_product_or_broadcast`); anything
+# else broadcasts.
 SHAPE_RULES = {
     aten.sum.dim_IntList: _reduced,
     aten.mean.dim: _reduced,
@@ -359,10 +361,6 @@ SHAPE_RULES = {
     aten.slice.Tensor: _slice,
     aten.sum.default: _scalar,
     aten.mean.default: _scalar,
-    aten.linear.default: _linear,
-    aten.matmul.default: _matmul,
-    aten.mm.default: _matmul,
-    aten.bmm.default: _matmul,
     aten.embedding.default: _embedding,
     arange_like: _arange_like,
     aten.unsqueeze.default: _unsqueeze,

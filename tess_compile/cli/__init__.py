@@ -3,8 +3,9 @@
     tess-compile dump model.py:make --q 2 --d 2 [compile options] [--rank R] [--stage S] [--format F] [-o OUT]
     tess-compile check model.py:make --q 2 --d 2 [compile options] [--tolerance T]
     tess-compile run model.py:make --q 2 --d 2 [compile options] [--steps N] [--lr LR] [--simulate] [--timeout S]
+    tess-compile run model.py:make --spec spec.json [--steps N] [--lr LR] [--simulate] [--timeout S]
     tess-compile plan model.py:make --gpus 64 [--gpus-per-node 4] [--modes 1d,2d,2.5d] [--memory-gb 40] ...
-        [--json [FILE|-]] [--plot FILE.svg] [--no-progress]
+        [--json [FILE|-]] [--pick FILE.json] [--plot FILE.svg] [--no-progress]
     tess-compile profile [-o cluster.json] [--processes 8] [--backend gloo] [--no-check] [--no-progress]
     tess-compile --version
 
@@ -19,8 +20,9 @@ one SGD step with the unsharded model's (`tess_compile.check`), printing a
 table with the redundant work and the ops that run replicated; it exits with
 1 if anything differs by more than the tolerance (docs/check.md).
 
-`run` starts q*q*d local gloo processes (or, with `--simulate`, runs every
-rank in this process), and trains the sharded model with AdamW on the example
+`run` starts q*q*d local gloo processes (or those of `--spec`'s parallel spec,
+`dp x pp x [q, q, d]`, each running what `tess_compile.parallelize` gives it;
+or, with `--simulate`, runs every rank in this process), and trains the sharded model with AdamW on the example
 inputs beside an unsharded copy (the oracle), printing both losses at every
 step. The loss is the model's output if that is a scalar tensor; otherwise
 the mean of the squares of its first tensor output (a DTensor is gathered
@@ -38,9 +40,10 @@ paper's, 4 A100 per node); see docs/planner.md. `profile` measures this machine
 over local processes (`tess_compile.profile_cluster`), checks its predicted step
 times on a small model (`--no-check` skips it) and writes the cluster as JSON
 for `plan --cluster`, which marks rows within that error of the pick as ties.
-`plan --json` writes the rows, the pick, the cluster and the model as JSON (to
-stdout with `-`, in place of the table); `plan --plot` draws step time against
-memory per rank as SVG.
+`plan --json` writes the rows (each with its parallel spec), the pick, the
+cluster and the model as JSON (to stdout with `-`, in place of the table);
+`plan --pick FILE` writes the pick's parallel spec, which `run --spec` takes;
+`plan --plot` draws step time against memory per rank as SVG.
 
 `plan` and `profile` draw a progress bar with the time left on stderr when
 stderr is a terminal (never into a pipe or a file; `--no-progress` turns it
@@ -49,6 +52,10 @@ prints the installed version and torch's.
 
 User errors (the FILE.py:FACTORY argument, the file, the factory, the mesh,
 shapes the mesh cannot split) print a message and exit with 2.
+
+One module a command (`dump`, `check`, `run`, `plan`, `profile`); what they
+share (loading the factory, the compile options as flags, progress bars,
+user errors) is `common`.
 """
 
 from __future__ import annotations

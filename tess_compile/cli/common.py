@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.options import AUTO, RENAMED, CompileOptions
+from tess_compile.core.parallel_spec import ParallelSpec
 
 __all__ = [
     "CliError",
@@ -43,6 +44,7 @@ __all__ = [
     "positive",
     "show_progress",
     "source_tree_version",
+    "spec_of",
     "time_left",
     "type_names",
     "version_text",
@@ -178,15 +180,21 @@ def count_or_auto(text: str):
     return positive(int)(text)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, spec: bool = False) -> None:
     """What dump and run take: the factory, the mesh, a flag per field of `CompileOptions`
     (`--keep-blocks` for keep_blocks) with its choices, default and help, an old name
     (`RENAMED`) as a second spelling of the new one, and `--cluster`. A bool field that
-    also takes auto is `--keep-blocks [auto|on|off]`, alone: on."""
+    also takes auto is `--keep-blocks [auto|on|off]`, alone: on. With `spec`, `--spec FILE.json`
+    (a `ParallelSpec`, `spec_of`) may stand for the mesh and the options."""
     parser.add_argument("target", metavar="FILE.py:FACTORY",
                         help="a function in FILE.py that takes no arguments and returns (model, example_inputs)")
-    parser.add_argument("--q", type=int, required=True, help="mesh side: q*q*d ranks")
-    parser.add_argument("--d", type=int, required=True, help="mesh depth, 1 <= d <= q (1d: any d)")
+    parser.add_argument("--q", type=int, required=not spec, help="mesh side: q*q*d ranks")
+    parser.add_argument("--d", type=int, required=not spec, help="mesh depth, 1 <= d <= q (1d: any d)")
+    if spec:
+        parser.add_argument("--spec", metavar="FILE.json",
+                            help="a parallel spec (tess-compile plan --pick, ParallelSpec.save): data-parallel "
+                                 "replicas, ZeRO, pipeline stages and microbatches, the mesh and the compile options, "
+                                 "in place of --q, --d and the option flags")
     old_names = {new: old for old, new in RENAMED.items()}
     for field in dataclasses.fields(CompileOptions):
         flags = [f"--{field.name.replace('_', '-')}"]
@@ -217,6 +225,25 @@ def load_cluster_file(path: str) -> Cluster:
         return Cluster.load(path)
     except ValueError as exc:
         raise CliError(f"{exc} (--cluster)") from None
+
+
+def spec_of(args) -> ParallelSpec:
+    """The `ParallelSpec` of parsed arguments: `--spec`'s file, or `--q`, `--d` and the option flags (one
+    data-parallel replica, no pipeline); a CliError if both or neither are given."""
+    if args.spec is None:
+        if args.q is None or args.d is None:
+            raise CliError("pass --q and --d (the mesh), or --spec FILE.json (a whole parallel layout)")
+        return ParallelSpec(args.q, args.d, options=compile_options(args))
+    flags = [f"--{name.replace('_', '-')}" for name in ("q", "d") if getattr(args, name) is not None]
+    flags += [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(CompileOptions)
+              if getattr(args, f.name) != f.default]
+    if flags:
+        raise CliError(f"--spec {args.spec} holds the mesh and the compile options: leave out {', '.join(flags)}, "
+                       "or edit the spec")
+    try:
+        return ParallelSpec.load(args.spec)
+    except ValueError as exc:
+        raise CliError(f"{exc} (--spec)") from None
 
 
 def compile_options(args) -> CompileOptions:

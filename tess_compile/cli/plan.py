@@ -6,8 +6,10 @@ the options describe: `--cluster`'s file or the Tesseract paper's (4 A100 per
 node, with the constants fitted to its Table 1), with the cluster flags given
 in place of its values; see docs/planner.md. A progress bar on stderr (a
 terminal's only) counts the configurations; `--json` writes the rows as JSON
-(`plan_json`), `--plot` a chart of step time against memory per rank as SVG
-(`tess_compile.analysis.plan_plot`).
+(`plan_json`, each with its parallel spec), `--pick` the fastest row that fits as
+a parallel spec (`ParallelSpec.save`: what `tess-compile run --spec` and
+`tess_compile.parallelize` take), `--plot` a chart of step time against memory
+per rank as SVG (`tess_compile.analysis.plan_plot`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from tess_compile.analysis.decode_plan import format_decode_table, plan_decode
 from tess_compile.analysis.parallel_plan import batch_size, num_blocks
 from tess_compile.analysis.plan_plot import plan_svg
-from tess_compile.analysis.planner import PlanRow, candidate_meshes, format_table, plan
+from tess_compile.analysis.planner import PlanRow, candidate_meshes, format_table, pick, plan
 from tess_compile.cli.common import (
     KEEP_BLOCKS,
     CliError,
@@ -76,7 +78,7 @@ def cmd_plan(args) -> int:
         candidate_meshes(args.gpus if (args.dp, args.pp) == (1, 1) else 1, modes)
     except ValueError as exc:
         raise CliError(f"{exc} (--gpus, --modes)") from None
-    for flag, output in (("--json", args.json), ("--plot", args.plot)):
+    for flag, output in (("--json", args.json), ("--plot", args.plot), ("--pick", args.pick)):
         _check_folder(output, flag)
     factory = load_factory(path, name)
     with torch.device("meta"):  # no weight is allocated
@@ -86,14 +88,17 @@ def cmd_plan(args) -> int:
     if args.decode:
         return _decode(args, model, inputs, cluster, modes)
     rows = _plan_rows(args, model, inputs, cluster, modes)
-    if "-" not in (args.json, args.plot):  # stdout holds the table, or what was sent there instead
+    if "-" not in (args.json, args.plot, args.pick):  # stdout holds the table, or what was sent there instead
         print(_cluster_line(args, cluster))
         sys.stdout.write(format_table(rows))
     if args.json is not None:
         _write(args.json, json.dumps(plan_json(rows, args, cluster, model, inputs), indent=2) + "\n", "--json")
     if args.plot is not None:
         _write(args.plot, _plot(rows, args, cluster, model), "--plot")
-    if not any(row.fits for row in rows):
+    chosen = pick(rows)
+    if args.pick is not None and chosen is not None:
+        _write(args.pick, json.dumps(chosen.spec.to_dict(), indent=2) + "\n", "--pick")
+    if chosen is None:
         print(f"tess-compile: error: no mesh of {args.gpus} GPUs fits (see the notes): raise --memory-gb, "
               "use more GPUs, or change the model", file=sys.stderr)
         return 1
@@ -295,6 +300,10 @@ def add_command(commands) -> None:
     parser.add_argument("--json", metavar="FILE",
                         help="also write the plan as JSON to FILE (its keys: docs/planner.md); '-': to stdout, in "
                              "place of the table")
+    parser.add_argument("--pick", metavar="FILE.json",
+                        help="also write the fastest configuration that fits as a parallel spec (JSON), for "
+                             "`tess-compile run --spec FILE.json` and tess_compile.parallelize ('-': stdout, in place "
+                             "of the table); nothing is written if none fits")
     parser.add_argument("--plot", metavar="FILE.svg",
                         help="also draw predicted step time against memory per rank as SVG to FILE.svg, one point "
                              "per configuration, the pick ringed and the memory budget dashed ('-': stdout)")

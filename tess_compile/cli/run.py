@@ -1,7 +1,9 @@
 """`tess-compile run`: train the sharded model beside the unsharded one and compare the losses.
 
-It starts q*q*d local gloo processes (or, with `--simulate`, runs every rank
-in this process) and trains both models with AdamW on the example inputs,
+It starts q*q*d local gloo processes (or the ranks of `--spec`'s parallel spec:
+`dp x pp x [q, q, d]`, each running what `tess_compile.parallelize` gives it),
+or, with `--simulate`, runs every rank in this process, and trains both models
+with AdamW on the example inputs,
 printing both losses at every step and a progress bar; it exits with 1 if the
 losses differ by more than TOLERANCE (relative), or if a process fails or
 runs past `--timeout`.
@@ -23,15 +25,16 @@ from tess_compile.cli.common import (
     CliError,
     add_model_arguments,
     build,
-    compile_options,
     load_cluster_file,
     parse_target,
     positive,
+    spec_of,
     type_names,
 )
-from tess_compile.core.options import CompileOptions
+from tess_compile.core.parallel_spec import ParallelSpec
 from tess_compile.core.program import split_example_inputs
 from tess_compile.runtime.launch import run_local
+from tess_compile.scale_out.rank_run import RankRun
 
 __all__ = [
     "BAR_WIDTH",
@@ -55,41 +58,38 @@ BAR_WIDTH = 20
 def cmd_run(args) -> int:
     """Train the sharded model beside the oracle; exit 1 if their losses differ."""
     path, name = parse_target(args.target)
-    options = compile_options(args)
+    spec = spec_of(args)
     if args.cluster is not None:
         load_cluster_file(args.cluster)  # a bad file fails here, before any process starts
-    world = args.q * args.q * args.d
     start = time.perf_counter()
     if args.simulate:
-        print(f"simulating {world} ranks in this process", file=sys.stderr, flush=True)
-        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, args.q, args.d, options=options,
-                                           cluster=args.cluster)
+        print(f"simulating {spec.world_size} ranks in this process ({spec.describe()})", file=sys.stderr, flush=True)
+        sim, oracle, inputs = compile_pair(tess_compile.simulate, path, name, spec=spec, cluster=args.cluster)
         rows = train(sim, oracle, inputs, args.steps, args.lr, show=True)
         mode = "simulated"
     else:
         build(path, name)  # errors of the file show here, before any process starts
-        print(f"launching {world} local gloo processes", file=sys.stderr, flush=True)
-        rows = launch(path, name, args, options)
-        mode = f"{world} processes"
+        print(f"launching {spec.world_size} local gloo processes ({spec.describe()})", file=sys.stderr, flush=True)
+        rows = launch(path, name, args, spec)
+        mode = f"{spec.world_size} processes"
     return summarize(rows, time.perf_counter() - start, mode)
 
 
-def compile_pair(compile_fn, path: str, name: str, q: int, d: int, **options):
-    """(compiled model, unsharded copy, example inputs); compile_fn is shard or simulate."""
+def compile_pair(compile_fn, path: str, name: str, *args, **keywords):
+    """(compiled model, unsharded copy, example inputs); compile_fn is shard, simulate or parallelize."""
     model, inputs = build(path, name)
     oracle = copy.deepcopy(model)
     try:
-        return compile_fn(model, q, d, example_inputs=inputs, **options), oracle, inputs
+        return compile_fn(model, *args, example_inputs=inputs, **keywords), oracle, inputs
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
 
-def launch(path: str, name: str, args, options: CompileOptions) -> list[tuple]:
-    """Run rank_main on q*q*d local gloo processes; return rank 0's rows."""
-    world = args.q * args.q * args.d
-    job = (path, name, args.q, args.d, options, args.cluster, args.steps, args.lr, args.timeout)
+def launch(path: str, name: str, args, spec: ParallelSpec) -> list[tuple]:
+    """Run rank_main on the spec's local gloo processes; return rank 0's rows."""
+    job = (path, name, spec, args.cluster, args.steps, args.lr, args.timeout)
     try:
-        rows, error = run_local(rank_main, world, args=job, timeout_s=args.timeout,
+        rows, error = run_local(rank_main, spec.world_size, args=job, timeout_s=args.timeout,
                                 collective_timeout_s=args.timeout)[0]
     except TimeoutError as exc:
         raise CliError(f"{exc}; pass a larger --timeout", code=1) from None
@@ -100,14 +100,19 @@ def launch(path: str, name: str, args, options: CompileOptions) -> list[tuple]:
     return rows
 
 
-def rank_main(rank: int, world_size: int, path, name, q, d, options, cluster, steps, lr, timeout) -> tuple:
+def rank_main(rank: int, world_size: int, path, name, spec, cluster, steps, lr, timeout) -> tuple:
     """One process of `run`: (rows, None), or (None, message) for a user error."""
     try:
-        sharded, oracle, inputs = compile_pair(tess_compile.shard, path, name, q, d, options=options,
-                                               cluster=cluster, timeout=timeout)
+        run, oracle, inputs = compile_pair(tess_compile.parallelize, path, name, spec, cluster=cluster,
+                                           timeout=timeout, loss_fn=_loss_of_output)
     except CliError as exc:  # the same on every rank: compiling needs no peer
         return None, str(exc)
-    return train(sharded, oracle, inputs, steps, lr, show=rank == 0), None
+    return train(run, oracle, inputs, steps, lr, show=rank == 0), None
+
+
+def _loss_of_output(output, target) -> torch.Tensor:
+    """`loss_of` as a `RankRun`'s loss function (the example inputs are the whole step: no target)."""
+    return loss_of(output)
 
 
 def train(sharded: nn.Module, oracle: nn.Module, inputs, steps: int, lr: float, *, show: bool) -> list[tuple]:
@@ -126,11 +131,15 @@ def train(sharded: nn.Module, oracle: nn.Module, inputs, steps: int, lr: float, 
     return rows
 
 
-def train_step(model: nn.Module, opt, args: tuple, kwargs: dict) -> float:
-    """One forward, backward and optimizer step; the loss."""
+def train_step(model: nn.Module | RankRun, opt, args: tuple, kwargs: dict) -> float:
+    """One forward, backward and optimizer step (a `RankRun`'s own step: its pipeline's or its replica's part);
+    the loss."""
     opt.zero_grad(set_to_none=True)
-    loss = loss_of(model(*args, **kwargs))
-    loss.backward()
+    if isinstance(model, RankRun):
+        loss = model.step(*args, *([kwargs] if kwargs else []))
+    else:
+        loss = loss_of(model(*args, **kwargs))
+        loss.backward()
     opt.step()
     return loss.item()
 
@@ -191,11 +200,12 @@ def add_command(commands) -> None:
                     "and compare the losses at every step. Loss: the output if it is a scalar, else the "
                     "mean of the squares of the first tensor output (DTensors via .full_tensor()). "
                     f"Exit code 1 if a relative difference exceeds {TOLERANCE:g}.")
-    add_model_arguments(parser)
+    add_model_arguments(parser, spec=True)
     parser.add_argument("--steps", type=positive(int), default=5, help="training steps (default 5)")
     parser.add_argument("--lr", type=positive(float), default=1e-3, help="AdamW learning rate (default 1e-3)")
     parser.add_argument("--simulate", action="store_true",
-                        help="run every rank in this process (tess_compile.simulate) instead of q*q*d processes")
+                        help="run every rank in this process (tess_compile.simulate) instead of q*q*d processes "
+                             "(or the spec's)")
     parser.add_argument("--timeout", type=positive(float), default=600.0,
-                        help="seconds the q*q*d processes may take (default 600)")
+                        help="seconds the processes may take (default 600)")
     parser.set_defaults(func=cmd_run)

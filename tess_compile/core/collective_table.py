@@ -3,14 +3,17 @@
 A `Collective` holds a collective's name and custom-op schema, its adjoint
 (its backward, docs/gradients.md), whether it sends bytes and which op it
 counts as, the shape of its result, its exact result on one group's tensors,
-its implementation over torch.distributed, and its price per algorithm.
-Every consumer reads `COLLECTIVES`:
+its implementation over torch.distributed, its lowering to torch's functional
+collectives, and its price per algorithm. Every consumer reads `COLLECTIVES`:
 
 - `tess_compile.ops.collectives` defines the custom ops (`tess::<name>`) from
   the schemas, their fake kernels from `output_like` and their autograd
   formulas from the adjoints; its `Comm.record` counts `sends`, by `counts_as`;
 - `tess_compile.runtime.dist_comm.DistComm` runs `on_process_group`; the
   simulator and the threaded runs of compiled programs run `group_results`;
+  a compiled program under a process group runs `functional` in its graphs
+  (`tess_compile.runtime.functional_collectives`; the lowerings are
+  `tess_compile.core.functional_lowerings`);
 - `tess_compile.analysis.accounting` counts bytes by `sends` and `adjoint`,
   `tess_compile.analysis.symbolic_shapes` scales a dim by `scale`;
 - `tess_compile.core.cluster` prices a collective by its `price`, and so the
@@ -33,9 +36,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tess_compile.core.layout import put_blocks, take_block
+from tess_compile.core import functional_lowerings as functional
+from tess_compile.core.layout import in_rank_order, put_blocks, put_in_place, rank_ordered, split_dim, take_block
 
-__all__ = ["COLLECTIVES", "Collective", "PriceRule", "in_rank_order", "put_in_place", "rank_ordered", "split_dim"]
+__all__ = ["COLLECTIVES", "Collective", "PriceRule"]
 
 # g -> (latency steps, bandwidth factor): a collective of `n` bytes over `g` ranks takes
 # `steps * alpha + factor * n / B` (`tess_compile.core.cluster.collective_time`).
@@ -49,7 +53,10 @@ class Collective:
     `group_results(xs, *own)` takes one group's tensors by coordinate along the
     axis and the op's own arguments (after the axis), and gives each member's
     result. `on_process_group(comm, x, axis, *own)` gives this rank's result
-    over torch.distributed. `scale`: the result's size along the op's `dim`
+    over torch.distributed, `functional(group, *own, x)` the same in torch's
+    functional collectives, for a compiled graph (`AxisGroup`: this rank's
+    group along the axis; None for the identities, which no compiled graph
+    holds). `scale`: the result's size along the op's `dim`
     argument is the input's times `parts ** scale` (0: the input's shape).
     `price` maps an algorithm ("ring", "tree") to its `PriceRule` for the bytes
     a rank passes in (as `accounting` counts them); an op counted as another
@@ -68,10 +75,12 @@ class Collective:
     # its backward receives the whole gradient on every rank, not shares (`passes/alike_regions.py`):
     # its adjoint is the rank-local part of its `counts_as`'s adjoint
     whole_gradient: bool = False
+    functional: Callable[..., torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not self.counts_as:
             object.__setattr__(self, "counts_as", self.name)
+        assert (self.schema is None) == (self.functional is None), f"{self.name}: a custom op needs a lowering"
 
     def output_like(self, x: torch.Tensor, *args) -> torch.Tensor:
         """An empty tensor of the result's shape for input `x` and the other arguments
@@ -192,19 +201,6 @@ def _all_gather(comm, x, axis, parts, dim, groups):
     return put_in_place(gathered, x.shape, parts, dim, groups, in_rank_order(x.shape, dim, groups))
 
 
-def put_in_place(gathered: torch.Tensor, block_shape, parts: int, dim: int, groups: int,
-                 in_order: bool) -> torch.Tensor:
-    """`parts` blocks of `block_shape`, one after another in rank order in the flat `gathered`, put in
-    place along `dim` as `put_blocks` puts them; no copy where they are in that order already
-    (`in_order`). Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..]; the result is
-    contiguous, as the all-gather's fake kernel says (where the reshape is a view, it is not)."""
-    shape = split_dim(block_shape, dim, parts * block_shape[dim])
-    if in_order:
-        return gathered.view(shape)
-    blocks = gathered.view(parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
-    return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
-
-
 # reduce_scatter(x, axis, parts, dim, groups): member t's block t (`take_block`) of the sum;
 # adjoint all_gather.
 
@@ -221,15 +217,6 @@ def _reduce_scatter(comm, x, axis, parts, dim, groups):
     out = x.new_empty(blocks.numel() // parts)
     _reduce_scatter_single(out, blocks, group=comm.groups[axis])
     return out.view(split_dim(x.shape, dim, x.shape[dim] // parts))
-
-
-def rank_ordered(x: torch.Tensor, parts: int, dim: int, groups: int, in_order: bool) -> torch.Tensor:
-    """The blocks of contiguous `x` along `dim` (`take_block`'s), flattened one after another in rank
-    order; no copy where they are in that order already (`in_order`)."""
-    if in_order:
-        return x.reshape(-1)
-    split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
-    return x.view(split).movedim(dim + 1, 0).reshape(-1)
 
 
 # shard_slice(x, axis, parts, dim, groups): member t keeps its block t, no traffic; adjoint
@@ -280,18 +267,6 @@ def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 
 
-def in_rank_order(shape: torch.Size, dim: int, groups: int) -> bool:
-    """Whether a contiguous tensor of `shape` is its blocks along `dim` (`take_block`) concatenated in
-    index order: no groups, and every dim before `dim` of size 1. Then the flat buffer of an
-    all-gather is its result and a reduce-scatter sends the tensor as it is."""
-    return groups == 1 and math.prod(shape[:dim]) == 1
-
-
-def split_dim(shape: torch.Size, dim: int, *sizes: int) -> list[int]:
-    """`shape` with `sizes` in place of its size along `dim`."""
-    return [*shape[:dim], *sizes, *shape[dim + 1:]]
-
-
 _ROOTED = "(Tensor x, str axis, int {}) -> Tensor"
 
 
@@ -300,29 +275,35 @@ _SPLIT = "(Tensor x, str axis, int parts, int dim, int groups) -> Tensor"
 
 _RECORDS = (
     Collective("broadcast", _ROOTED.format("src"), "reduce", _broadcast_group, _broadcast, sends=True,
-               price=_PIPELINED),
+               price=_PIPELINED, functional=functional.broadcast),
     Collective("broadcast_start", _ROOTED.format("src"), "reduce", _broadcast_group, _broadcast_start, sends=True,
-               counts_as="broadcast"),
-    Collective("reduce", _ROOTED.format("dst"), "broadcast", _reduce_group, _reduce, sends=True, price=_PIPELINED),
+               counts_as="broadcast", functional=functional.broadcast_start),
+    Collective("reduce", _ROOTED.format("dst"), "broadcast", _reduce_group, _reduce, sends=True, price=_PIPELINED,
+               functional=functional.reduce),
     Collective("all_reduce", "(Tensor x, str axis) -> Tensor", "all_reduce", _all_reduce_group, _all_reduce,
                sends=True, price={"ring": lambda g: (2 * (g - 1), 2 * (g - 1) / g),
-                                  "tree": lambda g: (_log2(g), _log2(g))}),
+                                  "tree": lambda g: (_log2(g), _log2(g))}, functional=functional.all_reduce),
     # an all-reduce into values every rank holds the whole gradient of: its adjoint passes it on
     Collective("all_reduce_alike", "(Tensor x, str axis) -> Tensor", "identity", _all_reduce_group, _all_reduce,
-               sends=True, counts_as="all_reduce", whole_gradient=True),
-    Collective("keep_first", "(Tensor x, str axis) -> Tensor", "keep_first", _keep_first_group, _keep_first),
+               sends=True, counts_as="all_reduce", whole_gradient=True, functional=functional.all_reduce),
+    Collective("keep_first", "(Tensor x, str axis) -> Tensor", "keep_first", _keep_first_group, _keep_first,
+               functional=functional.keep_first),
     # keep_first of a value whose gradient every rank holds whole: its adjoint passes that gradient on
     Collective("keep_first_alike", "(Tensor x, str axis) -> Tensor", "identity", _keep_first_group, _keep_first,
-               counts_as="keep_first", whole_gradient=True),
+               counts_as="keep_first", whole_gradient=True, functional=functional.keep_first),
     Collective("all_gather", _SPLIT, "reduce_scatter", _all_gather_group, _all_gather, sends=True, scale=1,
-               price={"ring": lambda g: (g - 1, g - 1), "tree": lambda g: (_log2(g), g - 1)}),
+               price={"ring": lambda g: (g - 1, g - 1), "tree": lambda g: (_log2(g), g - 1)},
+               functional=functional.all_gather),
     # an all-gather into a tail every rank computes alike: its adjoint takes the rank's own block
     Collective("all_gather_alike", _SPLIT, "shard_slice", _all_gather_group, _all_gather, sends=True, scale=1,
-               counts_as="all_gather", whole_gradient=True),
+               counts_as="all_gather", whole_gradient=True, functional=functional.all_gather),
     Collective("reduce_scatter", _SPLIT, "all_gather", _reduce_scatter_group, _reduce_scatter, sends=True, scale=-1,
-               price={"ring": lambda g: (g - 1, (g - 1) / g), "tree": lambda g: (_log2(g), (g - 1) / g)}),
-    Collective("shard_slice", _SPLIT, "shard_pad", _shard_slice_group, _shard_slice, scale=-1),
-    Collective("shard_pad", _SPLIT, "shard_slice", _shard_pad_group, _shard_pad, scale=1),
+               price={"ring": lambda g: (g - 1, (g - 1) / g), "tree": lambda g: (_log2(g), (g - 1) / g)},
+               functional=functional.reduce_scatter),
+    Collective("shard_slice", _SPLIT, "shard_pad", _shard_slice_group, _shard_slice, scale=-1,
+               functional=functional.rank_local(_shard_slice)),
+    Collective("shard_pad", _SPLIT, "shard_slice", _shard_pad_group, _shard_pad, scale=1,
+               functional=functional.rank_local(_shard_pad)),
     Collective("grad_sync", None, "all_reduce", _identity_group, _identity),
     Collective("seed_once", None, "keep_first", _identity_group, _identity),
     # the gradient's shares summed into the whole gradient on every rank (Megatron-LM's f)

@@ -21,6 +21,7 @@ end of the dim.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,9 +40,13 @@ __all__ = [
     "Shard",
     "assemble",
     "chunk",
+    "in_rank_order",
     "local_block",
     "pad_block",
     "put_blocks",
+    "put_in_place",
+    "rank_ordered",
+    "split_dim",
     "split_size",
     "take_block",
     "unpad_block",
@@ -199,6 +204,40 @@ def put_blocks(blocks: Sequence[torch.Tensor], dim: int, groups: int) -> torch.T
         return torch.cat(list(blocks), dim=dim)
     grouped = [b.unflatten(dim, (groups, -1)) for b in blocks]
     return torch.stack(grouped, dim=dim + 1).flatten(dim, dim + 2)
+
+
+def in_rank_order(shape: torch.Size, dim: int, groups: int) -> bool:
+    """Whether a contiguous tensor of `shape` is its blocks along `dim` (`take_block`) concatenated in
+    index order: no groups, and every dim before `dim` of size 1. Then the flat buffer of an
+    all-gather is its result and a reduce-scatter sends the tensor as it is."""
+    return groups == 1 and math.prod(shape[:dim]) == 1
+
+
+def split_dim(shape: torch.Size, dim: int, *sizes: int) -> list[int]:
+    """`shape` with `sizes` in place of its size along `dim`."""
+    return [*shape[:dim], *sizes, *shape[dim + 1:]]
+
+
+def put_in_place(gathered: torch.Tensor, block_shape, parts: int, dim: int, groups: int,
+                 in_order: bool) -> torch.Tensor:
+    """`parts` blocks of `block_shape`, one after another in rank order in the flat `gathered`, put in
+    place along `dim` as `put_blocks` puts them; no copy where they are in that order already
+    (`in_order`). Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..]; the result is
+    contiguous, as the all-gather's fake kernel says (where the reshape is a view, it is not)."""
+    shape = split_dim(block_shape, dim, parts * block_shape[dim])
+    if in_order:
+        return gathered.view(shape)
+    blocks = gathered.view(parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
+    return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
+
+
+def rank_ordered(x: torch.Tensor, parts: int, dim: int, groups: int, in_order: bool) -> torch.Tensor:
+    """The blocks of contiguous `x` along `dim` (`take_block`'s), flattened one after another in rank
+    order; no copy where they are in that order already (`in_order`)."""
+    if in_order:
+        return x.reshape(-1)
+    split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
+    return x.view(split).movedim(dim + 1, 0).reshape(-1)
 
 
 def local_block(full: torch.Tensor, layout: Layout, mesh: Mesh, rank: int) -> torch.Tensor:

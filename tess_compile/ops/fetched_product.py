@@ -8,9 +8,11 @@ keeps this rank's own blocks only and fetches again in backward: for
 re-broadcasts A along col (Tesseract Alg. 3 backward; Optimus Alg. 2 and
 3); the reduces are the adjoints of the forward's broadcasts.
 
-One autograd function serves both runtimes: it works on lists of per-rank
-tensors, one per rank the communicator speaks for (one on a distributed
-rank, p in the simulator).
+The product is a kernel of `tess_compile.core.product_table` named by the
+caller (a record whose `summa` is set: its `forward`, `grad_input` and
+`grad_weight`). One autograd function serves both runtimes: it works on lists
+of per-rank tensors, one per rank the communicator speaks for (one on a
+distributed rank, p in the simulator).
 
 The own block of the weight may come in pieces (a tuple): the weights of
 products merged into one (`tess_compile.passes.merge_products`), which backward
@@ -22,31 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from tess_compile.core.product_table import PRODUCT_KERNELS
 from tess_compile.ops.collectives import Comm, active_comm, current_comm, use_comm
 
-__all__ = ["PRODUCTS", "fetched_product", "lockstep_product"]
-
-# Local kernels a fetched product may run: y = product(a, w), w 2-D.
-PRODUCTS = ("linear", "matmul")
-
-
-def _forward(product: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(a, w) if product == "linear" else torch.matmul(a, w)
-
-
-def _grad_a(product: str, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(grad, w) if product == "linear" else torch.matmul(grad, w.t())
-
-
-def _joined(product: str, pieces) -> torch.Tensor:
-    """A weight's own block from its pieces, joined along the out dim (dim 0 of `linear`'s [out, in])."""
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0 if product == "linear" else 1)
-
-
-def _grad_w(product: str, grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    rows_a = a.reshape(-1, a.shape[-1])
-    rows_g = grad.reshape(-1, grad.shape[-1])
-    return rows_g.t() @ rows_a if product == "linear" else rows_a.t() @ rows_g
+__all__ = ["fetched_product", "lockstep_product"]
 
 
 class _FetchedProduct(torch.autograd.Function):
@@ -61,23 +42,26 @@ class _FetchedProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm, product, a_fetch, w_fetch, n, parts, *tensors):
         a_used, w_used, a_own = (tensors[i * n:(i + 1) * n] for i in range(3))
-        ctx.comm, ctx.product, ctx.fetch, ctx.n, ctx.parts = comm, product, (a_fetch, w_fetch), n, parts
+        kernel = PRODUCT_KERNELS[product]
+        ctx.comm, ctx.kernel, ctx.fetch, ctx.n, ctx.parts = comm, kernel, (a_fetch, w_fetch), n, parts
         ctx.save_for_backward(*a_own, *tensors[3 * n:])
-        return tuple(_forward(product, a, w) for a, w in zip(a_used, w_used))
+        return tuple(kernel.forward(a, w) for a, w in zip(a_used, w_used))
 
     @staticmethod
     def backward(ctx, *grads):
-        n, parts, product = ctx.n, ctx.parts, ctx.product
+        n, parts, kernel = ctx.n, ctx.parts, ctx.kernel
         saved = ctx.saved_tensors
         a_own = list(saved[:n])
-        w_own = [_joined(product, saved[n + r * parts:n + (r + 1) * parts]) for r in range(n)]
+        w_own = [kernel.join(saved[n + r * parts:n + (r + 1) * parts]) for r in range(n)]
         need_a, need_w = any(ctx.needs_input_grad[6:6 + n]), any(ctx.needs_input_grad[6 + n:6 + 2 * n])
         comm = ctx.comm or current_comm()
         # The same order on every rank: w's fetch, then a's.
         w_used = _refetch(comm, w_own, ctx.fetch[1]) if need_a else None
         a_used = _refetch(comm, a_own, ctx.fetch[0]) if need_w else None
-        grad_a = [_grad_a(product, g, w.to(g.dtype)).to(a.dtype) for g, w, a in zip(grads, w_used, a_own)] if need_a else [None] * n
-        grad_w = [_grad_w(product, g, a.to(g.dtype)).to(w.dtype) for g, a, w in zip(grads, a_used, w_own)] if need_w else [None] * n
+        grad_a = ([kernel.grad_input(g, w.to(g.dtype)).to(a.dtype) for g, w, a in zip(grads, w_used, a_own)]
+                  if need_a else [None] * n)
+        grad_w = ([kernel.grad_weight(g, a.to(g.dtype)).to(w.dtype) for g, a, w in zip(grads, a_used, w_own)]
+                  if need_w else [None] * n)
         return (None,) * 6 + (*grad_a, *grad_w) + (None,) * (n + n * parts)
 
 

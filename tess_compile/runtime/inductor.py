@@ -57,11 +57,12 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils.checkpoint import CheckpointPolicy
 
+from tess_compile.core.functional_lowerings import AxisGroup
 from tess_compile.core.meta_keys import RECOMPUTE_REGION
 from tess_compile.core.program import Program
 from tess_compile.ops.collectives import Comm, CommRecord, use_comm
 from tess_compile.ops.recompute_region import region_runs
-from tess_compile.runtime.functional_collectives import AxisGroup, axis_groups, collectives_in, lower_collectives
+from tess_compile.runtime.functional_collectives import axis_groups, collectives_in, lower_collectives
 
 __all__ = [
     "BUCKETING_PASSES",

@@ -24,6 +24,7 @@ from tess_compile.core.autocast import Autocast, autocast_state
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import INPUT_ROLES, Program
 from tess_compile.runtime import state
+from tess_compile.runtime.zero import unsharded_over_dp
 
 __all__ = ["ModeModule", "ProgramsByMode"]
 
@@ -83,11 +84,13 @@ class ModeModule(nn.Module):
 
     def generate(self, *args, **kwargs):
         """The model's `generate` on these shards, for a transformers causal LM compiled with
-        `dynamic=True` (docs/generation.md)."""
+        `dynamic=True` (docs/generation.md); a ZeRO module's parameters whole over the data-parallel
+        dims while it runs (`unsharded_over_dp`)."""
         if self.generation is None:
             raise ValueError("generate runs on a transformers causal LM (a PreTrainedModel with generate) "
-                             "compiled with dynamic=True, without mesh=, zero= or dp=: shard or simulate it so")
-        return self.generation.generate(self, *args, **kwargs)
+                             "compiled with dynamic=True: shard or simulate it so")
+        with unsharded_over_dp(self):
+            return self.generation.generate(self, *args, **kwargs)
 
     def adopt(self, program: Program) -> Program:
         """Another program of the model readied to run on these shards (`ProgramsByMode.adopt`), its

@@ -169,6 +169,10 @@ class SimulatedDataParallel(nn.Module):
         for replica in self.replicas:
             replica.load_full_state_dict(state_dict)
 
+    def generate(self, *args, **kwargs):
+        """Group 0's `generate` (every group holds the same weights, so each would give the same tokens)."""
+        return self.replicas[0].generate(*args, **kwargs)
+
     def rank_tensor(self, name: str, rank: int) -> torch.Tensor:
         """The local shard of `name` on global `rank` = group * q*q*d + tensor-parallel rank."""
         group, tp_rank = divmod(rank, self.mesh.num_ranks)

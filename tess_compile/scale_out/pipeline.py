@@ -107,6 +107,7 @@ def pipeline_stage(
     device=None,
     timeout: float | timedelta | None = None,
     cluster: Cluster | str | os.PathLike | None = None,
+    zero: bool = False,
 ):
     """This rank's stage of a pipeline: `module` (stage `stage_index` of `num_stages`, the same on
     every rank of the stage) tess-sharded on the stage's `[q, q, d]` ranks, as a
@@ -133,7 +134,9 @@ def pipeline_stage(
     `tess_compile.full_tensor`. `stage.submod` is the sharded module
     (parameters: DTensors; make the optimizer from its `parameters()`).
     summa="auto" prices each product's schedule on `cluster` (a `Cluster`, the path of a
-    JSON file `Cluster.save` wrote, or None for `CALIBRATED_CLUSTER`).
+    JSON file `Cluster.save` wrote, or None for `CALIBRATED_CLUSTER`). `zero=True` shards the
+    stage's parameters, gradients and optimizer state over `mesh`'s data-parallel dims with
+    FSDP2, as `shard(..., zero=True)` does.
     """
 
     tess_mesh = options.mesh(q, d)
@@ -164,7 +167,7 @@ def pipeline_stage(
     is_last = stage_index == num_stages - 1
     stage_mesh = root[tuple(name for name in names if name != PP)]
     sharded = shard_program(program, device=device, timeout=timeout, wrap_outputs=is_last, recompile=compiled.recompile,
-                            mesh=stage_mesh)
+                            mesh=stage_mesh, zero=zero)
     # The blocks each rank sends and takes (static metadata: nothing to infer at the first step);
     # floating ones carry gradients back.
     on = sharded.device
