@@ -60,7 +60,7 @@ from tess_compile.core.meta_keys import (
 )
 from tess_compile.ops.local import device_of
 
-__all__ = ["capture", "shape_env_of"]
+__all__ = ["capture", "is_cache", "shape_env_of"]
 
 log = logging.getLogger("tess_compile.passes")
 
@@ -272,7 +272,7 @@ def _exportable(dropped: list[str], path, value):
     if isinstance(value, (torch.Tensor, *_PLAIN)):
         return value
     where = f"output{pytree.keystr(path)}"
-    if any(cls.__name__ == "Cache" for cls in type(value).__mro__):
+    if is_cache(value):
         dropped.append(f"a {type(value).__name__} at {where}")
         return None
     raise ValueError(
@@ -280,6 +280,12 @@ def _exportable(dropped: list[str], path, value):
         "cannot return: return tensors, numbers, strings or lists, tuples and dicts of them (a type that holds "
         "tensors can be registered with torch.utils._pytree.register_pytree_node), or leave it out of forward's outputs"
     )
+
+
+def is_cache(value) -> bool:
+    """Whether `value` is a cache of past keys and values (an object of a class named `Cache` or of
+    a subclass, as transformers' are), which the sharded module returns as None."""
+    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
 
 
 def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
