@@ -8,6 +8,9 @@
 2. A product whose weights are computed (so they are not a free parameter the
    rule may split) repeats its FLOPs on every column: one warning names the op,
    the model's source line and the repeated FLOPs; `strict=True` refuses it.
+3. Ops under the share each that repeat 12% of the model's FLOPs together are
+   named as the sum's largest contributors, and the sum agrees with `check`'s
+   redundant work row.
 """
 
 from __future__ import annotations
@@ -80,5 +83,36 @@ def test_repeated_products_are_named_and_strict_refuses_them():
     assert len(messages) == 1, [str(w.message) for w in caught]
     assert "aten.bmm.default" in messages[0] and f"{__file__}:" in messages[0] and "FLOPs" in messages[0]
     assert_close_rel(sim(x), model(x), 1e-12, "output")  # repeated, still exact
-    with pytest.raises(ValueError, match=r"repeat work .* strict=True"):
+    with pytest.raises(ValueError, match=r"repeat work across the ranks(.|\n)*strict=True forbids repeated work"):
         tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), strict=True)
+
+
+class SmallRepeats(nn.Module):
+    """A wide MLP, then 5 small products (2% each of the model's FLOPs) whose weights are computed,
+    after a product whose partial sums the GELU needs whole: each repeats its FLOPs on every column."""
+
+    def __init__(self, dim: int = 16, wide: int = 256, num_small: int = 5, hidden: int = 16):
+        super().__init__()
+        self.wide, self.narrow = nn.Linear(dim, wide), nn.Linear(wide, dim)
+        self.up = nn.ParameterList([nn.Parameter(0.1 * torch.randn(dim, hidden)) for _ in range(num_small)])
+        self.down = nn.ParameterList([nn.Parameter(0.1 * torch.randn(hidden, dim)) for _ in range(num_small)])
+
+    def forward(self, x):
+        y = self.narrow(torch.relu(self.wide(x)))
+        for up, down in zip(self.up, self.down):
+            y = y + torch.nn.functional.gelu(y @ (2 * up)) @ (2 * down)  # the second product repeats
+        return y
+
+
+def test_ops_under_the_share_each_warn_when_they_add_up():
+    torch.manual_seed(4)
+    model, x = SmallRepeats().double(), torch.randn(8, 4, 16, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = tess_compile.check(model, 2, 2, example_inputs=(x,), progress=False)
+    messages = [str(w.message) for w in caught if "repeat work" in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    assert "1.12x the unsharded model's" in messages[0] and "(12% repeated, over 5%)" in messages[0], messages[0]
+    named = [line for line in messages[0].splitlines() if line.startswith("  aten.matmul")]
+    assert len(named) == 5 and all("(2% of the model's)" in line for line in named), messages[0]
+    assert report.ok and report.redundant_work == pytest.approx(1.12, abs=0.005), report.table()
