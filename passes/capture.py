@@ -21,7 +21,8 @@ device (a user input's, else the first lifted tensor's) becomes a
 it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
 
 Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line
-(`tess_compile.passes.data_dependent`).
+(`tess_compile.passes.data_dependent`). An error the model itself raises on the inputs is
+raised as it is, with its line (`tess_compile.passes.model_errors`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tess_compile.passes.data_dependent import (
     is_data_dependent,
     refuse_data_dependent_shapes,
 )
+from tess_compile.passes.model_errors import the_models_own_errors
 from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
@@ -94,7 +96,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     dims = None
     if batch_factor is not None:
         args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
-    with explained_data_dependence(model), autocast_off_everywhere(), running_under(autocast):
+    with (explained_data_dependence(model), the_models_own_errors(model, args, kwargs), autocast_off_everywhere(),
+          running_under(autocast)):
         ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module

@@ -310,8 +310,6 @@ def _stage(bar: tqdm, name: str):
 def _float64_copies(model: nn.Module, example_inputs) -> tuple[nn.Module, object]:
     """A float64 deep copy of `model` without gradients, and `example_inputs` with every
     floating tensor cast to float64 (every tensor a copy)."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"tess_compile.check(model={type(model).__name__}): pass the nn.Module to check")
     meta = next((name for name, t in model.state_dict().items() if t.is_meta), None)
     if meta is not None:
         raise ValueError(f"tess_compile.check: {meta} of the model is on the meta device, so there is nothing to "
