@@ -11,7 +11,9 @@ complex128): `.float()`, `.half()` and `.bfloat16()` become `.double()`, a dtype
 given to `Tensor.to` or `Tensor.type`, and any `dtype=` argument. It acts at the
 Python level, so the oracle's run and the capture of the sharded copy (torch.export
 traces the forward under it) see the same float64 program. `kept` says which
-requests it changed, by kind and the model's source line. A reinterpretation of
+requests it changed, by kind and the model's source line. A cast the model asks
+for copies its input (`.float()` of a float64 slice is a new, contiguous tensor),
+so a kept cast copies too, where the model's would have. A reinterpretation of
 bits (`view(dtype)`) is left as it is. The models must be copies: their forward is
 an instance attribute inside the block, removed after it.
 """
@@ -33,7 +35,9 @@ __all__ = ["KeepFloat64", "keeping_float64"]
 # A less precise dtype that a model asks for -> what it gets instead.
 WIDER = {torch.float32: torch.float64, torch.float16: torch.float64, torch.bfloat16: torch.float64,
          torch.complex64: torch.complex128, torch.complex32: torch.complex128}
-_TO_DOUBLE = {torch.Tensor.float: ".float()", torch.Tensor.half: ".half()", torch.Tensor.bfloat16: ".bfloat16()"}
+# `.float()` and kin -> (what the report calls it, the dtype the model asks for).
+_TO_DOUBLE = {torch.Tensor.float: (".float()", torch.float32), torch.Tensor.half: (".half()", torch.float16),
+              torch.Tensor.bfloat16: (".bfloat16()", torch.bfloat16)}
 _POSITIONAL_DTYPE = {torch.Tensor.to: ".to", torch.Tensor.type: ".type"}
 _REINTERPRETS = (torch.Tensor.view,)  # x.view(dtype) reads the same bits as another dtype
 
@@ -48,16 +52,21 @@ class KeepFloat64(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _TO_DOUBLE:
-            self._note(_TO_DOUBLE[func])
-            func = torch.Tensor.double
-        elif func in _POSITIONAL_DTYPE and any(arg in WIDER for arg in args[1:]):
+        if func in _TO_DOUBLE:  # x.float(): x.to(float64), a copy where the model's cast would make one
+            what, wanted = _TO_DOUBLE[func]
+            self._note(what)
+            return torch.Tensor.to(args[0], WIDER[wanted], copy=args[0].dtype != wanted, **kwargs)
+        wanted = None
+        if func in _POSITIONAL_DTYPE and any(arg in WIDER for arg in args[1:]):
             wanted = next(arg for arg in args[1:] if arg in WIDER)
             self._note(f"{_POSITIONAL_DTYPE[func]}({wanted})")
             args = tuple(WIDER.get(arg, arg) if isinstance(arg, torch.dtype) else arg for arg in args)
-        if kwargs.get("dtype") in WIDER and func not in _REINTERPRETS:
-            self._note(f"{_name(func)}(dtype={kwargs['dtype']})")
-            kwargs["dtype"] = WIDER[kwargs["dtype"]]
+        elif kwargs.get("dtype") in WIDER and func not in _REINTERPRETS:
+            wanted = kwargs["dtype"]
+            self._note(f"{_name(func)}(dtype={wanted})")
+            kwargs["dtype"] = WIDER[wanted]
+        if func in _POSITIONAL_DTYPE and wanted is not None and args[0].dtype != wanted:
+            func, kwargs["copy"] = torch.Tensor.to, True  # the model's cast copies (contiguous if not dense)
         return func(*args, **kwargs)
 
     def _note(self, what: str) -> None:
