@@ -123,6 +123,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
         else:
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
     _merge_tied(gm, tensors)
+    _split_at_constant_indices(gm, tensors)
     _inline_grad_mode_wrappers(gm)
     functionalize_view_mutations(gm)
     _drop_dead_code(gm)
@@ -308,6 +309,24 @@ def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> N
             node.replace_all_uses_with(first)
             ROLE.set(node, ("alias", role[1]))
             ALIAS_OF.set(node, ROLE.of(first)[1])
+
+
+_COPIES = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
+
+
+def _split_at_constant_indices(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensor_split(x, t, dim)` by a constant tensor `t` made in forward becomes the overload of its
+    values (sections or a list of indices): a fake run has no values to split at."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.tensor_split.tensor_indices_or_sections):
+        source = node.args[1]
+        while source.op == "call_function" and source.target in _COPIES:
+            source = source.args[0]
+        if source.op != "placeholder" or ROLE.of(source)[0] != "constant":
+            continue
+        value = tensors[ROLE.of(source)[1]]
+        overload = torch.ops.aten.tensor_split.sections if value.dim() == 0 else torch.ops.aten.tensor_split.indices
+        node.target = overload
+        node.args = (node.args[0], value.tolist(), *node.args[2:])
 
 
 def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:

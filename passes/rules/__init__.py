@@ -35,6 +35,7 @@ from tess_compile.passes.rules import (
     products,
     reductions,
     sizes,
+    view_aliases,
     views,
 )
 from tess_compile.passes.rules.family import Family
@@ -43,7 +44,7 @@ __all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rule", "placeme
 
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
-    complex_numbers, experts, pooling, indexing, sizes, einsum,
+    complex_numbers, experts, pooling, indexing, sizes, einsum, view_aliases,
 ))
 
 
