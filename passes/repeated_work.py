@@ -27,9 +27,9 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
-from torch.utils.flop_counter import FlopCounterMode
 
 from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, placeholder_values
+from tess_compile.core.flops import flop_counter
 from tess_compile.core.layout import Layout, Partial
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import GLOBAL_NODE, LAYOUT, REPLICATED
@@ -115,9 +115,9 @@ def _repeated_flops(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> tuple[d
 
 
 def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
-    """The matmul-like FLOPs (torch's FlopCounterMode) each node of `gm` runs on `inputs`, on fake
-    tensors; nodes that run none are left out."""
-    counter = FlopCounterMode(display=False)
+    """The matmul-like and FFT FLOPs (`tess_compile.core.flops.flop_counter`) each node of `gm` runs
+    on `inputs`, on fake tensors; nodes that run none are left out."""
+    counter = flop_counter()
     run = _CountingRun(gm, counter)
     with FakeTensorMode(allow_non_fake_inputs=True), counter:
         run.run(*inputs)
@@ -125,7 +125,7 @@ def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
 
 
 class _CountingRun(Interpreter):
-    def __init__(self, gm: GraphModule, counter: FlopCounterMode):
+    def __init__(self, gm: GraphModule, counter):
         super().__init__(gm)
         self.counter, self.flops = counter, {}
 

@@ -27,6 +27,7 @@ from tess_compile.passes.rules import (
     embeddings,
     experts,
     factories,
+    fourier,
     indexing,
     losses,
     norms,
@@ -44,7 +45,7 @@ __all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rule", "placeme
 
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
-    complex_numbers, experts, pooling, indexing, sizes, einsum, view_aliases,
+    complex_numbers, experts, pooling, indexing, sizes, einsum, view_aliases, fourier,
 ))
 
 

@@ -44,11 +44,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 from tess_compile.passes.capture import capture
 from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
+from tess_compile.core.flops import flop_counter
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs
 from tess_compile.ops.collectives import COLLECTIVE_NAMES, COLLECTIVE_OPS, CommRecord
@@ -80,8 +80,8 @@ BytesByKey = dict[tuple[str, str], int]
 
 
 def forward_flops(program: Program) -> int:
-    """FLOPs of the matmul-like ops (torch's FlopCounterMode) one rank runs in forward."""
-    counter = FlopCounterMode(display=False)
+    """FLOPs of the matmul-like ops and FFTs (`tess_compile.core.flops.flop_counter`) one rank runs in forward."""
+    counter = flop_counter()
     fake_run(program.graph, program.mesh, within=counter)
     return counter.get_total_flops()
 
@@ -96,7 +96,7 @@ def unsharded_forward_flops(model: torch.nn.Module, example_inputs) -> int:
 
 def captured_forward_flops(gm: GraphModule) -> int:
     """`unsharded_forward_flops` of a graph already captured."""
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = [global_placeholder(n) for n in gm.graph.nodes if n.op == "placeholder"]
         with counter:
