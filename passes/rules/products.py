@@ -48,6 +48,7 @@ from tess_compile.passes.rules.common import (
 )
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.passes.rules.products_1d import place_parallel_linear
+from tess_compile.passes.source_lines import source_line
 from tess_compile.passes.summa import matmul
 
 __all__ = [
@@ -72,8 +73,8 @@ def _row_blocks(node: Node, ctx, x: Node, layout: Layout) -> tuple[Placement, Pl
     shape = list(shape_of(x))
     if len(shape) < 2:
         raise ValueError(
-            f"{display_name(x)!r} of shape {shape} feeds a matmul without a batch dim; "
-            "Tesseract splits rows over depth and row: give the input a batch dim"
+            f"{node.target} at {source_line(node)}: {display_name(x)!r} of shape {shape} feeds it without a batch "
+            "dim; Tesseract splits rows over depth and row: give the input a batch dim"
         )
     table = None  # whether x is no batch, asked only where its splits do not serve
     blocks = []
@@ -170,8 +171,8 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     if transposed and w_layout is not None:
         groups_out = w_layout.row.groups
     in_features, out_features = shape_of(w)[w_in], shape_of(w)[w_out]
-    fix = f"use sizes that are multiples of q={mesh.q} (hidden size, heads, MLP width), or another q"
-    check_divisible("in features", w, in_features, mesh.q, groups_in, ctx, fix)
+    fix = f"make each group a multiple of q={mesh.q} in size (a fused projection's parts), or use another q"
+    check_divisible(node, "in features", w, in_features, mesh.q, groups_in, ctx, fix)
     split_out = transposed or out_features % (mesh.q * groups_out) == 0 or not is_narrow_projection(node)
     if not split_out:
         warnings.warn(
@@ -181,7 +182,7 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
             stacklevel=2,
         )
         return _place_narrow_summa(node, ctx, x, w, bias, w_in, w_out, groups_in)
-    check_divisible("out features", w, out_features, mesh.q, groups_out, ctx, fix)
+    check_divisible(node, "out features", w, out_features, mesh.q, groups_out, ctx, fix)
     if stationary:
         return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, groups_out), transposed)
     rows = _row_blocks(node, ctx, x, x_layout)

@@ -42,6 +42,7 @@ from tess_compile.passes.rules.common import (
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Partial, Shard, split_size
 from tess_compile.core.mesh import AXES
 from tess_compile.core.meta_keys import LAYOUT
@@ -77,7 +78,8 @@ def _view_problem(node, x, in_shape, out_shape, dim, axis, parts, ctx) -> str:
     _, _, c, e = _segment(in_shape, out_shape, dim)
     factors = list(out_shape[c:e])
     return (
-        f"{node.target} of {display_name(x)!r} from {list(shape_of(x))} to {list(shape_of(node))} splits dim {dim} "
+        f"{node.target} at {source_line(node)} of {display_name(x)!r} from {list(shape_of(x))} to "
+        f"{list(shape_of(node))} splits dim {dim} "
         f"(split over {axis} in {parts} parts on mesh {ctx.mesh}) into {factors}: the outer factor "
         f"{factors[0]} is not divisible by {parts}"
     )
