@@ -122,10 +122,10 @@ def _rows_whole(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_out: int
     one): x whole on every rank, the weight's out features split over each axis that divides them
     (so no rank repeats another's products), and the output's features with them; if none does,
     the product runs whole on every rank (a warning says so)."""
-    placements, parts = [], 1
+    placements, parts, whole = [], 1, _whole_groups(node, shape_of(w)[w_out])
     for axis in AXES:
         size = ctx.mesh.size(axis)
-        splits = size > 1 and shape_of(w)[w_out] % (parts * size) == 0
+        splits = size > 1 and whole % (parts * size) == 0
         placements.append(Shard(w_out) if splits else R)
         parts *= size if splits else 1
     if parts == 1:
@@ -141,6 +141,19 @@ def _rows_whole(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_out: int
     if bias is not None:
         args[bias] = Layout(*(Shard(0) if isinstance(p, Shard) else R for p in placements))
     return Decision(args, out)
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
+
+
+def _whole_groups(node: Node, features: int) -> int:
+    """How many blocks a product's out `features` may be cut into: as many as there are features,
+    or where a view cuts them into `[n, size]` (attention heads), the `n` groups, kept whole."""
+    for user in node.users:
+        shape = shape_of(user) if user.target in _VIEWS else ()
+        if len(shape) >= 2 and shape[-1] != features and shape[-2] * shape[-1] == features:
+            return shape[-2]
+    return features
 
 
 def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
