@@ -1090,7 +1090,8 @@ def end_program(b: Builder, a: Args) -> None:
 OPS = {
     "linear": op_linear, "act": op_act, "norm": op_norm, "softmax": op_softmax, "reduce": op_reduce,
     "narrow": op_narrow, "slice": op_slice, "select": op_select, "cat": op_cat, "stack": op_stack,
-    "split": op_split, "chunk": op_chunk, "tensor_split": op_tensor_split, "as": op_as, "unbind": op_unbind, "heads": op_heads, "merge": op_merge,
+    "split": op_split, "chunk": op_chunk, "tensor_split": op_tensor_split, "as": op_as, "unbind": op_unbind,
+    "heads": op_heads, "merge": op_merge,
     "flatten": op_flatten, "unflatten": op_unflatten, "permute": op_permute, "expand": op_expand,
     "repeat": op_repeat, "matmul": op_matmul, "table": op_table, "embed": op_embed, "mlp": op_mlp,
     "rope": op_rope, "pad": op_pad, "roll": op_roll, "shift_copy": op_shift_copy, "index_put": op_index_put,
