@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tess_compile.core.dynamic import concrete
 from tess_compile.core.layout import Layout, Partial, Placement, Shard
@@ -151,7 +152,8 @@ def _whole_groups(node: Node, features: int) -> int:
     or where a view cuts them into `[n, size]` (attention heads), the `n` groups, kept whole."""
     for user in node.users:
         shape = shape_of(user) if user.target in _VIEWS else ()
-        if len(shape) >= 2 and shape[-1] != features and shape[-2] * shape[-1] == features:
+        if len(shape) >= 2 and all(isinstance(size, int) for size in shape[-2:]) and shape[-2] > 1 \
+                and shape[-2] * shape[-1] == features:
             return shape[-2]
     return features
 
@@ -334,7 +336,7 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = Tru
             rows //= parts
         elif isinstance(pb, Shard) and pb.dim == ndb - 1:
             pair, out[index] = (R, pb), Shard(n_out - 1, pb.groups)
-        elif parts > 1 and (weight_left or whole) and rows % parts == 0:  # a's rows sliced, for free if whole
+        elif parts > 1 and (weight_left or whole) and statically_known_true(rows % parts == 0):  # free if whole
             pair, out[index] = (Shard(nda - 2), R), Shard(n_out - 2)
             rows //= parts
         elif weights and (widens or not splits_k or not partial):

@@ -15,6 +15,7 @@ views family's own.)
 from __future__ import annotations
 
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import arg_layout, aten, get_arg, normalize_dim, shape_of
@@ -44,7 +45,8 @@ def lower_tensor_split(b: Builder, node: Node, args, kwargs):
     global_size = shape_of(x)[dim]
     local_size = arg_layout(node, x).local_shape(shape_of(x), b.mesh)[dim]
     sizes = [piece.shape[dim] for piece in node.meta["val"]]
-    local = sizes if local_size == global_size else [size * local_size // global_size for size in sizes]
+    local = sizes if statically_known_true(local_size == global_size) else [
+        size * local_size // global_size for size in sizes]
     return b.call(aten.split_with_sizes.default, args[0], local, dim)
 
 
