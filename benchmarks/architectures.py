@@ -107,6 +107,7 @@ _CAUSAL = Usage(labels="next", padding="left", config=True)
 # a fully masked row (a left pad) gives NaN in the unsharded model, so these pad on the right
 _CAUSAL_SOFTMAX32 = Usage(labels="next", padding="right", config=True)
 _SEQ2SEQ = Usage(labels="decoder", config=True)  # its labels call pads the encoder's attention_mask
+_MIXER = Usage(labels="next", padding="right")  # recurrent mixers: labels and a padded mask, no config calls
 _ENCODER = Usage(padding="right", config=True)
 _CONFIG_ONLY = Usage(config=True)  # images; BERT-like models, whose default call pads already
 
@@ -321,6 +322,20 @@ ARCHITECTURES: dict[str, Architecture] = {
     "rwkv": _hf_causal("RwkvConfig", "RwkvForCausalLM", Usage(labels="next", config=True), vocab_size=VOCAB,
                        hidden_size=HIDDEN, num_hidden_layers=LAYERS, attention_hidden_size=HIDDEN,
                        intermediate_size=MLP, context_length=2 * SEQ, rescale_every=0),
+    # sequence mixers without attention: Mamba's selective scan (a depthwise causal conv, then a scan over
+    # the sequence), Mamba-2's chunked state-space duality, Qwen3-Next's chunked gated delta rule (linear
+    # attention) beside full attention; padded positions are zeroed before each mixer
+    "mamba": _hf_causal("MambaConfig", "MambaForCausalLM", _MIXER, vocab_size=VOCAB, hidden_size=HIDDEN,
+                        state_size=8, num_hidden_layers=LAYERS, expand=2, conv_kernel=4, time_step_rank=4),
+    "mamba2": _hf_causal("Mamba2Config", "Mamba2ForCausalLM", _MIXER, vocab_size=VOCAB, hidden_size=HIDDEN,
+                         state_size=8, num_hidden_layers=LAYERS, expand=2, conv_kernel=4, num_heads=8, head_dim=8,
+                         n_groups=2, chunk_size=4),
+    "qwen3-next": _hf_causal("Qwen3NextConfig", "Qwen3NextForCausalLM", _MIXER, head_dim=8, num_key_value_heads=2,
+                             linear_num_value_heads=HEADS, linear_num_key_heads=2, linear_key_head_dim=8,
+                             linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                             layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                             experts_implementation="batched_mm", **_DECODER),
     # Hugging Face encoders (DeBERTa-v2: disentangled relative-position attention)
     "bert": _bert_like("BertConfig", "BertForMaskedLM"),
     "roberta": _bert_like("RobertaConfig", "RobertaForMaskedLM", pad_token_id=1),

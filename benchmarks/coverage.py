@@ -13,15 +13,16 @@ both run after `torch.manual_seed(SEED)` (dropout draws the same masks):
   eval call runs under `torch.no_grad()`, as a validation loop does, and
   compares the loss and the logits (relative to the largest logit);
 - `own loss`: with labels, the same for the model's own `.loss` (transformers'
-  causal-LM losses upcast the logits to float32; seq2seq losses keep float64);
+  causal-LM losses ask for float32 logits, which stay float64 here);
 - `redundant`: forward FLOPs over all ranks over the unsharded model's
   (`tess_compile.analysis.accounting.redundant_work`; 1.00: no rank repeats another's
   matmul-like work);
 - `replicated`: the ops with no sharding rule (they run whole on every rank);
 - `computes in`: float64, or the least precise dtype the model's own graph
-  casts a float64 value down to (Llama's RMSNorm computes in float32 even in
-  a float64 model: then float32 rounding in another summation order bounds
-  the error).
+  casts a float64 value down to. Both runs keep float64 through the model's
+  own casts down (`tess_compile.keep_float64`: Llama's RMSNorm, rotary tables
+  and transformers' losses ask for float32), as `check` does, so every model
+  here computes in float64 and is compared at 1e-12.
 
 A case that does not compile or run gets its error's first line instead.
 
@@ -31,9 +32,7 @@ A case that does not compile or run gets its error's first line instead.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import functools
 import math
 import os
 import sys
@@ -45,9 +44,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile  # noqa: E402
 from benchmarks.architectures import ARCHITECTURES, build, calls  # noqa: E402
-from tess_compile.passes.observers import PassResult, add_pass_observer, remove_pass_observer
-from tess_compile.analysis.accounting import captured_forward_flops, redundant_work
-from tess_compile.validation import model_facts
+from tess_compile.analysis.accounting import redundant_work  # noqa: E402
+from tess_compile.keep_float64 import keeping_float64  # noqa: E402
+from tess_compile.validation import captured_facts  # noqa: E402
 
 __all__ = ["CALLS", "MESHES", "SEED", "Row", "cases", "main", "measure"]
 
@@ -132,46 +131,22 @@ def measure(name: str, call: str, label: str, q: int, d: int, mode: str) -> Row:
     try:
         case = build(name, call)
         oracle = copy.deepcopy(case.model)
-        with warnings.catch_warnings(record=True) as caught, _captured_flops() as flops:
-            warnings.simplefilter("always")
-            sim = tess_compile.simulate(case.model, q, d, example_inputs=case.inputs, mode=mode)
-        row.replicated = _replicated_ops(caught)
-        (logits, got), (expected_logits, expected) = (_run(m, case, grad=call != "eval") for m in (sim, oracle))
+        with keeping_float64(case.model, oracle):
+            with warnings.catch_warnings(record=True) as caught, captured_facts() as facts:
+                warnings.simplefilter("always")
+                sim = tess_compile.simulate(case.model, q, d, example_inputs=case.inputs, mode=mode)
+            row.replicated = _replicated_ops(caught)
+            (logits, got), (expected_logits, expected) = (_run(m, case, grad=call != "eval") for m in (sim, oracle))
         row.error = _compare(sim, oracle, got[0], expected[0], retain_graph=case.own_loss)
         if call == "eval":  # no gradients: the whole output too
             row.error = _worst([row.error, _relative(logits, expected_logits)])
         if case.own_loss:
             row.own_loss_error, row.own_loss_dtype = _compare(sim, oracle, got[1], expected[1]), expected[1].dtype
-        row.compute_dtype = _model_facts(name)[1]  # the default call's: a float32 own loss is compared apart
-        row.redundant = redundant_work(sim.program, flops[0])
+        flops, row.compute_dtype = facts[0]
+        row.redundant = redundant_work(sim.program, flops)
     except Exception as error:  # noqa: BLE001 - a table of what fails is the point
         row.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     return row
-
-
-@contextlib.contextmanager
-def _captured_flops():
-    """A list that gets the forward FLOPs of each graph that a compile in the block captures: the
-    unsharded model's as called (dropout, for one, changes them), without a capture of its own."""
-    flops: list[int] = []
-
-    def observe(result: PassResult) -> None:
-        if result.name == "capture":
-            flops.append(captured_forward_flops(result.graph))
-
-    add_pass_observer(observe)
-    try:
-        yield flops
-    finally:
-        remove_pass_observer(observe)
-
-
-@functools.cache
-def _model_facts(name: str) -> tuple[int, torch.dtype]:
-    """The unsharded model's forward FLOPs, and the dtype it computes in
-    (`tess_compile.validation.model_facts`: one capture, shared by every mesh)."""
-    case = build(name)
-    return model_facts(case.model, case.inputs)
 
 
 def _replicated_ops(caught) -> list[str]:

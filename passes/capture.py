@@ -21,7 +21,8 @@ device (a user input's, else the first lifted tensor's) becomes a
 it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
 
 Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line
-(`tess_compile.passes.data_dependent`).
+(`tess_compile.passes.data_dependent`). An error the model itself raises on the inputs is
+raised as it is, with its line (`tess_compile.passes.model_errors`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tess_compile.passes.data_dependent import (
     is_data_dependent,
     refuse_data_dependent_shapes,
 )
+from tess_compile.passes.model_errors import the_models_own_errors
 from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
@@ -60,7 +62,7 @@ from tess_compile.core.meta_keys import (
 )
 from tess_compile.ops.local import device_of
 
-__all__ = ["capture", "shape_env_of"]
+__all__ = ["capture", "is_cache", "shape_env_of"]
 
 log = logging.getLogger("tess_compile.passes")
 
@@ -94,7 +96,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     dims = None
     if batch_factor is not None:
         args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
-    with explained_data_dependence(model), autocast_off_everywhere(), running_under(autocast):
+    with (explained_data_dependence(model), the_models_own_errors(model, args, kwargs), autocast_off_everywhere(),
+          running_under(autocast)):
         ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module
@@ -120,6 +123,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
         else:
             raise ValueError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
     _merge_tied(gm, tensors)
+    _split_at_constant_indices(gm, tensors)
     _inline_grad_mode_wrappers(gm)
     functionalize_view_mutations(gm)
     _drop_dead_code(gm)
@@ -272,7 +276,7 @@ def _exportable(dropped: list[str], path, value):
     if isinstance(value, (torch.Tensor, *_PLAIN)):
         return value
     where = f"output{pytree.keystr(path)}"
-    if any(cls.__name__ == "Cache" for cls in type(value).__mro__):
+    if is_cache(value):
         dropped.append(f"a {type(value).__name__} at {where}")
         return None
     raise ValueError(
@@ -280,6 +284,12 @@ def _exportable(dropped: list[str], path, value):
         "cannot return: return tensors, numbers, strings or lists, tuples and dicts of them (a type that holds "
         "tensors can be registered with torch.utils._pytree.register_pytree_node), or leave it out of forward's outputs"
     )
+
+
+def is_cache(value) -> bool:
+    """Whether `value` is a cache of past keys and values (an object of a class named `Cache` or of
+    a subclass, as transformers' are), which the sharded module returns as None."""
+    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
 
 
 def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
@@ -299,6 +309,24 @@ def _merge_tied(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> N
             node.replace_all_uses_with(first)
             ROLE.set(node, ("alias", role[1]))
             ALIAS_OF.set(node, ROLE.of(first)[1])
+
+
+_COPIES = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
+
+
+def _split_at_constant_indices(gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensor_split(x, t, dim)` by a constant tensor `t` made in forward becomes the overload of its
+    values (sections or a list of indices): a fake run has no values to split at."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.tensor_split.tensor_indices_or_sections):
+        source = node.args[1]
+        while source.op == "call_function" and source.target in _COPIES:
+            source = source.args[0]
+        if source.op != "placeholder" or ROLE.of(source)[0] != "constant":
+            continue
+        value = tensors[ROLE.of(source)[1]]
+        overload = torch.ops.aten.tensor_split.sections if value.dim() == 0 else torch.ops.aten.tensor_split.indices
+        node.target = overload
+        node.args = (node.args[0], value.tolist(), *node.args[2:])
 
 
 def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:

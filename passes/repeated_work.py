@@ -10,8 +10,11 @@ op (a fake run of the placed graph, global shapes) and of the per-rank nodes
 made for it (a fake run of the per-rank graph, `GLOBAL_NODE`), and
 names each op whose FLOPs over all ranks exceed the unsharded op's by more
 than `REPEATED_SHARE` of the model's FLOPs, with its source line and the
-repeated FLOPs. One warning lists both kinds; `strict=True` makes repeated
-work an error (ops without a rule are refused already by the place pass).
+repeated FLOPs. Ops under the share each can still add up: when the whole
+forward's FLOPs over all ranks exceed the model's by more than the share (the
+ratio `check` reports as redundant work), the largest contributors are named
+too. One warning lists both kinds; `strict=True` makes repeated work an error
+(ops without a rule are refused already by the place pass).
 Reads `REPLICATED`, `GLOBAL_NODE` and `LAYOUT` (the bytes a replicated op gathers).
 """
 
@@ -24,7 +27,6 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
-from torch.utils.flop_counter import FlopCounterMode
 
 from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, placeholder_values
 from tess_compile.core.flops import flop_counter
@@ -37,8 +39,9 @@ __all__ = ["REPEATED_SHARE", "report_repeated_work"]
 
 log = logging.getLogger("tess_compile")
 
-# Repeated FLOPs of one op, as a share of the model's, above which the op is named.
+# Repeated FLOPs of one op, or of the whole forward, as a share of the model's, above which they are named.
 REPEATED_SHARE = 0.05
+NUM_CONTRIBUTORS = 5  # the ops named when the sum passes the share
 
 
 def report_repeated_work(gm: GraphModule, mesh: Mesh, *, placed: GraphModule, strict: bool = False) -> GraphModule:
@@ -47,8 +50,8 @@ def report_repeated_work(gm: GraphModule, mesh: Mesh, *, placed: GraphModule, st
     lines = _repeated_lines(gm, mesh, placed)
     if lines and strict:
         raise ValueError(
-            f"{len(lines)} op(s) repeat work across the ranks of mesh {mesh}, and strict=True forbids it:\n"
-            + "\n".join(lines) + "\nshard the op (split the dim the repeated work runs over), or pass strict=False"
+            "\n".join(lines) + "\nstrict=True forbids repeated work: shard the op (split the dim the repeated work "
+            "runs over), or pass strict=False"
         )
     replicated, count = _replicated_lines(placed, mesh)
     sections = []
@@ -57,17 +60,43 @@ def report_repeated_work(gm: GraphModule, mesh: Mesh, *, placed: GraphModule, st
                         "every rank, outputs re-split by their consumers; strict=True makes this an error):\n"
                         + "\n".join(replicated))
     if lines:
-        sections.append(f"{len(lines)} op(s) repeat work across the ranks of mesh {mesh} (FLOPs over all ranks beyond "
-                        f"the unsharded op's, over {REPEATED_SHARE:.0%} of the model's; strict=True makes this an "
-                        "error):\n" + "\n".join(lines))
+        sections.append("\n".join(lines) + "\n(strict=True makes repeated work an error)")
     if sections:
         warnings.warn("\n".join(sections), UserWarning, stacklevel=2)
     return gm
 
 
 def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[str]:
-    """A line per op whose FLOPs over all ranks exceed its unsharded FLOPs by over the share;
-    none if a fake run cannot count them (`UNCHECKABLE`: data-dependent shapes, a meta model)."""
+    """A heading and a line per op that repeats work: each op whose FLOPs over all ranks exceed
+    its unsharded FLOPs by over `REPEATED_SHARE` of the model's, and, when the whole forward's
+    repeated FLOPs pass the share, its largest contributors (replicated ops included). None if
+    a fake run cannot count them (`UNCHECKABLE`: data-dependent shapes, a meta model)."""
+    counted = _repeated_flops(gm, mesh, placed)
+    if counted is None:
+        return []
+    repeated, model, total = counted
+    if not model:
+        return []
+    over = [node for node, flops in repeated.items() if flops > REPEATED_SHARE * model and not REPLICATED.has(node)]
+    if total > REPEATED_SHARE * model:
+        largest = sorted(repeated, key=lambda node: -repeated[node])[:NUM_CONTRIBUTORS]
+        over += [node for node in largest if node not in over and repeated[node] > 0]
+    if not over:
+        return []
+    if total > REPEATED_SHARE * model:
+        heading = (f"ops repeat work across the ranks of mesh {mesh}: the forward's FLOPs over all ranks are "
+                   f"{1 + total / model:.2f}x the unsharded model's {model} ({total / model:.0%} repeated, over "
+                   f"{REPEATED_SHARE:.0%}); the ops that repeat the most:")
+    else:
+        heading = (f"{len(over)} op(s) repeat work across the ranks of mesh {mesh}, each over {REPEATED_SHARE:.0%} "
+                   f"of the model's {model} FLOPs:")
+    return [heading] + [f"  {node.target} at {source_line(node)}: repeats {repeated[node]} FLOPs "
+                        f"({repeated[node] / model:.0%} of the model's)" for node in over]
+
+
+def _repeated_flops(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> tuple[dict[Node, int], int, int] | None:
+    """`({op of placed: FLOPs over all ranks beyond its unsharded FLOPs}, the model's FLOPs, the whole
+    forward's FLOPs over all ranks beyond the model's)`, or None if a fake run cannot count them."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = placeholder_values(gm, mesh)
     try:
@@ -75,24 +104,19 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
         local = flops_by_node(gm, inputs)
     except UNCHECKABLE as err:
         log.debug("repeated work not counted: %s", err)
-        return []
+        return None
     per_rank: dict[str, int] = {}
     for node, flops in local.items():
         name = GLOBAL_NODE.get(node)
         per_rank[name] = per_rank.get(name, 0) + flops
     model = sum(unsharded.values())
-    lines = []
-    for node, flops in unsharded.items():
-        repeated = mesh.num_ranks * per_rank.get(node.name, 0) - flops
-        if model and repeated > REPEATED_SHARE * model and not REPLICATED.has(node):
-            lines.append(f"  {node.target} at {source_line(node)}: repeats {repeated} FLOPs "
-                         f"({repeated / model:.0%} of the model's {model})")
-    return lines
+    repeated = {node: mesh.num_ranks * per_rank.get(node.name, 0) - flops for node, flops in unsharded.items()}
+    return repeated, model, mesh.num_ranks * sum(local.values()) - model
 
 
 def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
-    """The matmul-like FLOPs (torch's FlopCounterMode) each node of `gm` runs on `inputs`, on fake
-    tensors; nodes that run none are left out."""
+    """The matmul-like, attention and FFT FLOPs (`tess_compile.core.flops.flop_counter`) each node of
+    `gm` runs on `inputs`, on fake tensors; nodes that run none are left out."""
     counter = flop_counter()
     run = _CountingRun(gm, counter)
     with FakeTensorMode(allow_non_fake_inputs=True), counter:
@@ -101,7 +125,7 @@ def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
 
 
 class _CountingRun(Interpreter):
-    def __init__(self, gm: GraphModule, counter: FlopCounterMode):
+    def __init__(self, gm: GraphModule, counter):
         super().__init__(gm)
         self.counter, self.flops = counter, {}
 

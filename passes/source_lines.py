@@ -5,7 +5,8 @@ function's op shows at the forward line that calls it. Library frames (torch, th
 compiler's own, Hugging Face's layers and helpers outside `transformers/models/`,
 and generated code such as `<string>`) are skipped, unless there is no other.
 An error's traceback holds every frame, helpers' too: `raised_at` reads the
-frames below the compiler's own (capture calling the model).
+frames below the compiler's own (capture calling the model); `called_from` reads
+the stack of a call in progress.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import NamedTuple
 
 from torch.fx import Node
 
-__all__ = ["raised_at", "source_line", "with_code"]
+__all__ = ["called_from", "raised_at", "source_line", "with_code"]
 
 
 class _Frame(NamedTuple):
@@ -84,6 +85,17 @@ def raised_at(err: BaseException) -> str | None:
     """`file:line` of the model code where `err` was raised: the innermost model frame of its traceback
     below the compiler's last frame (the model as capture called it), or None without such frames."""
     frames = [_Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(err.__traceback__)]
+    last_own = max((i for i, frame in enumerate(frames) if _is_own(frame.path)), default=-1)
+    frame = _innermost_model_frame(frames[last_own + 1 :])
+    return f"{frame.path}:{frame.line}" if frame else None
+
+
+def called_from() -> str | None:
+    """`file:line` of the model code that is calling now (for a TorchFunctionMode of ours: the
+    innermost model frame between the compiler's frames that called the model and its own), or None."""
+    frames = [_Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack()]
+    while frames and _is_own(frames[-1].path):
+        frames.pop()
     last_own = max((i for i, frame in enumerate(frames) if _is_own(frame.path)), default=-1)
     frame = _innermost_model_frame(frames[last_own + 1 :])
     return f"{frame.path}:{frame.line}" if frame else None

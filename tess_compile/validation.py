@@ -13,9 +13,12 @@ result is a `CheckReport`; docs/check.md says how to read its table.
 Errors are relative: an output to its own largest element, the loss to
 itself, a gradient to the model's largest gradient, a parameter after the
 step to the model's largest parameter, a buffer to its own largest element.
-The tolerance is 1e-12 in float64; a model whose own code casts a float64
-value down (`compute_dtype`: Llama's RMSNorm and rotary tables compute in
-float32) has that dtype's rounding as its floor (float32: 1e-5).
+The tolerance is 1e-12 in float64. Both copies run their forward under
+`tess_compile.keep_float64` (the model's own casts to float32, as in Llama's
+RMSNorm, keep float64; the report lists them); a model whose graph still
+casts a float64 value down (`compute_dtype`) has that dtype's rounding as its
+floor (float32: 1e-5). A cache the sharded module does not return (transformers'
+DynamicCache under use_cache=True) is reported as not compared.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
-from tess_compile.passes.capture import capture
+from tess_compile.passes.capture import is_cache
+from tess_compile.passes.observers import PassResult, add_pass_observer, remove_pass_observer
 from tess_compile.analysis.accounting import captured_forward_flops, redundant_work
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.core.cluster import Cluster
@@ -42,6 +46,7 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import GLOBAL_NODE, REPLICATED
 from tess_compile.core.options import CompileOptions, takes_compile_options
 from tess_compile.core.program import Program, split_example_inputs
+from tess_compile.keep_float64 import keeping_float64
 from tess_compile.runtime.simulator import SimulatedModule
 
 __all__ = [
@@ -49,9 +54,10 @@ __all__ = [
     "CheckReport",
     "SEED",
     "TOLERANCES",
+    "captured_facts",
     "check",
+    "compare_outputs",
     "compute_dtype",
-    "model_facts",
     "replicated_ops",
     "tolerance_for",
 ]
@@ -88,6 +94,8 @@ class CheckReport:
     optimizer: str
     redundant_work: float | None  # forward FLOPs over all ranks / unsharded; None: no matmul-like FLOPs
     replicated_ops: list[str]  # "op xN at file:line"
+    not_compared: dict[str, str]  # output name -> why (a cache the sharded module does not return)
+    kept_float64: list[str]  # the model's casts down that ran in float64: "what at file:line"
 
     @property
     def checks(self) -> dict[str, dict[str, float]]:
@@ -122,8 +130,9 @@ class CheckReport:
 
     def table(self) -> str:
         """The report as a table: a header with the mesh and tolerance, then one row per check."""
+        skipped = "".join(f"; not compared: {name}, {why}" for name, why in self.not_compared.items())
         rows = [
-            ("outputs", _largest(self.outputs), _worst_names(self.outputs, "tensor")),
+            ("outputs", _largest(self.outputs), _worst_names(self.outputs, "tensor") + skipped),
             ("loss", self.loss, f"{self.loss_source}: {self.loss_values[0]:.10g} sharded, "
                                 f"{self.loss_values[1]:.10g} unsharded"),
             ("gradients", _largest(self.gradients), _worst_names(self.gradients, "parameter")),
@@ -149,8 +158,18 @@ def _header(report: CheckReport) -> str:
     mesh = report.mesh
     dtype = str(report.compute_dtype).removeprefix("torch.")
     why = "" if report.compute_dtype == torch.float64 else f" (its code casts float64 down to {dtype})"
-    return (f"tess-compile check: mesh {mesh}, mode {mesh.mode}, {mesh.num_ranks} ranks simulated on float64 copies\n"
-            f"the model computes in {dtype}{why}: tolerance {report.tolerance:g}")
+    lines = [f"tess-compile check: mesh {mesh}, mode {mesh.mode}, {mesh.num_ranks} ranks simulated on float64 copies",
+             f"the model computes in {dtype}{why}: tolerance {report.tolerance:g}"]
+    if report.kept_float64:
+        lines.append(f"kept float64 at the model's own casts to a less precise dtype ({len(report.kept_float64)}): "
+                     + ", ".join(_short(cast) for cast in report.kept_float64))
+    return "\n".join(lines)
+
+
+def _short(cast: str) -> str:
+    """"what at file:line" with the file's base name."""
+    what, _, where = cast.rpartition(" at ")
+    return f"{what} at {os.path.basename(where)}"
 
 
 def _fails(error: float, tolerance: float) -> bool:
@@ -179,14 +198,6 @@ def _worst_names(errors: dict[str, float], what: str) -> str:
 def tolerance_for(dtype: torch.dtype) -> float:
     """The relative error a model that computes in `dtype` may show (`TOLERANCES`)."""
     return TOLERANCES.get(dtype, 10 * torch.finfo(dtype).eps)
-
-
-def model_facts(model: nn.Module, example_inputs) -> tuple[int, torch.dtype]:
-    """A float64 model's forward FLOPs (matmul-like, torch's FlopCounterMode) and the dtype it
-    computes in (`compute_dtype`), from one capture."""
-    args, kwargs = split_example_inputs(example_inputs)
-    gm = capture(model, args, kwargs)
-    return captured_forward_flops(gm), compute_dtype(gm)
 
 
 def compute_dtype(gm: GraphModule) -> torch.dtype:
@@ -232,7 +243,8 @@ def check(
     of a gradient that is mathematically zero). The loss is `loss_fn(output)`,
     else the output's `.loss` (a Hugging Face model fed labels), else the
     output if it is a scalar, else a fixed random projection of the floating
-    outputs. The compile options are those of `CompileOptions`; `strict=True`
+    outputs. Both copies keep float64 through the model's own casts down
+    (`tess_compile.keep_float64`). The compile options are those of `CompileOptions`; `strict=True`
     also raises a `CheckMismatch` (a ValueError naming the worst tensor) on a
     mismatch. `tolerance` overrides the dtype's (`tolerance_for`). Progress goes
     to stderr when it is a terminal and `progress` is true. Returns a `CheckReport`.
@@ -243,17 +255,17 @@ def check(
     bar = tqdm(total=len(STAGES), desc="tess-compile check", file=sys.stderr, leave=False, ascii=True,
                bar_format="{desc} [{bar:20}] {n_fmt}/{total_fmt} stages, {elapsed}",
                disable=not (progress and sys.stderr.isatty()))
-    with bar, torch.random.fork_rng(devices=[]):
-        with _stage(bar, "compile"):
+    with bar, torch.random.fork_rng(devices=[]), keeping_float64(model64, oracle) as kept:
+        with _stage(bar, "compile"), captured_facts() as facts:
             program = compile_for(model64, mesh, inputs, options, cluster).program
             sim = SimulatedModule(program)
-            flops, dtype = model_facts(model64, inputs)
+        flops, dtype = facts[0]
         with _stage(bar, "sharded run"):
             out, loss, loss_source = _run(sim, inputs, loss_fn)
         with _stage(bar, "unsharded run"):
             expected, expected_loss, _ = _run(oracle, inputs, loss_fn)
         with _stage(bar, "compare"):
-            outputs = _compare_outputs(out, expected)
+            outputs, not_compared = compare_outputs(out, expected)
             gradients = _compare_gradients(sim.full_grads(), oracle)
         with _stage(bar, "optimizer step"):
             weights, optimizer_name = _step_and_compare(sim, oracle, optimizer)
@@ -262,13 +274,30 @@ def check(
         outputs=outputs, loss=_relative(loss, expected_loss, _scale(expected_loss)), loss_source=loss_source,
         loss_values=(loss.item(), expected_loss.item()), gradients=gradients, weights=weights,
         optimizer=optimizer_name, redundant_work=redundant_work(program, flops),
-        replicated_ops=replicated_ops(program),
+        replicated_ops=replicated_ops(program), not_compared=not_compared, kept_float64=list(kept.kept),
     )
     if options.strict and not report.ok:
         raise CheckMismatch(f"tess_compile.check: {report.mismatch} on mesh {mesh}: a sharding rule computes it "
                             "otherwise than the model does; report the table below as a bug, and meanwhile try "
                             f"another mode= or summa= (strict=False returns the report)\n{report.table()}", report)
     return report
+
+
+@contextlib.contextmanager
+def captured_facts():
+    """A list that gets `(forward FLOPs, compute dtype)` of each graph that a compile in the block
+    captures: the unsharded model's facts from the compile's own capture, not a capture of its own."""
+    facts: list[tuple[int, torch.dtype]] = []
+
+    def observe(result: PassResult) -> None:
+        if result.name == "capture":
+            facts.append((captured_forward_flops(result.graph), compute_dtype(result.graph)))
+
+    add_pass_observer(observe)
+    try:
+        yield facts
+    finally:
+        remove_pass_observer(observe)
 
 
 @contextlib.contextmanager
@@ -281,8 +310,6 @@ def _stage(bar: tqdm, name: str):
 def _float64_copies(model: nn.Module, example_inputs) -> tuple[nn.Module, object]:
     """A float64 deep copy of `model` without gradients, and `example_inputs` with every
     floating tensor cast to float64 (every tensor a copy)."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"tess_compile.check(model={type(model).__name__}): pass the nn.Module to check")
     meta = next((name for name, t in model.state_dict().items() if t.is_meta), None)
     if meta is not None:
         raise ValueError(f"tess_compile.check: {meta} of the model is on the meta device, so there is nothing to "
@@ -333,14 +360,22 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _compare_outputs(out, expected) -> dict[str, float]:
-    """`{output path: error}` of every tensor leaf, each relative to its own largest element."""
-    actual = pytree.tree_leaves(out)
-    paths = pytree.tree_flatten_with_path(expected)[0]
-    if len(actual) != len(paths):
-        return {"output": math.inf}
-    return {f"output{pytree.keystr(path)}": _relative(a, e, _scale(e)) for a, (path, e) in zip(actual, paths)
-            if isinstance(e, torch.Tensor)}
+def compare_outputs(out, expected) -> tuple[dict[str, float], dict[str, str]]:
+    """`{output path: error}` of every tensor leaf of the unsharded output `expected`, each relative
+    to its own largest element (one `out` lacks or adds: inf), and `{output path: why}` of the caches
+    that the sharded module does not return (it is compiled without them: `capture`), not compared."""
+    actual = {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path(out, is_leaf=is_cache)[0]}
+    errors, not_compared = {}, {}
+    for path, leaf in pytree.tree_flatten_with_path(expected, is_leaf=is_cache)[0]:
+        key, name = pytree.keystr(path), f"output{pytree.keystr(path)}"
+        if is_cache(leaf) and actual.get(key) is None:
+            not_compared[name] = (f"a {type(leaf).__name__} that the sharded module does not return (a training "
+                                  "forward does not need the cache)")
+        elif isinstance(leaf, torch.Tensor):
+            errors[name] = _relative(actual.pop(key, None), leaf, _scale(leaf))
+    errors.update({f"output{key}": math.inf for key, leaf in actual.items()
+                   if isinstance(leaf, torch.Tensor) and f"output{key}" not in errors})
+    return errors, not_compared
 
 
 def _compare_gradients(grads: dict[str, torch.Tensor | None], oracle: nn.Module) -> dict[str, float]:

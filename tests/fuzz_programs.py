@@ -432,6 +432,36 @@ def op_chunk(b: Builder, a: Args) -> None:
     b.set_shape(b.shape[:dim] + [sizes[which]] + b.shape[dim + 1:])
 
 
+def op_tensor_split(b: Builder, a: Args) -> None:
+    """tensor_split at an index (swapped and rejoined; or at a tensor of indices), or into 2 to 4 sections
+    (uneven first pieces), one kept."""
+    dim = a.pick(_dims_last_first(b))
+    size = b.shape[dim]
+    if size < 2:
+        raise Skip
+    k, variant = a.int(1, size - 1), a.next() % 3
+    if variant in (0, 1):
+        at = f"[{k}]" if variant == 0 else f"torch.tensor([{k}])"
+        b.emit(f"first, rest = torch.tensor_split(h, {at}, {dim})", f"h = torch.cat([rest, first * 2], {dim})")
+        return
+    sections = a.int(2, min(size, 4))
+    sizes = [size // sections + (i < size % sections) for i in range(sections)]
+    which = a.int(0, sections - 1)
+    b.emit(f"h = h.tensor_split({sections}, dim={dim})[{which}]")
+    b.set_shape(b.shape[:dim] + [sizes[which]] + b.shape[dim + 1:])
+
+
+def op_as(b: Builder, a: Args) -> None:
+    """The `*_as` views: the value flattened to rows, and back by `reshape_as` or `view_as`; or a mean
+    along a dim subtracted by `expand_as`."""
+    variant = a.next() % 3
+    if variant == 2:
+        dim = a.pick(_dims_last_first(b))
+        b.emit(f"h = h - h.mean({dim}, keepdim=True).expand_as(h)")
+        return
+    b.emit(f"h = F.silu(h.reshape(-1, {b.shape[-1]})).{'reshape_as' if variant == 0 else 'view_as'}(h)")
+
+
 def op_unbind(b: Builder, a: Args) -> None:
     """unbind a small dim: restacked in reverse, summed, one kept, or cat along another dim."""
     dims = [dim for dim in _dims_last_first(b) if b.shape[dim] <= 6]
@@ -1063,7 +1093,8 @@ def end_program(b: Builder, a: Args) -> None:
 OPS = {
     "linear": op_linear, "act": op_act, "norm": op_norm, "softmax": op_softmax, "reduce": op_reduce,
     "narrow": op_narrow, "slice": op_slice, "select": op_select, "cat": op_cat, "stack": op_stack,
-    "split": op_split, "chunk": op_chunk, "unbind": op_unbind, "heads": op_heads, "merge": op_merge,
+    "split": op_split, "chunk": op_chunk, "tensor_split": op_tensor_split, "as": op_as, "unbind": op_unbind,
+    "heads": op_heads, "merge": op_merge,
     "flatten": op_flatten, "unflatten": op_unflatten, "permute": op_permute, "expand": op_expand,
     "repeat": op_repeat, "matmul": op_matmul, "table": op_table, "embed": op_embed, "mlp": op_mlp,
     "rope": op_rope, "pad": op_pad, "roll": op_roll, "shift_copy": op_shift_copy, "index_put": op_index_put,

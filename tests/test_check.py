@@ -7,8 +7,10 @@
    the norm; the report names them, and `strict=True` raises a ValueError.
 3. The command line prints the table and exits 0, or 1 with the broken rule (in this
    process; the installed script in a subprocess in the slow tier).
-4. A Hugging Face GPT-2 fed labels is checked on its own `.loss` (its loss
-   casts the logits to float32, so float32 rounding is its floor: 1e-5).
+4. A Hugging Face GPT-2 fed labels is checked on its own `.loss`, whose cast of the
+   logits to float32 keeps float64 (1e-12); so do a Llama-style RMSNorm's casts, and a rule
+   broken by 1e-7 behind one is caught. A cache the sharded module does not return
+   (transformers' DynamicCache under use_cache=True) is "not compared", never a mismatch.
 5. An op with no rule is listed as replicated, with its source line; `loss_fn=` and
    `optimizer=` replace the loss and the optimizer.
 """
@@ -155,9 +157,11 @@ def test_a_hugging_face_model_is_checked_on_its_own_loss():
     report = check(model, 2, 2, example_inputs=kwargs, progress=False)
     assert report.ok, report.table()
     assert report.loss_source == "the output's .loss"
-    assert report.compute_dtype == torch.float32 and report.tolerance == 1e-5  # HF's loss upcasts to float32
+    assert report.compute_dtype == torch.float64 and report.tolerance == 1e-12  # its loss's .float() kept float64
+    assert any(cast.startswith(".float() at ") and "modeling_gpt2.py" in cast for cast in report.kept_float64), report
     assert set(report.outputs) == {"output['loss']", "output['logits']"}
-    assert "(its code casts float64 down to float32): tolerance 1e-05" in report.table(), report.table()
+    assert "kept float64 at the model's own casts to a less precise dtype (1): .float() at modeling_gpt2.py:" \
+        in report.table(), report.table()
 
 
 class PowerOfTwo(nn.Module):
@@ -178,3 +182,93 @@ def test_ops_without_a_rule_are_listed_as_replicated_and_the_loss_and_optimizer_
     assert report.loss_source == "loss_fn" and report.optimizer == "Adam(lr=0.001)"
     assert len(report.replicated_ops) == 1 and report.replicated_ops[0].startswith("pow.Scalar x1 at "), report
     assert "test_check.py" in report.replicated_ops[0]
+
+
+class Float32RMSNorm(nn.Module):
+    """Llama's and Qwen's RMSNorm: computes in float32 whatever the model's dtype."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * x.to(dtype)
+
+
+def _llama_style():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Float32RMSNorm(16), nn.Linear(16, 8)), torch.randn(4, 3, 8)
+
+
+def test_casts_down_keep_float64_and_a_rule_off_by_1e_7_is_caught(monkeypatch):
+    model, x = _llama_style()
+    report = check(model, 2, 2, example_inputs=x, progress=False)
+    assert report.ok and report.compute_dtype == torch.float64 and report.tolerance == 1e-12, report.table()
+    assert [cast.split(" at ")[0] for cast in report.kept_float64] == [".to(torch.float32)"], report.kept_float64
+    assert "test_check.py" in report.kept_float64[0]
+    assert "forward" not in model.__dict__ and next(model.parameters()).dtype == torch.float32  # untouched
+
+    table = lowering_rules("2.5d")
+    monkeypatch.setitem(table, aten.rsqrt.default,  # the norm's scale off by a relative 1e-7
+                        lambda b, node, args, kwargs: b.call(aten.mul.Tensor, b.call(aten.rsqrt.default, *args),
+                                                             1.0 + 1e-7))
+    report = check(model, 2, 2, example_inputs=x, progress=False)
+    assert not report.ok and 1e-8 < report.outputs["output"] < 1e-6, report.table()
+
+
+class CachingModel(nn.Module):
+    """Returns a cache (an object of a class named Cache, as transformers' are) unless use_cache=False."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, use_cache: bool = True):
+        return {"logits": self.linear(x), "cache": TinyCache() if use_cache else None}
+
+
+class Cache:
+    pass
+
+
+class TinyCache(Cache):
+    pass
+
+
+def test_a_cache_the_sharded_module_drops_is_not_compared_and_warned_once(caplog):
+    torch.manual_seed(0)
+    report = check(CachingModel(), 2, 2, example_inputs=torch.randn(4, 3, 8), progress=False)
+    assert report.ok and set(report.outputs) == {"output['logits']"}, report.table()
+    assert list(report.not_compared) == ["output['cache']"], report.not_compared
+    assert "not compared: output['cache'], a TinyCache that the sharded module does not return" in report.table()
+    assert sum("returns a TinyCache" in record.getMessage() for record in caplog.records) == 1, caplog.text
+
+
+QWEN_PY = '''
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+def make():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(0, 64, (4, 16))
+    return Qwen2ForCausalLM(config), {"input_ids": ids, "labels": ids}
+'''
+
+
+@pytest.mark.slow
+def test_a_default_config_hugging_face_decoder_with_labels_passes(tmp_path, monkeypatch, capsys):
+    """Qwen2 as shipped: use_cache=True (its DynamicCache is not compared), RMSNorm and loss casts
+    to float32 kept float64, so compared at 1e-12."""
+    (tmp_path / "qwen.py").write_text(QWEN_PY)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["check", "qwen.py:make", "--q", "2", "--d", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "tolerance 1e-12" in out and "not compared: output['cache'], a DynamicCache" in out, out
+    assert ".to(torch.float32) at modeling_qwen2.py:" in out, out

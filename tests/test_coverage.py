@@ -10,12 +10,12 @@ parameter's full gradient with the unsharded model's (`benchmarks/coverage.py`,
 which also prints the table of docs/coverage.md):
 
 - exact: the largest difference relative to the model's largest gradient is
-  at most 1e-12, or 1e-5 for a model whose own code computes in float32 (Llama's
-  RMSNorm and rotary tables, T5's norm cast `.to(torch.float32)` even in a
-  float64 model, so float32 rounding in another summation order is the floor);
-  with labels, the model's own `.loss` and its gradients too, at the bound of
-  the coarser of its dtype (float32 in transformers' causal-LM losses) and the
-  model's;
+  at most 1e-12: both runs keep float64 through the model's own casts to
+  float32 (Llama's RMSNorm and rotary tables, T5's norm, transformers'
+  causal-LM losses: `tess_compile.keep_float64`); 1e-5 only for a model whose
+  captured graph still computes in float32; with labels, the model's own
+  `.loss` and its gradients too, at the bound of the coarser of its dtype and
+  the model's;
 - no redundant work: forward FLOPs over all ranks at most 1.05 times the
   unsharded model's.
 

@@ -303,3 +303,31 @@ def test_replicated_ops_are_summarised_once_at_their_own_line():
     # Each flip gathers the 7/8 of its [4, 8] float32 input that a rank does not hold
     # (its block: batch over depth and row, features over col).
     assert lines[1:] == [f"  aten.flip.default x2 at {inspect.getsourcefile(Flipped)}:{line}: gathers 224 bytes a rank"], reports[0]
+
+
+@pytest.mark.parametrize("face", ["simulate", "check", "dump", "shard"])
+def test_anything_but_a_module_is_told_what_to_pass(face):
+    with pytest.raises(ValueError, match=rf"tess_compile.{face}\(model=...\): got a builtins.function, and it takes a "
+                                         r"torch.nn.Module: pass the model itself"):
+        getattr(tess_compile, face)(lambda t: t * 2, 2, 1, example_inputs=(torch.randn(4, 3, 8),))
+
+
+class MeanOfIntegers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x.mean(-1, keepdim=True).expand(-1, -1, 8))  # a mean of integers fails in torch
+
+
+def test_an_error_of_the_model_itself_is_that_error_at_its_line_without_torch_logging(caplog):
+    ids = torch.ones(4, 3, 8, dtype=torch.long)
+    with pytest.raises(RuntimeError) as own:
+        MeanOfIntegers()(ids)
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError) as raised:
+        tess_compile.simulate(MeanOfIntegers(), 2, 1, example_inputs=(ids,))
+    message = str(raised.value)
+    assert message.startswith(str(own.value)), message
+    assert f"raised by MeanOfIntegers's own code at {__file__}:" in message and "x.mean(-1" in message, message
+    assert "failed while attempting to run meta" not in caplog.text, caplog.text

@@ -25,7 +25,8 @@ LAYERS = (
     ("tess_compile.passes", "tess_compile.runtime"),
     ("tess_compile.analysis",),
     ("tess_compile.training", "tess_compile.scale_out", "tess_compile.generation"),
-    ("tess_compile", "tess_compile.backend", "tess_compile.cli", "tess_compile.moved", "tess_compile.validation"),
+    ("tess_compile", "tess_compile.backend", "tess_compile.cli", "tess_compile.keep_float64", "tess_compile.moved",
+     "tess_compile.validation"),
 )
 
 

@@ -10,6 +10,7 @@ output and every parameter gradient equal to the unsharded model's."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -337,14 +338,17 @@ def test_position_table_is_no_batch(q, d, mode):
 
 
 @pytest.mark.parametrize("summa", ["auto", "gather", "overlap"])
-def test_table_too_small_to_split_runs_whole(summa):
-    """A table whose rows no axis divides (2 positions, depth x row = 4) runs whole, with a warning,
-    in every schedule (a product placed whole takes no steps)."""
+def test_table_too_small_to_split_by_rows_splits_its_out_features(summa):
+    """A table whose rows no axis divides (2 positions, depth x row = 4) splits the weight's out
+    features instead, by whole heads (4 of them: over depth and row), and runs as one local product
+    in every schedule; before, every rank computed it whole."""
     x = torch.randn(4, 1, 16, dtype=torch.float64)
     model = seeded(lambda: RelativeAttention(span=1))
     oracle = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match=r"no row dim of this table divides .* computes it whole"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         sim = tess_compile.simulate(model, 2, 2, example_inputs=(x,), summa=summa)
+    assert not [w for w in caught if "computes it whole" in str(w.message)], [str(w.message) for w in caught]
     assert_close_rel(sim(x), oracle(x), 1e-12, "output")
 
 

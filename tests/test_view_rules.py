@@ -165,15 +165,46 @@ class GroupedFeatures(nn.Module):
         return grouped.softmax(-1) if self.attend else grouped.mean(2)
 
 
-@pytest.mark.parametrize("attend", [False, True], ids=["plain", "attention"])
-def test_view_error_names_heads_only_for_attention(attend):
+def test_view_error_names_heads_only_for_attention():
     x = torch.randn(4, 4, 8)
     with pytest.raises(ValueError) as error:
-        tess_compile.simulate(GroupedFeatures(attend), 2, 2, example_inputs=(x,))
+        tess_compile.simulate(GroupedFeatures(attend=True), 2, 2, example_inputs=(x,))
     message = str(error.value)
     assert "splits dim 1" in message and "[3, 4]" in message and "outer factor 3 is not divisible by 2" in message, message
     assert "[q=2, q=2, d=2]" in message, message
-    if attend:
-        assert "head count not divisible by 2" in message and "multiple of 2" in message, message
-    else:
-        assert "head" not in message and "multiples of 2" in message, message
+    assert "head count not divisible by 2" in message and "multiple of 2" in message, message
+
+
+def test_groups_the_mesh_does_not_divide_are_gathered_once_with_a_warning():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"outer factor 3 is not divisible by 2, and its producer cannot split inside "
+                                         r"each group: gathered whole over col") as caught:
+        report = tess_compile.check(GroupedFeatures(attend=False), 2, 2, example_inputs=torch.randn(4, 4, 8),
+                                    progress=False)
+    assert report.ok, report.table()
+    assert not any("head" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+class GroupedLinear(nn.Module):
+    """A linear of 2 groups: [b, s, 64] viewed as [b, s, 2, 32], each group by its own [32, 32] weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.weight = nn.Parameter(torch.randn(2, 32, 32) / 6)
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        b, s, n = h.shape
+        grouped = (h.view(b, s, 2, n // 2).unsqueeze(-2) @ self.weight).squeeze(-2)
+        return self.down(torch.relu(grouped.reshape(b, s, n)))
+
+
+@pytest.mark.parametrize("q, d, mode", MESHES, ids=MESH_IDS)
+def test_a_grouped_linear_the_mesh_does_not_divide_splits_inside_each_group(q, d, mode):
+    """2 groups on 4 ranks (1-D): each rank holds a block of each group's in features, no head advice."""
+    torch.manual_seed(0)
+    report = tess_compile.check(GroupedLinear(), q, d, example_inputs=torch.randn(8, 12, 16), mode=mode, strict=True,
+                                progress=False)
+    assert report.ok and report.redundant_work == pytest.approx(1.0), report.table()

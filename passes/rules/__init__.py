@@ -32,6 +32,7 @@ from tess_compile.passes.rules import (
     embeddings,
     experts,
     factories,
+    fourier,
     indexing,
     losses,
     norms,
@@ -41,6 +42,7 @@ from tess_compile.passes.rules import (
     reductions,
     scans,
     sizes,
+    view_aliases,
     views,
 )
 from tess_compile.passes.rules.family import Family
@@ -49,7 +51,7 @@ __all__ = ["FAMILIES", "family_of", "lowering_rules", "placement_rule", "placeme
 
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
     pointwise, reductions, views, factories, products, attention, embeddings, losses, norms, convolutions,
-    complex_numbers, experts, pooling, indexing, sizes, einsum, scans,
+    complex_numbers, experts, pooling, indexing, sizes, einsum, scans, view_aliases, fourier,
 ))
 
 

@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.family import Decision
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Partial, Placement, Replicate, Shard, split_size
 from tess_compile.core.mesh import AXES
 from tess_compile.core.meta_keys import ARG_LAYOUTS, ROLE, WEIGHT_INPUT
@@ -168,14 +169,15 @@ def display_name(node: Node) -> str:
     return WEIGHT_INPUT.get(node, node.name)
 
 
-def check_divisible(what: str, node: Node, size: int, parts: int, groups: int, ctx, fix: str) -> None:
-    """ValueError unless a dim of `size` splits in `parts` blocks, each holding `groups` groups.
-    A plain split (`groups == 1`) may be uneven: its blocks are padded (`tess_compile.core.layout`)."""
+def check_divisible(op: Node, what: str, node: Node, size: int, parts: int, groups: int, ctx, fix: str) -> None:
+    """ValueError, naming the op whose rule asks, unless a dim of `size` splits in `parts` blocks, each
+    holding `groups` groups. A plain split (`groups == 1`) may be uneven: its blocks are padded
+    (`tess_compile.core.layout`)."""
     if groups > 1 and size % (parts * groups):
-        parts *= groups
         raise ValueError(
-            f"{what} of {display_name(node)!r} (shape {list(shape_of(node))}) is {size}, not divisible by {parts} "
-            f"on mesh {ctx.mesh}: {fix}"
+            f"{op.target} at {source_line(op)}: its {what} of {display_name(node)!r} (shape {list(shape_of(node))}) "
+            f"are {size}, in {groups} groups (the parts a split or chunk cuts them into), each split in {parts} "
+            f"blocks on mesh {ctx.mesh}, and {size} is not divisible by {parts * groups}: {fix}"
         )
 
 

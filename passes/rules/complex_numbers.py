@@ -1,12 +1,12 @@
-"""Placement rules of complex numbers: `view_as_complex`, `view_as_real` and the
-ops that make complex values (`polar`, `complex`).
+"""Placement rules of complex numbers: `view_as_complex`, `view_as_real`, the
+ops that make complex values (`polar`, `complex`) and those that take their parts (`real`, `imag`).
 
 `view_as_complex` of `[..., n, 2]` drops the last dim, which holds a number's
 real and imaginary parts and so must be whole on every rank; `view_as_real`
 adds it back. Splits on the other dims carry over as they are (rotary
 embeddings keep their batch and head splits through the complex product).
 Elementwise ops on complex values (`mul`, `add`, ...) are the pointwise rules, and so
-are `polar` and `complex`: their rule is the pointwise family's, asked through the table.
+are `polar`, `complex`, `real` and `imag`: their rule is the pointwise family's, asked through the table.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def place_view_as_real(node: Node, ctx) -> Decision:
 
 
 def place_elementwise(node: Node, ctx) -> Decision:
-    """`polar(abs, angle)` / `complex(real, imag)`: elementwise, placed by the pointwise family's
-    rule of a binary op (`mul`), which the table gives."""
+    """`polar(abs, angle)` / `complex(real, imag)` / `real(z)` / `imag(z)`: elementwise, placed by the
+    pointwise family's rule of a binary op (`mul`), which the table gives."""
     return ctx.rule(aten.mul.Tensor, ("pointwise",))(node, ctx)
 
 
@@ -51,6 +51,8 @@ PLACEMENT = {
     aten.view_as_real.default: place_view_as_real,
     aten.polar.default: place_elementwise,
     aten.complex.default: place_elementwise,
+    aten.real.default: place_elementwise,
+    aten.imag.default: place_elementwise,
 }
 
 FAMILY = Family("complex_numbers", PLACEMENT)

@@ -6,7 +6,9 @@ channels are split over col in one of three ways:
 - grouped (`groups > 1`, groups divisible by col's size): the input's
   channels and the output's are split by whole groups, and each rank runs
   its `groups / parts` groups with its block of the weight: local, no
-  communication (a depthwise conv is the case of one channel a group);
+  communication (a depthwise conv is the case of one channel a group, as
+  the causal conv of Mamba's and linear attention's mixers; a weight that
+  comes whole, a view of the parameter, is sliced);
 - column-parallel (input channels whole): the weight's out channels and the
   output's channels are split, no communication;
 - row-parallel (input channels split over col): the weight's in channels
@@ -71,8 +73,8 @@ def _col_split(node: Node, ctx, x_col, weight: Node) -> str:
     w_col = w_layout.col if w_layout is not None else None
     if parts == 1:
         return "whole"
-    if groups > 1:
-        return "grouped" if groups % parts == 0 and w_col in (None, Shard(0)) else "whole"
+    if groups > 1:  # a whole weight (a view of one: `w.squeeze(1)`) is sliced by out channels, for free
+        return "grouped" if groups % parts == 0 and w_col in (None, R, Shard(0)) else "whole"
     if w_col is not None:
         return {Shard(0): "column", Shard(1): "row"}.get(w_col, "whole")
     column = c_out % parts == 0

@@ -1,4 +1,4 @@
-"""Rules of ops that make tensors from sizes alone (arange, ones,
+"""Rules of ops that make tensors from sizes alone (arange, ones, eye,
 new_zeros, ...): whole on every rank; and of ops that make no tensor (metadata
 assertions, the run-time device that factories read, `tess_compile.ops.local.device_of`).
 A metadata assertion of the global graph says nothing of local tensors and
@@ -25,7 +25,8 @@ def place_like_factory(node: Node, ctx) -> Decision:
 
 _FACTORIES = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
-    aten.zeros.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
+    aten.zeros.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.eye.default,
+    aten.eye.m,
     aten.lift_fresh_copy.default,  # a constant tensor made in forward (torch.tensor(...)): whole everywhere
 ]
 

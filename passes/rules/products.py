@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tess_compile.core.dynamic import concrete
 from tess_compile.core.layout import Layout, Partial, Placement, Shard, split_size
@@ -48,6 +49,7 @@ from tess_compile.passes.rules.common import (
 )
 from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.passes.rules.products_1d import place_parallel_linear
+from tess_compile.passes.source_lines import source_line
 from tess_compile.passes.summa import matmul
 from tess_compile.ops.fetched_product import fetched_product
 
@@ -73,8 +75,8 @@ def _row_blocks(node: Node, ctx, x: Node, layout: Layout) -> tuple[Placement, Pl
     shape = list(shape_of(x))
     if len(shape) < 2:
         raise ValueError(
-            f"{display_name(x)!r} of shape {shape} feeds a matmul without a batch dim; "
-            "Tesseract splits rows over depth and row: give the input a batch dim"
+            f"{node.target} at {source_line(node)}: {display_name(x)!r} of shape {shape} feeds it without a batch "
+            "dim; Tesseract splits rows over depth and row: give the input a batch dim"
         )
     table = None  # whether x is no batch, asked only where its splits do not serve
     blocks = []
@@ -117,14 +119,44 @@ def _reads_inputs(x: Node) -> bool:
     return False
 
 
-def _rows_whole(node: Node, ctx, x: Node, w: Node) -> Decision:
-    """A product whose rows no mesh axis divides (a small table): run whole on every rank."""
-    warnings.warn(
-        f"{node.target} of {display_name(x)!r} (shape {list(shape_of(x))}) by {display_name(w)!r}: no row dim "
-        f"of this table divides over depth and row on mesh {ctx.mesh}, so every rank computes it whole",
-        stacklevel=2,
-    )
-    return place_replicated(node, ctx)
+def _rows_whole(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_out: int) -> Decision:
+    """A product whose rows no mesh axis divides (a small table: relative positions, a batch of
+    one): x whole on every rank, the weight's out features split over each axis that divides them
+    (so no rank repeats another's products), and the output's features with them; if none does,
+    the product runs whole on every rank (a warning says so)."""
+    placements, parts, whole = [], 1, _whole_groups(node, shape_of(w)[w_out])
+    for axis in AXES:
+        size = ctx.mesh.size(axis)
+        splits = size > 1 and whole % (parts * size) == 0
+        placements.append(Shard(w_out) if splits else R)
+        parts *= size if splits else 1
+    if parts == 1:
+        warnings.warn(
+            f"{node.target} of {display_name(x)!r} (shape {list(shape_of(x))}) by {display_name(w)!r}: neither a "
+            f"row dim of this table nor the weight's out features divide over the axes of mesh {ctx.mesh}, so "
+            "every rank computes it whole",
+            stacklevel=2,
+        )
+        return place_replicated(node, ctx)
+    out = Layout(*(Shard(len(shape_of(node)) - 1) if isinstance(p, Shard) else R for p in placements))
+    args = {x: WHOLE, w: Layout(*placements)}
+    if bias is not None:
+        args[bias] = Layout(*(Shard(0) if isinstance(p, Shard) else R for p in placements))
+    return Decision(args, out)
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
+
+
+def _whole_groups(node: Node, features: int) -> int:
+    """How many blocks a product's out `features` may be cut into: as many as there are features,
+    or where a view cuts them into `[n, size]` (attention heads), the `n` groups, kept whole."""
+    for user in node.users:
+        shape = shape_of(user) if user.target in _VIEWS else ()
+        if len(shape) >= 2 and all(isinstance(size, int) for size in shape[-2:]) and shape[-2] > 1 \
+                and shape[-2] * shape[-1] == features:
+            return shape[-2]
+    return features
 
 
 def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
@@ -155,8 +187,8 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     if transposed and w_layout is not None:
         groups_out = w_layout.row.groups
     in_features, out_features = shape_of(w)[w_in], shape_of(w)[w_out]
-    fix = f"use sizes that are multiples of q={mesh.q} (hidden size, heads, MLP width), or another q"
-    check_divisible("in features", w, in_features, mesh.q, groups_in, ctx, fix)
+    fix = f"make each group a multiple of q={mesh.q} in size (a fused projection's parts), or use another q"
+    check_divisible(node, "in features", w, in_features, mesh.q, groups_in, ctx, fix)
     split_out = transposed or out_features % (mesh.q * groups_out) == 0 or not is_narrow_projection(node)
     if not split_out:
         warnings.warn(
@@ -166,12 +198,12 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
             stacklevel=2,
         )
         return _place_narrow_summa(node, ctx, x, w, bias, w_in, w_out, groups_in)
-    check_divisible("out features", w, out_features, mesh.q, groups_out, ctx, fix)
+    check_divisible(node, "out features", w, out_features, mesh.q, groups_out, ctx, fix)
     if stationary:
         return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, groups_out), transposed)
     rows = _row_blocks(node, ctx, x, x_layout)
     if rows is None:
-        return _rows_whole(node, ctx, x, w)
+        return _rows_whole(node, ctx, x, w, bias, w_out)
     x_needed = Layout(*rows, Shard(ndim - 1, groups_in))
     w_needed = w_layout if transposed else Layout(R, Shard(w_in, groups_in), Shard(w_out, groups_out))
     args = {x: x_needed, w: w_needed}
@@ -232,7 +264,7 @@ def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_ou
         return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, None), transposed=False)
     rows = _row_blocks(node, ctx, x, x_layout)
     if rows is None:
-        return _rows_whole(node, ctx, x, w)
+        return _rows_whole(node, ctx, x, w, bias, w_out)
     x_needed = Layout(*rows, Shard(ndim - 1, groups_in))
     args = {x: x_needed, w: Layout(R, Shard(w_in, groups_in), R)}
     if bias is not None:
@@ -279,7 +311,11 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = Tru
     through) is split where `a` leaves an axis free, as Megatron splits a weight:
     row-parallel (k split, partial output) if `a` comes with k split and the
     product does not widen, column-parallel (n split) otherwise. Its batch dims
-    stay whole, so no rank repeats another's products."""
+    stay whole, so no rank repeats another's products. A free weight on the left
+    (`W @ x`, Mamba's `dt_proj.weight @ dt`) has its rows, the output's features,
+    split over an axis the batch leaves free; so has `a` where both inputs come
+    whole over an axis (keys of fewer heads than ranks in a chunked linear
+    attention): its rows are sliced for free, and no rank repeats the product."""
     out_shape = shape_of(node)
     n_out = len(out_shape)
     batch = tuple(range(n_out - 2))
@@ -288,15 +324,23 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = Tru
     nda, ndb = len(shape_of(a)), len(shape_of(b))
     weights = ndb >= 3 and ctx.layout(b) is None and is_param_or_transpose(b)
     widens = shape_of(b)[-1] > shape_of(b)[-2]
+    weight_left = ctx.layout(a) is None and is_param_or_transpose(a)  # W @ x
+    rows = shape_of(a)[-2]  # a's rows not split yet
     for index, axis in enumerate(AXES):
         if out[index] != R and isinstance(out[index], Shard) and out[index].dim in batch:
             continue
         pa, pb = la.on(axis), lb.on(axis)
         splits_k = isinstance(pa, Shard) and pa.dim == nda - 1
+        parts = ctx.mesh.size(axis)
+        whole = pa == R and pb == R and not weights
         if isinstance(pa, Shard) and pa.dim == nda - 2:
             pair, out[index] = (pa, R), Shard(n_out - 2, pa.groups)
+            rows //= parts
         elif isinstance(pb, Shard) and pb.dim == ndb - 1:
             pair, out[index] = (R, pb), Shard(n_out - 1, pb.groups)
+        elif parts > 1 and (weight_left or whole) and statically_known_true(rows % parts == 0):  # free if whole
+            pair, out[index] = (Shard(nda - 2), R), Shard(n_out - 2)
+            rows //= parts
         elif weights and (widens or not splits_k or not partial):
             pair, out[index] = (R, Shard(ndb - 1)), Shard(n_out - 1)
         elif partial and isinstance(pa, Shard) and pa.dim == nda - 1 and pb in (Shard(ndb - 2, pa.groups), R):
@@ -338,14 +382,23 @@ def _local_shapes(b: Builder, node: Node, x_index: int, w_index: int) -> tuple:
             x_val.dtype.itemsize)
 
 
+def _local(node: Node, x_index: int) -> bool:
+    """Whether a product takes its input's in features whole on every rank (a table by its weight's
+    out features, `_rows_whole`): no steps to take, one local kernel."""
+    x = node.args[x_index]
+    return not any(isinstance(p, Shard) and p.dim == _last_dim(x) for p in arg_layout(node, x).placements)
+
+
 def lower_linear(b: Builder, node: Node, args, kwargs):
     """A linear (or another product kernel of a weight [out, in], its op's own: `product_table`) by its
-    weight's algorithm; one without steps to take (a weight placed whole, or any on a mesh with q = 1)
-    runs with its bias block in one local linear, one kernel as the unsharded model's. (1-D linears
-    lower by `LOWERING_1D`, which keeps the bias in the product too.)"""
+    weight's algorithm; one without steps to take (a weight placed whole, an input whole, or any on a
+    mesh with q = 1) runs with its bias block in one local linear, one kernel as the unsharded model's.
+    (1-D linears lower by `LOWERING_1D`, which keeps the bias in the product too.)"""
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     w_layout = _weight_layout(node, 1)
+    if _local(node, 0):
+        return b.call(node.target, x, w, bias)
     if bias is not None and (b.mesh.q == 1 or not isinstance(w_layout.row, Shard)):
         return b.call(node.target, x, w, bias)
     y = matmul(b, x, w, w_layout, out_dim=0, product=node.target, a_dim=_last_dim(node.args[0]),
@@ -354,14 +407,14 @@ def lower_linear(b: Builder, node: Node, args, kwargs):
 
 
 def lower_matmul(b: Builder, node: Node, args, kwargs):
-    if not uses_summa(node):
+    if not uses_summa(node) or _local(node, 0):
         return lower_default(b, node, args, kwargs)
     return matmul(b, args[0], args[1], _weight_layout(node, 1), out_dim=1, product=aten.matmul.default,
                   a_dim=_last_dim(node.args[0]), shapes=_local_shapes(b, node, 0, 1))
 
 
 def lower_addmm(b: Builder, node: Node, args, kwargs):
-    if not uses_summa(node):
+    if not uses_summa(node) or _local(node, 1):
         return lower_default(b, node, args, kwargs)
     y = matmul(b, args[1], args[2], _weight_layout(node, 2), out_dim=1, product=aten.matmul.default,
                a_dim=_last_dim(node.args[1]), shapes=_local_shapes(b, node, 1, 2))

@@ -59,14 +59,14 @@ def place_parallel_linear(node: Node, ctx, x: Node, w: Node, bias: Node | None, 
     x_split = _split_last(without_partial(layout_of(ctx, x)), ndim)
     w_layout = ctx.layout(w)
     parts = ctx.mesh.size("col")
-    fix = f"use sizes that are multiples of p={parts} (hidden size, heads, MLP width), or another p"
+    fix = f"make each group a multiple of p={parts} in size (a fused projection's parts), or use another p"
     if w_layout is not None:
         row_parallel = isinstance(w_layout.col, Shard) and w_layout.col.dim == w_in
     else:
         row_parallel = x_split is not None and not _widens(node, ctx, w, w_in, w_out)
     if row_parallel:
         groups = w_layout.col.groups if w_layout is not None else x_split.groups
-        check_divisible("in features", w, shape_of(w)[w_in], parts, groups, ctx, fix)
+        check_divisible(node, "in features", w, shape_of(w)[w_in], parts, groups, ctx, fix)
         args = {x: Layout(R, R, Shard(ndim - 1, groups)), w: w_layout or Layout(R, R, Shard(w_in, groups))}
         if bias is not None:
             args[bias] = WHOLE
@@ -92,7 +92,7 @@ def _place_column_parallel(node: Node, ctx, x: Node, w: Node, bias, w_out: int, 
         if bias is not None:
             args[bias] = WHOLE
         return Decision(args, WHOLE)
-    check_divisible("out features", w, out_features, parts, groups, ctx, fix)
+    check_divisible(node, "out features", w, out_features, parts, groups, ctx, fix)
     args = {x: WHOLE, w: Layout(R, R, Shard(w_out, groups))}
     if bias is not None:
         args[bias] = Layout(R, R, Shard(0, groups))

@@ -1,5 +1,5 @@
-"""Rules of reductions and of ops along dims (softmax, tril, diff, argmax and argmin; cumsum, roll
-and pad are `passes/rules/scans.py`'s).
+"""Rules of reductions and of ops along dims (softmax, tril, diff, argmax and argmin, vector norms;
+cumsum, roll and pad are `passes/rules/scans.py`'s).
 
 A sum or mean over a split dim leaves partial sums (the consumer reduces
 them); the other ops need the dims they work along whole on every rank. A mean
@@ -42,6 +42,7 @@ from tess_compile.ops.local import arange_like
 
 __all__ = [
     "FAMILY", "LOWERING", "PLACEMENT", "lower_arg_reduction", "lower_mean", "place_arg_reduction", "place_reduction",
+    "place_vector_norm",
 ]
 
 
@@ -173,6 +174,25 @@ def lower_mean(b: Builder, node: Node, args, kwargs):
     return b.call(aten.div.Tensor, total, count)
 
 
+def _norm_dims(node: Node) -> list[int]:
+    """The dims `linalg_vector_norm(x, ord, dim, keepdim)` reduces (None: all)."""
+    dims = get_arg(node, 2, "dim")
+    return list(range(len(shape_of(node.args[0])))) if dims is None else [dims] if isinstance(dims, int) else dims
+
+
+def place_vector_norm(node: Node, ctx) -> Decision:
+    """A vector norm (`F.normalize`'s) over dims whole on every rank, other splits kept (shifted past
+    the reduced dims unless `keepdim`)."""
+    decision = dims_local(_norm_dims)(node, ctx)
+    if get_arg(node, 3, "keepdim", False):
+        return decision
+    x = node.args[0]
+    dims = [normalize_dim(d, len(shape_of(x))) for d in _norm_dims(node)]
+    out = Layout(*(Shard(p.dim - sum(d < p.dim for d in dims), p.groups) if isinstance(p, Shard) else p
+                   for p in decision.out.placements))
+    return Decision(decision.args, out)
+
+
 PLACEMENT = {
     aten.sum.dim_IntList: place_reduction,
     aten.mean.dim: place_reduction,
@@ -187,6 +207,7 @@ PLACEMENT = {
     aten.diff.default: dims_local(lambda node: [get_arg(node, 2, "dim", -1)]),
     aten.argmax.default: place_arg_reduction,
     aten.argmin.default: place_arg_reduction,
+    aten.linalg_vector_norm.default: place_vector_norm,
 }
 
 

@@ -33,15 +33,16 @@ from tess_compile.passes.rules.common import (
     is_narrow_projection,
     is_one,
     is_param,
+    is_param_or_transpose,
     layout_of,
     lower_default,
     normalize_dim,
     shape_of,
-    uses_summa,
     users_past_casts,
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Partial, Shard, split_size
 from tess_compile.core.mesh import AXES
 from tess_compile.core.meta_keys import LAYOUT
@@ -77,22 +78,17 @@ def _view_problem(node, x, in_shape, out_shape, dim, axis, parts, ctx) -> str:
     _, _, c, e = _segment(in_shape, out_shape, dim)
     factors = list(out_shape[c:e])
     return (
-        f"{node.target} of {display_name(x)!r} from {list(shape_of(x))} to {list(shape_of(node))} splits dim {dim} "
+        f"{node.target} at {source_line(node)} of {display_name(x)!r} from {list(shape_of(x))} to "
+        f"{list(shape_of(node))} splits dim {dim} "
         f"(split over {axis} in {parts} parts on mesh {ctx.mesh}) into {factors}: the outer factor "
         f"{factors[0]} is not divisible by {parts}"
     )
 
 
-def _view_error(node, problem: str, parts: int) -> ValueError:
-    """The error of a view that cannot keep a split; it speaks of heads where the
-    value feeds attention."""
-    if _feeds_attention(node):
-        return ValueError(
-            f"{problem}. For attention this is a head count not divisible by {parts}: use a head count "
-            f"(and hidden size) that is a multiple of {parts}, or another mesh"
-        )
-    return ValueError(f"{problem}, so no dim of the view keeps the split: use sizes whose factors are multiples "
-                      f"of {parts}, or another mesh")
+def _heads_error(problem: str, parts: int) -> ValueError:
+    """The error of a view into attention heads that cannot keep a split."""
+    return ValueError(f"{problem}. For attention this is a head count not divisible by {parts}: use a head count "
+                      f"(and hidden size) that is a multiple of {parts}, or another mesh")
 
 
 _ATTENTION_OPS = (
@@ -121,7 +117,8 @@ def _feeds_attention(node: Node, last: int | None = None) -> bool:
         following = []
         for user in (u for n in frontier for u in n.users if u not in seen):
             seen.add(user)
-            if user.target in _ATTENTION_OPS and not (user.target is aten.matmul.default and uses_summa(user)):
+            by_weights = any(is_param_or_transpose(arg) for arg in user.all_input_nodes)  # a grouped linear
+            if user.target in _ATTENTION_OPS and not by_weights:
                 return True
             val = user.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.dim() == 0:
@@ -162,8 +159,12 @@ def place_view(node: Node, ctx) -> Decision:
                     warnings.warn(f"{problem}: key/value heads run replicated over {axis}", stacklevel=2)
                 elif all(user.target in _TAKING_APART for user, _ in users_past_casts(node)):
                     warnings.warn(f"{problem}: the parts are cut from the whole value over {axis}", stacklevel=2)
-                else:
-                    raise _view_error(node, problem, parts)
+                elif _feeds_attention(node):
+                    raise _heads_error(problem, parts)
+                else:  # groups (a grouped linear's, a grouped norm's) whose producer cannot split inside each
+                    warnings.warn(f"{problem}, and its producer cannot split inside each group: gathered whole over "
+                                  f"{axis} for the view (sizes whose outer factor is a multiple of {parts} keep the "
+                                  "split)", stacklevel=2)
             needed.append(R)  # provisional if groups were asked for; else replicated heads
             out.append(R)
             continue

@@ -84,7 +84,8 @@ BytesByKey = dict[tuple[str, str], int]
 
 
 def forward_flops(program: Program) -> int:
-    """FLOPs of the matmul-like ops (torch's FlopCounterMode) one rank runs in forward."""
+    """FLOPs of the matmul-like ops, attention and FFTs (`tess_compile.core.flops.flop_counter`) one
+    rank runs in forward."""
     counter = flop_counter()
     fake_run(program.graph, program.mesh, within=counter)
     return counter.get_total_flops()

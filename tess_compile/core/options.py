@@ -29,6 +29,8 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+import torch
+
 from tess_compile.core.mesh import MODES, Mesh, check_mode
 
 __all__ = ["AUTO", "BATCH_SPLITS", "CONTEXT_SCHEDULES", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES",
@@ -175,6 +177,24 @@ def renamed(where: str, keywords: dict, stacklevel: int = 3) -> dict:
     return keywords
 
 
+# A face's first parameter that takes the model: one module, or a list of stages.
+_MODULE_PARAMETERS = {"model": False, "module": False, "stages": True}
+
+
+def _check_modules(where: str, name: str, value) -> None:
+    """A ValueError unless `value` is an nn.Module (for "stages": a list of them)."""
+    values = value if _MODULE_PARAMETERS[name] and isinstance(value, (list, tuple)) else [value]
+    wrong = next((v for v in values if not isinstance(v, torch.nn.Module)), None)
+    if wrong is None and values:
+        return
+    got = "nothing" if wrong is None else f"a {type(wrong).__module__}.{type(wrong).__qualname__}"
+    raise ValueError(
+        f"{where}({name}=...): got {got}, and it takes "
+        + ("a list of torch.nn.Module stages" if _MODULE_PARAMETERS[name] else "a torch.nn.Module")
+        + ": pass the model itself (a function f: wrap it as a module, `class F(torch.nn.Module): "
+        "def forward(self, x): return f(x)`)")
+
+
 def takes_compile_options(function):
     """`function(..., options: CompileOptions)` called with the options as keywords (`mode=`,
     `summa=`, ...), or as `options=`: its signature shows the fields in place of `options`."""
@@ -182,10 +202,14 @@ def takes_compile_options(function):
     signature = inspect.signature(function)
     own = set(signature.parameters) - {"options"}
 
+    first = next(iter(signature.parameters))
+
     @functools.wraps(function)
     def with_options(*args, options: CompileOptions | None = None, **keywords):
         # the function's own keywords go to it; the rest are options (an unknown one gets
         # CompileOptions' TypeError, with the option names and a close match)
+        if first in _MODULE_PARAMETERS:
+            _check_modules(where, first, args[0] if args else keywords.get(first))
         given = {key: keywords.pop(key) for key in list(keywords) if key not in own}
         return function(*args, options=CompileOptions.resolve(where, options, given), **keywords)
 
