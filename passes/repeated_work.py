@@ -70,7 +70,7 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = placeholder_values(gm, mesh)
     try:
-        unsharded = flops_by_node(placed, [global_placeholder(n, _device(n)) for n in _placeholders(placed)])
+        unsharded = flops_by_node(placed, [global_placeholder(n) for n in _placeholders(placed)])
         local = flops_by_node(gm, inputs)
     except UNCHECKABLE as err:
         log.debug("repeated work not counted: %s", err)
@@ -115,12 +115,6 @@ class _CountingRun(Interpreter):
 
 def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def _device(node: Node):
-    """The device of a placed placeholder's value (a model built on the meta device stays there)."""
-    val = node.meta["val"]
-    return val.device if isinstance(val, torch.Tensor) else None
 
 
 def _replicated_lines(placed: GraphModule, mesh: Mesh) -> tuple[list[str], int]:
