@@ -43,6 +43,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.traceback import preserve_node_meta
 from torch.utils import _pytree as pytree
 
+from tess_compile.passes.capture_reuse import reused_capture
 from tess_compile.passes.checkpoint_regions import mark_checkpoints, traced_checkpoints
 from tess_compile.passes.data_dependent import (
     explained_data_dependence,
@@ -95,10 +96,18 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     that the driver can tell those the later passes add. The model runs under the
     torch.autocast `autocast` (None: none), so that code that reads a dtype (`x.to(h.dtype)`)
     traces as it runs there; export records no cast of autocast's
-    (`tess_compile.passes.autocast_casts` writes them).
+    (`tess_compile.passes.autocast_casts` writes them). Inside
+    `tess_compile.passes.capture_reuse.captures_reused()` a model is exported once per way it is called.
     """
-    start = time.perf_counter()
     kwargs = kwargs or {}
+    options = (tuple(sorted((weight_inputs or {}).items())), batch_factor, autocast)
+    return reused_capture(model, (args, kwargs), options,
+                          lambda: _capture(model, args, kwargs, weight_inputs, batch_factor, autocast))
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, weight_inputs: dict[int, str] | None,
+             batch_factor: int | None, autocast: Autocast | None) -> torch.fx.GraphModule:
+    start = time.perf_counter()
     recompute_meta_buffers(model)
     dims = None
     if batch_factor is not None:
