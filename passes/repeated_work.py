@@ -12,7 +12,9 @@ names each op whose FLOPs over all ranks exceed the unsharded op's by more
 than `REPEATED_SHARE` of the model's FLOPs, with its source line and the
 repeated FLOPs. One warning lists both kinds; `strict=True` makes repeated
 work an error (ops without a rule are refused already by the place pass).
-Reads `REPLICATED`, `GLOBAL_NODE` and `LAYOUT` (the bytes a replicated op gathers).
+Of a graph shortened to four of its repeated blocks, each op counts for the ops of the whole
+graph it stands for (`repeated_blocks.repeats_of`).
+Reads `REPLICATED`, `GLOBAL_NODE`, `LAYOUT` (the bytes a replicated op gathers) and `BLOCK_REPEATS`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
+from tess_compile.passes.repeated_blocks import repeats_of
 from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, placeholder_values
 from tess_compile.core.layout import Layout, Partial
 from tess_compile.core.mesh import Mesh
@@ -69,8 +72,9 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
     none if a fake run cannot count them (`UNCHECKABLE`: data-dependent shapes, a meta model)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = placeholder_values(gm, mesh)
+        whole = [global_placeholder(n) for n in _placeholders(placed)]  # fake: no weight of full size
     try:
-        unsharded = flops_by_node(placed, [global_placeholder(n) for n in _placeholders(placed)])
+        unsharded = flops_by_node(placed, whole)
         local = flops_by_node(gm, inputs)
     except UNCHECKABLE as err:
         log.debug("repeated work not counted: %s", err)
@@ -79,10 +83,10 @@ def _repeated_lines(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> list[st
     for node, flops in local.items():
         name = GLOBAL_NODE.get(node)
         per_rank[name] = per_rank.get(name, 0) + flops
-    model = sum(unsharded.values())
+    model = sum(flops * repeats_of(placed, node) for node, flops in unsharded.items())
     lines = []
     for node, flops in unsharded.items():
-        repeated = mesh.num_ranks * per_rank.get(node.name, 0) - flops
+        repeated = (mesh.num_ranks * per_rank.get(node.name, 0) - flops) * repeats_of(placed, node)
         if model and repeated > REPEATED_SHARE * model and not REPLICATED.has(node):
             lines.append(f"  {node.target} at {source_line(node)}: repeats {repeated} FLOPs "
                          f"({repeated / model:.0%} of the model's {model})")
@@ -124,8 +128,8 @@ def _replicated_lines(placed: GraphModule, mesh: Mesh) -> tuple[list[str], int]:
     for node in placed.graph.nodes:
         if REPLICATED.has(node):
             group = groups.setdefault((str(node.target), REPLICATED.of(node)), [0, 0])
-            group[0] += 1
-            group[1] += _gathered_bytes(node, mesh)
+            group[0] += repeats_of(placed, node)
+            group[1] += _gathered_bytes(node, mesh) * repeats_of(placed, node)
     lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank"
              for (op, where), (count, num_bytes) in groups.items()]
     return lines, sum(count for count, _ in groups.values())

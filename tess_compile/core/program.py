@@ -11,6 +11,7 @@ compiled for before anything runs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,8 @@ from tess_compile.core.layout import Layout, local_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import CONSTANT_VALUE, SCHEDULE_COUNTS
 
-__all__ = ["INPUT_ROLES", "Program", "Slot", "describe_schedules", "input_name", "input_names", "split_example_inputs"]
+__all__ = ["INPUT_ROLES", "Program", "Repeats", "Slot", "describe_schedules", "input_name", "input_names",
+           "split_example_inputs"]
 
 # Slot roles whose values arrive as the module's inputs on every call. A "local input"
 # (`compile_model(..., local_inputs=True)`, a pipeline stage's) is this rank's block of
@@ -40,6 +42,19 @@ class Slot:
     shape: tuple[int, ...]
     dtype: torch.dtype | None
     alias_of: str | None = None  # for "alias": the name of the tied tensor
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """How a program compiled with block reuse (`tess_compile.passes.repeated_blocks`) repeats: its
+    repeated blocks are a first, `middle` alike ones and a last; `short(m)` is the same program with
+    m middle blocks (m >= 2), whose middle blocks 2 .. m are copies of one, and `labels(program)` each
+    node of such a program's graph by its block (the middle copies by their number; None: none). The
+    analyses price a program from two short ones (`tess_compile.analysis.block_reuse`)."""
+
+    middle: int
+    short: Callable[[int], Program]
+    labels: Callable[[Program], dict]
 
 
 @dataclass
@@ -63,6 +78,8 @@ class Program:
     runnable: GraphModule | None = None
     # A `dynamic=True` compile's symbolic input and output shapes (None: every shape is fixed).
     dynamic: DynamicShapes | None = None
+    # Compiled with block reuse: the same program with fewer middle blocks (None: compiled whole).
+    repeats: Repeats | None = None
 
     def __post_init__(self) -> None:
         if self.runnable is None:
