@@ -575,7 +575,6 @@ def local_step(program, inputs: list, device, *, steps: int = 10, variant: str =
     device's busy fraction (kernel time over wall time, `busy_fraction`); the peak memory of two
     training steps (`step_peak_bytes`): the allocator's, with AdamW's default (foreach on CUDA) and
     for-loop steps, and (eager) `MemTracker`'s."""
-    program = state.off_meta(program, torch.device(device))
     module = _rank0_shards(program, device)
     comm = BufferComm()
     forward = _forward_of(program, module, inputs, comm, variant)

@@ -42,19 +42,24 @@ another. An entry's input is never alike (a collective of alike values is not
 an entry), no recompute region holds a region value, and a region whose value
 is an output without its `seed_once` along `axis` is left as it is.
 
+Of a graph shortened to four of its repeated blocks, each node counts for the nodes of the whole
+graph it stands for (`repeated_blocks.repeats_of`), so that the choices are the whole graph's.
+
 Runs after merge products and before the gradient buckets; reads `ROLE`, `DTYPE`,
-`CONSTANT_VALUE`, `WEIGHT_INPUT` (through `core.fake_run.requires_grad`), `LAYOUT`
-and `RECOMPUTE_REGION` (`tess_compile.core.meta_keys`).
+`CONSTANT_VALUE`, `WEIGHT_INPUT` (through `core.fake_run.requires_grad`), `LAYOUT`,
+`RECOMPUTE_REGION`, `GLOBAL_NODE` and `BLOCK_REPEATS` (`tess_compile.core.meta_keys`).
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
+from tess_compile.passes.repeated_blocks import repeats_of
 from tess_compile.core.fake_run import requires_grad
 from tess_compile.core.layout import Layout, Replicate
 from tess_compile.core.mesh import AXES, Mesh
@@ -72,9 +77,10 @@ _SAVES = {c.all_gather, c.all_reduce}  # entries whose backward collective goes
 @dataclass
 class _Region:
     """One connected region along an axis: its values (in graph order), entries, keep_firsts, seeds and
-    exits."""
+    exits; `count(node)` how many nodes of the whole graph a node stands for (block reuse)."""
 
     nodes: list[Node]
+    count: Callable[[Node], int]
     entries: list[Node] = field(default_factory=list)
     keep_firsts: list[Node] = field(default_factory=list)
     seeds: list[Node] = field(default_factory=list)
@@ -84,11 +90,12 @@ class _Region:
     @property
     def saved(self) -> int:
         """Backward collectives the rewrite saves, less the ones it adds."""
-        return sum(entry.target in _SAVES for entry in self.entries) - len(self.exits)
+        return (sum(self.count(entry) for entry in self.entries if entry.target in _SAVES)
+                - sum(map(self.count, self.exits)))
 
     @property
     def syncs(self) -> int:
-        return sum(entry.target is c.grad_sync for entry in self.entries)
+        return sum(self.count(entry) for entry in self.entries if entry.target is c.grad_sync)
 
 
 def alike_regions(gm: GraphModule, mesh: Mesh) -> GraphModule:
@@ -108,7 +115,8 @@ def _rewrite_axis(gm: GraphModule, axis: str) -> bool:
     regions = [region for region in _regions(gm, axis) if region.valid]
     chosen = [region for region in regions if region.saved > 0]
     even = [region for region in regions if region.saved == 0 and region.syncs]
-    syncs = sum(1 for node in gm.graph.nodes if node.target is c.grad_sync and node.args[1] == axis)
+    syncs = sum(repeats_of(gm, node) for node in gm.graph.nodes
+                if node.target is c.grad_sync and node.args[1] == axis)
     if even and sum(region.syncs for region in chosen + even) == syncs:
         chosen += even  # together they leave no grad_sync along the axis: its bucket goes
     for region in chosen:
@@ -134,7 +142,7 @@ def _regions(gm: GraphModule, axis: str) -> list[_Region]:
                 if other in members and other not in seen:
                     seen.add(other)
                     stack.append(other)
-        region = _Region(sorted(found, key=order.__getitem__))
+        region = _Region(sorted(found, key=order.__getitem__), lambda node: repeats_of(gm, node))
         _border(region, axis)
         regions.append(region)
     return regions

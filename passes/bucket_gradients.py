@@ -6,7 +6,11 @@ axis in backward. This pass replaces the chains by `grad_bucket` nodes
 (`tess_compile.ops.grad_bucket`), each over the parameters of up to
 `bucket_bytes` bytes (DistributedDataParallel's default, 25 MiB), filled in
 the reverse order of first use, so that the bucket of the last layers is
-complete, and reduced, first in backward. The buckets go where the chains
+complete, and reduced, first in backward. Of a model whose layers repeat
+(`block_path`, the module path of its repeated blocks,
+`tess_compile.passes.repeated_blocks`), no bucket holds the parameters of two
+blocks: each block's buckets are alike and reduce as its backward ends, as
+FSDP's units are the blocks. The buckets go where the chains
 were, before any kernel; each parameter's uses read the bucket's output
 instead, which takes over the chain's `meta`. Reads `ROLE`; writes `GLOBAL_NODE` on the
 bucket (`tess_compile.core.meta_keys`).
@@ -29,9 +33,10 @@ __all__ = ["BUCKET_BYTES", "bucket_gradients"]
 BUCKET_BYTES = 25 * 2**20
 
 
-def bucket_gradients(gm: GraphModule, mesh: Mesh, *, bucket_bytes: int | None = None) -> GraphModule:
+def bucket_gradients(gm: GraphModule, mesh: Mesh, *, bucket_bytes: int | None = None,
+                     block_path: str | None = None) -> GraphModule:
     """`gm` with its `grad_sync` chains replaced by `grad_bucket` nodes of up to `bucket_bytes`
-    (default `BUCKET_BYTES`); see the module docstring."""
+    (default `BUCKET_BYTES`), none over two of the blocks under `block_path`; see the module docstring."""
     bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     chains = [chain for chain in map(_chain, gm.graph.nodes) if chain]
     if not chains:
@@ -40,7 +45,7 @@ def bucket_gradients(gm: GraphModule, mesh: Mesh, *, bucket_bytes: int | None = 
     chains.sort(key=lambda chain: -min((order[user] for user in chain[-1].users), default=len(order)))
     last_sync = max((chain[-1] for chain in chains), key=order.__getitem__)
     with gm.graph.inserting_before(last_sync.next):
-        for bucket in _fill(chains, mesh, bucket_bytes):
+        for bucket in _fill(chains, mesh, bucket_bytes, block_path):
             _emit(gm, bucket)
     for chain in chains:
         for node in reversed(chain[1:]):
@@ -60,18 +65,28 @@ def _chain(node: Node) -> list[Node]:
     return chain if len(chain) > 1 else []
 
 
-def _fill(chains: list[list[Node]], mesh: Mesh, bucket_bytes: int) -> list[list[list[Node]]]:
-    """The chains in buckets of at most `bucket_bytes` (a larger parameter alone), in order."""
+def _fill(chains: list[list[Node]], mesh: Mesh, bucket_bytes: int, block_path: str | None) -> list[list[list[Node]]]:
+    """The chains in buckets of at most `bucket_bytes` (a larger parameter alone), none over two blocks,
+    in order."""
     buckets: list[list[list[Node]]] = [[]]
     filled = 0
     for chain in chains:
         size = local_bytes(chain[0], mesh)
-        if buckets[-1] and filled + size > bucket_bytes:
+        if buckets[-1] and (filled + size > bucket_bytes
+                            or _block(buckets[-1][-1][0], block_path) != _block(chain[0], block_path)):
             buckets.append([])
             filled = 0
         buckets[-1].append(chain)
         filled += size
     return buckets
+
+
+def _block(placeholder: Node, block_path: str | None) -> str | None:
+    """The repeated block under `block_path` that a parameter belongs to (its index), if any."""
+    name = ROLE.of(placeholder)[1]
+    if block_path is None or not name.startswith(block_path + "."):
+        return None
+    return name[len(block_path) + 1:].partition(".")[0]
 
 
 def _emit(gm: GraphModule, bucket: list[list[Node]]) -> None:

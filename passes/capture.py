@@ -18,7 +18,12 @@ Device constants: tensors made inside forward (`torch.ones(..., device=x.device)
 device in the graph. Every `torch.device` argument equal to the capture
 device (a user input's, else the first lifted tensor's) becomes a
 `device_of(that input)` node, so the per-rank graph makes them on the device
-it runs on (a CUDA run of a CPU capture, a fake run on the meta device).
+it runs on (a CUDA run of a CPU capture, a fake run on the meta device). Of a
+model built on the meta device, so does every meta-device argument.
+
+A model built on the meta device first gets its non-persistent buffers
+recomputed on the CPU, and is captured on the meta device, its example inputs
+with it (`tess_compile.passes.meta_device`).
 
 Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line
 (`tess_compile.passes.data_dependent`). An error the model itself raises on the inputs is
@@ -39,6 +44,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.traceback import preserve_node_meta
 from torch.utils import _pytree as pytree
 
+from tess_compile.passes.capture_reuse import reused_capture
 from tess_compile.passes.checkpoint_regions import mark_checkpoints, traced_checkpoints
 from tess_compile.passes.data_dependent import (
     explained_data_dependence,
@@ -46,6 +52,7 @@ from tess_compile.passes.data_dependent import (
     refuse_data_dependent_shapes,
 )
 from tess_compile.passes.model_errors import the_models_own_errors
+from tess_compile.passes.meta_device import on_the_meta_device, recompute_meta_buffers
 from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
 from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
@@ -66,6 +73,8 @@ __all__ = ["capture", "is_cache", "shape_env_of"]
 
 log = logging.getLogger("tess_compile.passes")
 
+
+_META = torch.device("meta")
 
 _ROLE = {
     InputKind.PARAMETER: "param",
@@ -89,15 +98,24 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     that the driver can tell those the later passes add. The model runs under the
     torch.autocast `autocast` (None: none), so that code that reads a dtype (`x.to(h.dtype)`)
     traces as it runs there; export records no cast of autocast's
-    (`tess_compile.passes.autocast_casts` writes them).
+    (`tess_compile.passes.autocast_casts` writes them). Inside
+    `tess_compile.passes.capture_reuse.captures_reused()` a model is exported once per way it is called.
     """
-    start = time.perf_counter()
     kwargs = kwargs or {}
+    options = (tuple(sorted((weight_inputs or {}).items())), batch_factor, autocast)
+    return reused_capture(model, (args, kwargs), options,
+                          lambda: _capture(model, args, kwargs, weight_inputs, batch_factor, autocast))
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, weight_inputs: dict[int, str] | None,
+             batch_factor: int | None, autocast: Autocast | None) -> torch.fx.GraphModule:
+    start = time.perf_counter()
+    recompute_meta_buffers(model)
     dims = None
     if batch_factor is not None:
         args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
     with (explained_data_dependence(model), the_models_own_errors(model, args, kwargs), autocast_off_everywhere(),
-          running_under(autocast)):
+          running_under(autocast), on_the_meta_device(model, args, kwargs) as (args, kwargs)):
         ep = _export(model, args, kwargs, dims)
     _check_outputs(ep)
     gm = ep.graph_module
@@ -105,7 +123,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
-    tensors.update(ep.constants)
+    # the model's own tensors, not export's copies (of a model captured on the meta device, meta ones)
+    tensors.update({name: t for name, t in ep.constants.items() if name not in tensors})
     num_inputs = 0
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -431,19 +450,22 @@ def _detached(gm: torch.fx.GraphModule, at: torch.fx.Node, value: torch.fx.Node)
 
 
 def _devices_at_run_time(gm: torch.fx.GraphModule) -> None:
-    """Arguments equal to the capture device read the device of an input instead."""
+    """Arguments equal to the capture device read the device of an input instead. Of a model built on
+    the meta device, the meta device too: its weights run where its inputs do."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tensors = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
     if not tensors:
         return
     source = next((n for n in tensors if ROLE.of(n)[0] == "input"), tensors[0])
-    captured = source.meta["val"].device
+    captured = {source.meta["val"].device}
+    if any(n.meta["val"].is_meta for n in tensors if ROLE.of(n)[0] in _ROLE.values()):
+        captured.add(_META)
     with gm.graph.inserting_after(placeholders[-1]):
         device = gm.graph.call_function(device_of, (source,))
-    device.meta["val"] = captured
+    device.meta["val"] = source.meta["val"].device
 
     def at_run_time(value):
-        return device if isinstance(value, torch.device) and value == captured else value
+        return device if isinstance(value, torch.device) and value in captured else value
 
     for node in gm.graph.nodes:
         if node.op == "call_function" and node is not device:

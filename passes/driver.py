@@ -1,7 +1,8 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
-    capture (+ boundary, autocast) -> place -> (verify placed) -> (recompute blocks) -> rewrite -> merge products
-            -> alike regions -> (recompute selective) -> bucket gradients -> verify rewritten -> report repeated work
+    capture (+ boundary, autocast) -> (shorten blocks) -> place -> (verify placed) -> (recompute blocks) -> rewrite
+            -> merge products -> alike regions -> (recompute selective) -> (expand blocks) -> bucket gradients
+            -> verify rewritten -> report repeated work
 
 `compile_model` runs them as plain calls, one line a pass; a pass that fails
 with anything but a user's ValueError is named in a RuntimeError. After each
@@ -10,11 +11,20 @@ registers itself so; `tess_compile.analysis.graph_dump`); the driver never
 imports an analysis. The boundary and autocast passes belong to capture's stage: the observers
 see capture's graph with their marks and casts. The result, a `Program`, is what both runtimes execute; it is
 assembled from what the passes left in `meta` (`tess_compile.core.meta_keys`).
+
+Block reuse: a model whose layers repeat (`tess_compile.passes.repeated_blocks`, five or more)
+is placed and rewritten as four of them, block 2 standing for the middle ones, and its per-rank
+block 2 is copied for the others (`tess_compile.passes.expand_blocks`): the per-rank graph of a
+whole compile, for the price of four blocks. The checks run on the short per-rank graph; the
+`Program` carries `Repeats`, the same program with fewer middle blocks, which the analyses price
+it from. Where the blocks do not come out alike, and with recompute="selective" (whose choice
+weighs the whole graph's saved bytes), the whole graph is compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -28,11 +38,13 @@ from tess_compile.passes.autocast_casts import apply_autocast
 from tess_compile.passes.boundary import mark_boundary
 from tess_compile.passes.bucket_gradients import bucket_gradients
 from tess_compile.passes.capture import capture, shape_env_of
+from tess_compile.passes.expand_blocks import block_labels, expand_blocks
 from tess_compile.passes.merge_products import merge_products
 from tess_compile.passes.observers import PassResult, notify
 from tess_compile.passes.place import place
 from tess_compile.passes.recompute_blocks import mark_blocks
 from tess_compile.passes.recompute_selective import mark_selective
+from tess_compile.passes.repeated_blocks import RepeatedBlocks, find_repeated_blocks, shorten
 from tess_compile.passes.repeated_work import report_repeated_work
 from tess_compile.passes.rewrite import rewrite
 from tess_compile.passes.size_limits import lookup_limits
@@ -45,6 +57,9 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
     ARG_LAYOUTS,
+    CONSTANT_VALUE,
+    DTYPE,
+    GLOBAL_SHAPE,
     GUARDS,
     IN_SPEC,
     LAYOUT,
@@ -58,7 +73,7 @@ from tess_compile.core.meta_keys import (
 )
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.row_split import RowSplit, batch_parts, resolve_row_split
-from tess_compile.core.program import Program, Slot, describe_schedules, input_names, split_example_inputs
+from tess_compile.core.program import Program, Repeats, Slot, describe_schedules, input_names, split_example_inputs
 from tess_compile.ops.recompute_region import outline_regions
 
 __all__ = ["compile_model", "in_mode", "mode_compiler", "row_split_for"]
@@ -80,6 +95,7 @@ def compile_model(
     state_layouts: dict[str, Layout] | None = None,
     cluster: Cluster | None = None,
     autocast: Autocast | None = None,
+    reuse_blocks: bool = True,
     **keywords,
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
@@ -107,6 +123,7 @@ def compile_model(
     that runs on the shards of another (a generation step on a sharded module's).
     `autocast` (device type, dtype): the program runs under that torch.autocast, its casts written
     into the graph (`tess_compile.passes.autocast_casts`); the runtimes run it with autocast off.
+    `reuse_blocks=False` compiles every repeated block (module docstring): the same program, slower.
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.keep_blocks == AUTO:
@@ -126,13 +143,43 @@ def compile_model(
     # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
     gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
     gm = apply_autocast(gm, autocast)
-    placed = run("place", place, gm, mesh, strict=options.strict, replicate_outputs=replicate_outputs,
-                 rows=rows, state_layouts=state_layouts)
+    cluster = CALIBRATED_CLUSTER if cluster is None else cluster
+    lower = functools.partial(_lower, run, mesh, options, cluster, replicate_outputs=replicate_outputs,
+                              rows=rows, state_layouts=state_layouts)
+    found = find_repeated_blocks(gm)
+    bucket = functools.partial(bucket_gradients, mesh=mesh, **({"block_path": found.path} if found else {}))
+    blocks = found if reuse_blocks and options.recompute != "selective" else None
+    whole = None
+    if blocks is not None:
+        placed, short = lower(run("shorten blocks", shorten, gm, blocks))
+        whole = run("expand blocks", expand_blocks, short, blocks, blocks.count - 4, allow_none=True)
+        if whole is None:
+            log.info("repeated blocks: blocks 1 and 2 of %s do not come out alike; the whole graph is compiled",
+                     blocks.path)
+    if whole is None:
+        placed, short = lower(gm)
+        whole, blocks = short, None
+    shared = (placed, model.training, autocast, rows)
+    checked = bucket(expand_blocks(short, blocks, 0)) if blocks is not None else None
+    gm = run("bucket gradients", bucket, whole)
+    # always: a wrong rule shows here, not at the first forward (block reuse: on the four blocks compiled)
+    run("verify rewritten", verify_rewritten, checked or gm, mesh, placed=placed, guarded=False)
+    run("report repeated work", report_repeated_work, checked or gm, mesh, placed=placed, strict=options.strict)
+    log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
+    program = _program(gm, mesh, *shared, dynamic=options.dynamic)
+    if blocks is not None:
+        program.repeats = _repeats(short, blocks, bucket, mesh, shared, checked, options.dynamic)
+    return program
+
+
+def _lower(run: _Passes, mesh: Mesh, options: CompileOptions, cluster: Cluster, captured: GraphModule,
+           **place_options) -> tuple[GraphModule, GraphModule]:
+    """The placed graph of `captured` and its per-rank graph, the gradient buckets not yet made."""
+    placed = run("place", place, captured, mesh, strict=options.strict, **place_options)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)
     if options.recompute == "blocks":
         placed = run("recompute blocks", mark_blocks, placed, mesh)
-    cluster = CALIBRATED_CLUSTER if cluster is None else cluster
     gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks, cluster=cluster,
              context=options.context)
     gm = run("merge products", merge_products, gm, mesh)
@@ -142,25 +189,26 @@ def compile_model(
                  "CALIBRATED_CLUSTER" if cluster == CALIBRATED_CLUSTER else "the given cluster")
     if options.recompute == "selective":
         gm = run("recompute selective", mark_selective, gm, mesh)
-    gm = run("bucket gradients", bucket_gradients, gm, mesh)
-    # always: a wrong rule shows here, not at the first forward
-    gm = run("verify rewritten", verify_rewritten, gm, mesh, placed=placed, guarded=False)
-    gm = run("report repeated work", report_repeated_work, gm, mesh, placed=placed, strict=options.strict)
-    log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
+    return placed, gm
+
+
+def _program(gm: GraphModule, mesh: Mesh, placed: GraphModule, training: bool, autocast: Autocast | None,
+             rows: RowSplit, *, dynamic: bool) -> Program:
+    """The `Program` of the per-rank graph `gm`, whose outputs and inputs are those of `placed`."""
     return Program(
         mesh=mesh,
         graph=gm,
-        slots=_slots(placed),
+        slots=_slots(gm),
         output_layouts=_output_layouts(placed),
         output_shapes=_output_shapes(placed),
         in_spec=IN_SPEC.of(gm),
         out_spec=OUT_SPEC.of(gm),
         tensors=TENSORS.of(gm),
         state_keys=STATE_KEYS.of(gm),
-        training=model.training,
+        training=training,
         autocast=autocast,
         runnable=outline_regions(gm),
-        dynamic=_dynamic_shapes(placed, mesh) if options.dynamic else None,
+        dynamic=_dynamic_shapes(placed, mesh) if dynamic else None,
         rows=rows,
     )
 
@@ -179,6 +227,23 @@ def row_split_for(options: CompileOptions, mesh: Mesh, args: tuple, kwargs: dict
     return resolve_row_split(options.batch_split, options.token_split, batch, length, mesh, options.dynamic)
 
 
+def _repeats(short: GraphModule, blocks: RepeatedBlocks, bucket: Callable, mesh: Mesh, shared: tuple,
+             checked: GraphModule, dynamic: bool) -> Repeats:
+    """The `Repeats` of a program compiled with block reuse from the per-rank graph `short` (its buckets
+    not made): the program with m middle blocks is `short` with m - 2 copies of block 2, bucketed
+    (`checked` for m = 2)."""
+
+    @functools.cache
+    def with_middle(middle: int) -> Program:
+        gm = checked if middle == 2 else bucket(expand_blocks(short, blocks, middle - 2))
+        return _program(gm, mesh, *shared, dynamic=dynamic)
+
+    def labels(program: Program) -> dict:
+        return block_labels(program.graph, blocks)
+
+    return Repeats(blocks.count - 2, with_middle, labels)
+
+
 class _Passes:
     """Runs the passes of one compile: checks that each gives a graph, names a pass that
     fails (`guarded`: anything but a user's ValueError becomes a RuntimeError naming it),
@@ -190,7 +255,8 @@ class _Passes:
     def __init__(self, mesh: Mesh, dynamic: bool = False):
         self.mesh, self.dynamic, self.index, self.nodes = mesh, dynamic, 0, None
 
-    def __call__(self, name: str, run_pass, *args, guarded: bool = True, **kwargs) -> GraphModule:
+    def __call__(self, name: str, run_pass, *args, guarded: bool = True, allow_none: bool = False,
+                 **kwargs) -> GraphModule | None:
         start = time.perf_counter()
         try:
             with torch.fx.experimental._config.patch(backed_size_oblivious=self.dynamic):
@@ -201,6 +267,8 @@ class _Passes:
             if not guarded:
                 raise
             raise RuntimeError(f"tess-compile pass {name!r} failed on mesh {self.mesh}: {err}") from err
+        if gm is None and allow_none:
+            return None
         if not isinstance(gm, GraphModule):
             raise AssertionError(f"tess-compile pass {name!r} returned {type(gm).__name__}, not a GraphModule")
         seconds = time.perf_counter() - start
@@ -240,22 +308,19 @@ def _as_received(node: torch.fx.Node, mesh: Mesh) -> torch.Tensor:
     return local_value(val, LAYOUT.of(node), mesh) if LOCAL_INPUT.has(node) else val
 
 
-def _slots(placed: GraphModule) -> list[Slot]:
-    placeholders = [n for n in placed.graph.nodes if n.op == "placeholder"]
+def _slots(gm: GraphModule) -> list[Slot]:
+    """A `Slot` per placeholder of the per-rank graph `gm`, in order."""
     slots = []
-    for node in placeholders:
+    for node in gm.graph.find_nodes(op="placeholder"):
         role, name = ROLE.of(node)
-        val = node.meta["val"]
-        if not isinstance(val, torch.Tensor):
+        if CONSTANT_VALUE.has(node) or not LAYOUT.has(node):
             slots.append(Slot(role, str(name), None, (), None))
             continue
-        layout = LAYOUT.of(node)
         if role == "input" and LOCAL_INPUT.has(node):
             role = "local input"  # this rank's block, in the layout placement gave it
         elif role == "input":
-            role = "weight" if WEIGHT_INPUT.has(node) else "input"
-            layout = Layout.replicated()  # inputs arrive whole
-        slots.append(Slot(role, str(name), layout, concrete(val.shape), val.dtype, ALIAS_OF.get(node)))
+            role = "weight" if WEIGHT_INPUT.has(node) else "input"  # whole: its layout is replicated
+        slots.append(Slot(role, str(name), LAYOUT.of(node), GLOBAL_SHAPE.of(node), DTYPE.of(node), ALIAS_OF.get(node)))
     return slots
 
 

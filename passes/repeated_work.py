@@ -15,7 +15,9 @@ forward's FLOPs over all ranks exceed the model's by more than the share (the
 ratio `check` reports as redundant work), the largest contributors are named
 too. One warning lists both kinds; `strict=True` makes repeated work an error
 (ops without a rule are refused already by the place pass).
-Reads `REPLICATED`, `GLOBAL_NODE` and `LAYOUT` (the bytes a replicated op gathers).
+Of a graph shortened to four of its repeated blocks, each op counts for the ops of the whole
+graph it stands for (`repeated_blocks.repeats_of`).
+Reads `REPLICATED`, `GLOBAL_NODE`, `LAYOUT` (the bytes a replicated op gathers) and `BLOCK_REPEATS`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 
+from tess_compile.passes.repeated_blocks import repeats_of
 from tess_compile.core.fake_run import UNCHECKABLE, global_placeholder, placeholder_values
 from tess_compile.core.flops import flop_counter
 from tess_compile.core.layout import Layout, Partial
@@ -99,8 +102,9 @@ def _repeated_flops(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> tuple[d
     forward's FLOPs over all ranks beyond the model's)`, or None if a fake run cannot count them."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = placeholder_values(gm, mesh)
+        whole = [global_placeholder(n) for n in _placeholders(placed)]  # fake: no weight of full size
     try:
-        unsharded = flops_by_node(placed, [global_placeholder(n, _device(n)) for n in _placeholders(placed)])
+        unsharded = flops_by_node(placed, whole)
         local = flops_by_node(gm, inputs)
     except UNCHECKABLE as err:
         log.debug("repeated work not counted: %s", err)
@@ -109,9 +113,13 @@ def _repeated_flops(gm: GraphModule, mesh: Mesh, placed: GraphModule) -> tuple[d
     for node, flops in local.items():
         name = GLOBAL_NODE.get(node)
         per_rank[name] = per_rank.get(name, 0) + flops
-    model = sum(unsharded.values())
-    repeated = {node: mesh.num_ranks * per_rank.get(node.name, 0) - flops for node, flops in unsharded.items()}
-    return repeated, model, mesh.num_ranks * sum(local.values()) - model
+    repeats = {node: repeats_of(placed, node) for node in unsharded}
+    model = sum(flops * repeats[node] for node, flops in unsharded.items())
+    repeated = {node: (mesh.num_ranks * per_rank.get(node.name, 0) - flops) * repeats[node]
+                for node, flops in unsharded.items()}
+    names = {node.name for node in unsharded}
+    unmatched = sum(flops for name, flops in per_rank.items() if name not in names)
+    return repeated, model, sum(repeated.values()) + mesh.num_ranks * unmatched
 
 
 def flops_by_node(gm: GraphModule, inputs: list) -> dict[Node, int]:
@@ -142,12 +150,6 @@ def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _device(node: Node):
-    """The device of a placed placeholder's value (a model built on the meta device stays there)."""
-    val = node.meta["val"]
-    return val.device if isinstance(val, torch.Tensor) else None
-
-
 def _replicated_lines(placed: GraphModule, mesh: Mesh) -> tuple[list[str], int]:
     """A line per op and source line that runs replicated, with the input bytes a rank gathers;
     and the number of such nodes."""
@@ -155,8 +157,8 @@ def _replicated_lines(placed: GraphModule, mesh: Mesh) -> tuple[list[str], int]:
     for node in placed.graph.nodes:
         if REPLICATED.has(node):
             group = groups.setdefault((str(node.target), REPLICATED.of(node)), [0, 0])
-            group[0] += 1
-            group[1] += _gathered_bytes(node, mesh)
+            group[0] += repeats_of(placed, node)
+            group[1] += _gathered_bytes(node, mesh) * repeats_of(placed, node)
     lines = [f"  {op} x{count} at {where}: gathers {num_bytes} bytes a rank"
              for (op, where), (count, num_bytes) in groups.items()]
     return lines, sum(count for count, _ in groups.values())

@@ -11,7 +11,8 @@ that holds each original value, `GLOBAL_NODE` (the original node's name) on it a
 emitted for an original op, `RECOMPUTE_REGION` on every node emitted for a node of a recompute
 region; on the placeholders `ROLE`, `WEIGHT_INPUT`, `ALIAS_OF`, `LOCAL_INPUT`, `DTYPE` and, for a value that
 is no tensor, `CONSTANT_VALUE`; and on the graph, besides the captured graph's meta, `SCHEDULE_COUNTS`
-(products per schedule; with summa="auto" each product's is priced on a cluster).
+(products per schedule; with summa="auto" each product's is priced on a cluster) and
+`PRODUCT_SCHEDULES` (each captured product's).
 
 Replicated parameters pass through `grad_sync` over their replica axes;
 outputs pass through `seed_once` over theirs (see docs/gradients.md). Inputs,
@@ -54,6 +55,7 @@ from tess_compile.core.meta_keys import (
     LAYOUT,
     LOCAL_INPUT,
     LOCAL_OUTPUTS,
+    PRODUCT_SCHEDULES,
     RECOMPUTE_REGION,
     REPLICATED,
     ROLE,
@@ -85,6 +87,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
     env: dict[Node, object] = {}
     converted: dict[tuple[Node, Layout], Node] = {}
     rules = lowering_rules(mesh.mode)
+    products: dict[str, dict[str, int]] = {}
 
     def local(node: Node, needed: Layout | None) -> Node:
         if needed is None:
@@ -99,9 +102,12 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             env[node] = _placeholder(b, node)
         elif node.op == "call_function":
             needed = ARG_LAYOUTS.of(node)
-            last = _last_node(b)
+            last, counts = _last_node(b), dict(b.schedules)
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n)))
             out = rules.get(node.target, lower_default)(b, node, args, kwargs)
+            if b.schedules != counts:
+                products[node.name] = {name: n - counts.get(name, 0) for name, n in b.schedules.items()
+                                       if n != counts.get(name, 0)}
             _annotate(out, node)
             _mark_emitted(b, last, node)
             env[node] = out
@@ -119,6 +125,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
     out = GraphModule(torch.nn.Module(), b.graph)
     out.meta.update(gm.meta)
     SCHEDULE_COUNTS.set(out, dict(sorted(b.schedules.items())))
+    PRODUCT_SCHEDULES.set(out, products)
     log.info("rewrite: %d -> %d nodes in %.2fs", len(gm.graph.nodes), len(out.graph.nodes), time.perf_counter() - start)
     return out
 

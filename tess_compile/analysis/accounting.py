@@ -44,12 +44,15 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from tess_compile.passes.capture import capture
+from tess_compile.passes.repeated_blocks import find_repeated_blocks, repeats_of, shorten
+from tess_compile.passes.repeated_work import flops_by_node
+from tess_compile.analysis.block_reuse import added_block, extended
 from tess_compile.core.collective_table import COLLECTIVES
-from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
+from tess_compile.core.fake_run import fake_run, global_placeholder, placeholder_values, tensor_bytes
 from tess_compile.core.flops import flop_counter
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs
@@ -66,11 +69,13 @@ __all__ = [
     "CollectiveCost",
     "PHASES",
     "bytes_by_phase",
+    "bucket_costs",
     "bytes_from_records",
     "captured_forward_flops",
     "collective_costs",
     "forward_flops",
     "predict_bytes",
+    "program_costs",
     "redundant_work",
     "saved_bytes",
     "transfers",
@@ -86,6 +91,8 @@ BytesByKey = dict[tuple[str, str], int]
 def forward_flops(program: Program) -> int:
     """FLOPs of the matmul-like ops, attention and FFTs (`tess_compile.core.flops.flop_counter`) one
     rank runs in forward."""
+    if program.repeats is not None:
+        return extended(program, forward_flops)
     counter = flop_counter()
     fake_run(program.graph, program.mesh, within=counter)
     return counter.get_total_flops()
@@ -100,13 +107,14 @@ def unsharded_forward_flops(model: torch.nn.Module, example_inputs) -> int:
 
 
 def captured_forward_flops(gm: GraphModule) -> int:
-    """`unsharded_forward_flops` of a graph already captured."""
-    counter = flop_counter()
+    """`unsharded_forward_flops` of a graph already captured: of a model whose layers repeat, its
+    graph shortened to four of them, each op counted for the ops it stands for (`passes.repeated_blocks`)."""
+    blocks = find_repeated_blocks(gm)
+    if blocks is not None:
+        gm = shorten(gm, blocks)
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = [global_placeholder(n) for n in gm.graph.nodes if n.op == "placeholder"]
-        with counter:
-            Interpreter(gm).run(*inputs)
-    return counter.get_total_flops()
+    return sum(flops * repeats_of(gm, node) for node, flops in flops_by_node(gm, inputs).items())
 
 
 def saved_bytes(run, parameters) -> int:
@@ -167,6 +175,36 @@ class CollectiveCost:
     @property
     def backward_value(self) -> Node | tuple[Node, ...]:
         return self.node if self.backward_of is None else self.backward_of
+
+
+def program_costs(program: Program, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
+    """`collective_costs` of the program's per-rank graph; of a program compiled with block reuse, from
+    its short forms (`tess_compile.analysis.block_reuse`): the 2-block program's collectives but its
+    gradient buckets, the collectives of the 3-block program's added copy once more per further block,
+    and the whole program's buckets counted on its graph (`bucket_costs`), where every bucket of the
+    short programs is reached (else from a run of the whole graph)."""
+    if program.repeats is None:
+        return collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
+    two, three = (program.repeats.short(m) for m in (2, 3))
+    costs2 = collective_costs(two.graph, two.mesh, inputs_require_grad=inputs_require_grad)
+    buckets2 = [cost for cost in costs2 if cost.node.target is grad_bucket]
+    if buckets2 != bucket_costs(two.graph, two.mesh, inputs_require_grad=inputs_require_grad):
+        return collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
+    added = added_block(program)
+    costs3 = collective_costs(three.graph, three.mesh, inputs_require_grad=inputs_require_grad)
+    again = [cost for cost in costs3 if cost.node in added and cost.node.target is not grad_bucket]
+    return ([cost for cost in costs2 if cost.node.target is not grad_bucket] + again * (program.repeats.middle - 2)
+            + bucket_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad))
+
+
+def bucket_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
+    """The collectives of the gradient buckets of the per-rank `gm`, from its placeholders alone (no
+    run): each bucket as if backward reaches it."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        values = dict(zip(placeholders, placeholder_values(gm, mesh, inputs_require_grad)))
+    return [cost for node in gm.graph.find_nodes(op="call_function", target=grad_bucket)
+            for cost in _bucket_group_costs(node, [values[member] for member in node.args[0]])]
 
 
 def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
@@ -236,10 +274,14 @@ def _norm_costs(node: Node, values: dict[Node, object], reached: set) -> list[Co
 def _bucket_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
     """The backward all-reduces of a `grad_bucket` node (`tess_compile.ops.grad_bucket`): one per
     group of `bucket_groups`, of its members' bytes, when backward reaches the bucket."""
-    members, axes = node.args
     if not any(fn in reached for fn in _grad_fns(values[node])):
         return []
-    tensors = [values[member] for member in members]
+    return _bucket_group_costs(node, [values[member] for member in node.args[0]])
+
+
+def _bucket_group_costs(node: Node, tensors: list[torch.Tensor]) -> list[CollectiveCost]:
+    """The all-reduces of the `grad_bucket` node of members `tensors` (their values)."""
+    members, axes = node.args
     groups = bucket_groups(axes, [t.dtype for t in tensors], [t.requires_grad for t in tensors])
     return [CollectiveCost(node, "grad_sync", axis, None, "all_reduce", sum(tensor_bytes(tensors[m]) for m in group),
                            backward_of=tuple(members[m] for m in group)) for axis, group in groups]
@@ -310,7 +352,7 @@ def predict_bytes(program: Program, *, rank: int = 0, inputs_require_grad: bool 
     forward and one backward through every output.
     """
     check_rank(rank, program.mesh)
-    return bytes_by_phase(collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad))
+    return bytes_by_phase(program_costs(program, inputs_require_grad=inputs_require_grad))
 
 
 def bytes_from_records(records: Iterable[CommRecord]) -> dict[str, BytesByKey]:

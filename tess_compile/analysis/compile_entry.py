@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tess_compile.passes.capture_reuse import captures_reused
 from tess_compile.passes.driver import in_mode, mode_compiler
 from tess_compile.analysis.schedule_choice import auto_summary, resolve_auto
 from tess_compile.core.autocast import autocast_state, capture_device_type
@@ -55,9 +56,10 @@ def compile_for(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOp
     file `Cluster.save` wrote, or None: `CALIBRATED_CLUSTER`); see the module docstring."""
     training = model.training if training is None else training
     autocast = autocast_state(capture_device_type(model, example_inputs))
-    with in_mode(model, training):
-        resolved = resolve_auto(model, mesh, example_inputs, options, cluster, autocast=autocast, **boundary)
-    recompile = mode_compiler(model, mesh, example_inputs, resolved.options, cluster=resolved.cluster, **boundary)
-    program = resolved.program if resolved.program is not None else recompile(training, autocast)
+    with captures_reused():  # keep_blocks="auto" compiles twice, on one capture
+        with in_mode(model, training):
+            resolved = resolve_auto(model, mesh, example_inputs, options, cluster, autocast=autocast, **boundary)
+        recompile = mode_compiler(model, mesh, example_inputs, resolved.options, cluster=resolved.cluster, **boundary)
+        program = resolved.program if resolved.program is not None else recompile(training, autocast)
     return Compiled(program, resolved.options, recompile, auto_summary(resolved, program), resolved.cluster)
 

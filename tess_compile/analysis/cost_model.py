@@ -49,7 +49,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tess_compile.analysis.accounting import PHASES, CollectiveCost, collective_costs, transfers
+from tess_compile.analysis.accounting import PHASES, CollectiveCost, program_costs, transfers
+from tess_compile.analysis.block_reuse import extended
 from tess_compile.analysis.memory import param_shards
 from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule, product_terms
 from tess_compile.core.fake_run import placeholder_values, tensor_bytes, tensor_leaves
@@ -287,11 +288,16 @@ _PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank g
 
 def profile_program(program: Program, *, inputs_require_grad: bool = False) -> ProgramProfile:
     """The kernels and collectives of one training step of `program` on one rank
-    (every output that requires grad is taken as part of the loss). Cached per program."""
+    (every output that requires grad is taken as part of the loss). Cached per program. A program
+    compiled with block reuse: from its short forms (`tess_compile.analysis.block_reuse`)."""
     cached = _PROFILES.setdefault(program.graph, {})
     if inputs_require_grad not in cached:
-        phases = _fake_step(program, inputs_require_grad)
-        costs = collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
+        if program.repeats is None:
+            phases = _fake_step(program, inputs_require_grad)
+        else:  # from the short programs (`tess_compile.analysis.block_reuse`)
+            phases = {phase: extended(program, lambda short, phase=phase: profile_program(
+                short, inputs_require_grad=inputs_require_grad).phase(phase)) for phase in PHASES}
+        costs = program_costs(program, inputs_require_grad=inputs_require_grad)
         cached[inputs_require_grad] = ProgramProfile(program.mesh, phases["forward"], phases["backward"], tuple(costs))
     return cached[inputs_require_grad]
 

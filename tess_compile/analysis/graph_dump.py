@@ -35,6 +35,7 @@ import torch
 from torch.fx import GraphModule
 
 from tess_compile.passes.capture import capture
+from tess_compile.passes.capture_reuse import captures_reused
 from tess_compile.passes.driver import row_split_for
 from tess_compile.passes.observers import PassResult, add_pass_observer
 from tess_compile.passes.place import place
@@ -89,9 +90,10 @@ def dump(
     mesh = options.mesh(q, d)
     _check_options(stage, format, rank, mesh, sizes)
     if stage == "rewritten":
-        compiled = compile_for(model, mesh, example_inputs, options, cluster)
+        with captures_reused():  # the unsharded FLOPs count the captured graph the compile shards
+            compiled = compile_for(model, mesh, example_inputs, options, cluster)
+            unsharded_flops = unsharded_forward_flops(model, example_inputs)
         program, summary = compiled.program, compiled.summary
-        unsharded_flops = unsharded_forward_flops(model, example_inputs)
         return dump_program(program, rank=rank, format=format, sizes=sizes, unsharded_flops=unsharded_flops,
                             notes=[summary] if summary else [])
     load_cluster(cluster)  # unused by the other stages, checked all the same

@@ -10,13 +10,16 @@ and the optimizer keep it; the breakdown prices the saved tensors by storage, as
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Interpreter
 
+from tess_compile.analysis.block_reuse import extended, extended_peak
 from tess_compile.core.fake_run import fake_run, placeholder_values, tensor_bytes, tensor_leaves
 from tess_compile.core.meta_keys import ROLE, WEIGHT_INPUT
 from tess_compile.core.program import Program
@@ -30,6 +33,7 @@ __all__ = [
     "collective_buffer_bytes",
     "param_shards",
     "predict_memory",
+    "step_moments",
     "step_peak",
 ]
 
@@ -79,12 +83,15 @@ def _is_weight(node) -> bool:
 def activation_bytes(program: Program) -> int:
     """Bytes of the tensors autograd saves for backward in one rank's forward.
 
-    Counted by storage (views of one tensor count once) from a fake run;
+    Counted by storage (views of one tensor count once) from a fake run (with block reuse: of the
+    short programs, `tess_compile.analysis.block_reuse`);
     the weights' own storages are left out (they count as parameters).
     Collective results saved by a matmul (a broadcast weight block, with
     `keep_blocks`) count, and so does a saved model input; a recompute
     region counts its inputs only.
     """
+    if program.repeats is not None:
+        return extended(program, activation_bytes)
     saved: list[torch.Tensor] = []
 
     def pack(tensor):
@@ -107,6 +114,8 @@ def activation_bytes(program: Program) -> int:
 def collective_buffer_bytes(program: Program) -> int:
     """The largest bytes of fetched blocks one product holds at once: its operands
     fetched from other ranks, twice when the next step's are in flight (overlap)."""
+    if program.repeats is not None:  # the middle blocks' products are alike
+        return collective_buffer_bytes(program.repeats.short(2))
     gm = program.graph
     values = fake_run(gm, program.mesh)
     in_flight = 2 if any(n.target is broadcast_start for n in gm.graph.nodes) else 1
@@ -129,10 +138,14 @@ def step_peak(program: Program) -> int:
     (`ShapeComm`). An eval program's step: its forward under no_grad. Counted: the parameter
     shards, inputs, saved activations, gradients, temporaries and optimizer state while they
     live; not counted: the allocator's rounding and cached blocks, and a collective
-    implementation's own buffers. Cached per program graph.
+    implementation's own buffers. Cached per program graph. A program compiled with block reuse:
+    from the steps of its short forms (`tess_compile.analysis.block_reuse.extended_peak`).
     """
     if program.graph not in _PEAKS:
-        _PEAKS[program.graph] = _step_peak(program)
+        repeats = program.repeats
+        peak = None if repeats is None else extended_peak(
+            program, lambda short: step_moments(short, repeats.labels(short)))
+        _PEAKS[program.graph] = _step_peak(program) if peak is None else peak
     return _PEAKS[program.graph]
 
 
@@ -157,16 +170,126 @@ def _step_peak(program: Program) -> int:
     return max((device["Total"] for device in peak.values()), default=0)
 
 
-def _fake_training_step(graph, values: list, optimizer) -> None:
+def step_moments(program: Program, node_labels: dict) -> list[tuple[object, int]]:
+    """The bytes rank 0 holds after each op of the step `step_peak` runs, each with the label of the op
+    (`node_labels` of the program's graph nodes: an op of forward by its node, of backward by the node
+    whose backward runs it, of the optimizer by the parameter it updates; an op of none takes the label
+    before)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    labels = _Labels(program, node_labels)
+
+    class Tracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self.moments: list[tuple[object, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            labels.before(args, kwargs)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            labels.after(out)
+            return out
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            self.moments.append((labels.current, sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())))
+
+    graph = program.runnable
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        values = placeholder_values(graph, program.mesh)
+        labels.placeholders(values)
+        params = [v for v in tensor_leaves(values) if v.requires_grad] if program.training else []
+        optimizer = torch.optim.AdamW(params) if params else None
+        tracker = Tracker()
+        tracker.track_external(*tensor_leaves(values), *([optimizer] if optimizer else []))
+        with tracker:
+            for _ in range(2 if optimizer else 1):
+                tracker.reset_mod_stats()
+                _fake_training_step(graph, values, optimizer, labels)
+    return tracker.moments
+
+
+class _Labels:
+    """The label of the op running now, for `step_moments` (see there)."""
+
+    def __init__(self, program: Program, node_labels: dict):
+        by_name = {node.name: label for node, label in node_labels.items()}
+        self.of_node = {}
+        for node in program.runnable.graph.nodes:
+            name = node.name
+            if node.op == "call_module":  # a recompute region: its first op's block
+                inner = program.runnable.get_submodule(node.target).graph_module.graph
+                name = next(n.name for n in inner.nodes if n.op == "call_function")
+            self.of_node[node] = by_name.get(name)
+        self.current = None
+        self.phase = "forward"
+        self.starts: list[int] = []  # the first autograd sequence number of each node run in forward
+        self.start_labels: list[object] = []
+        self.of_storage: dict[int, object] = {}  # optimizer: storages of parameters, gradients and state
+
+    def placeholders(self, values: list) -> None:
+        nodes = self.placeholder_nodes = [n for n in self.of_node if n.op == "placeholder"]
+        self.of_tensor = {id(v): self.of_node[n] for n, v in zip(nodes, values)}
+
+    def run(self, node) -> None:
+        self.current = self.of_node.get(node)
+        self.starts.append(torch._C._autograd._get_sequence_nr())
+        self.start_labels.append(self.current)
+
+    def before(self, args, kwargs) -> None:
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None and hasattr(node, "variable"):  # AccumulateGrad: the parameter's block
+                self.current = self.of_tensor.get(id(node.variable), self.current)
+            elif node is not None and self.starts and node._sequence_nr() >= self.starts[0]:
+                index = bisect.bisect_right(self.starts, node._sequence_nr()) - 1
+                self.current = self.start_labels[index]
+        elif self.phase == "optimizer":  # by the parameter, gradient or state it reads (not a step count)
+            for t in tensor_leaves(args, kwargs):
+                if t.dim() and t.untyped_storage()._cdata in self.of_storage:
+                    self.current = self.of_storage[t.untyped_storage()._cdata]
+                    break
+
+    def after(self, out) -> None:
+        if self.phase == "optimizer":
+            for t in tensor_leaves(out):
+                if t.dim():  # a storage's address is another's once it is freed: the newest holder's
+                    self.of_storage[t.untyped_storage()._cdata] = self.current
+
+    def optimizer(self, params: list) -> None:
+        self.phase = "optimizer"
+        for p in params:
+            for t in (p, p.grad):
+                if t is not None:
+                    self.of_storage[t.untyped_storage()._cdata] = self.of_tensor.get(id(p))
+
+
+class _LabelledRun(Interpreter):
+    def __init__(self, gm, labels: _Labels):
+        super().__init__(gm)
+        self.labels = labels
+
+    def run_node(self, node):
+        self.labels.run(node)
+        return super().run_node(node)
+
+
+def _fake_training_step(graph, values: list, optimizer, labels: _Labels | None = None) -> None:
     with use_comm(ShapeComm()), torch.set_grad_enabled(optimizer is not None):
-        outputs = graph.forward(*values)
+        if labels is not None:
+            labels.phase = "forward"
+        outputs = graph.forward(*values) if labels is None else _LabelledRun(graph, labels).run(*values)
         roots = [t for t in tensor_leaves(outputs) if t.requires_grad]
         del outputs
         if roots:
+            if labels is not None:
+                labels.phase = "backward"
             with use_comm(ShapeComm(), "backward"):
                 torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
         del roots
     if optimizer is not None:
+        if labels is not None:
+            labels.optimizer([p for group in optimizer.param_groups for p in group["params"]])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

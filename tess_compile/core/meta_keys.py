@@ -30,6 +30,7 @@ __all__ = [
     "ALIAS_OF",
     "AUTOCAST_REGION",
     "ARG_LAYOUTS",
+    "BLOCK_REPEATS",
     "CARRIED",
     "CARRIED_OUTPUTS",
     "CONSTANT_VALUE",
@@ -44,6 +45,7 @@ __all__ = [
     "LOCAL_INPUT",
     "LOCAL_OUTPUTS",
     "OUT_SPEC",
+    "PRODUCT_SCHEDULES",
     "RECOMPUTE_REGION",
     "REPLICATED",
     "ROLE",
@@ -226,10 +228,21 @@ SCHEDULE_COUNTS: MetaKey[dict[str, int]] = MetaKey("schedules", """gm.meta of th
 matrix products run each SUMMA schedule. Written by the rewrite; read by the driver (its log line) and
 `Program.schedules`.""")
 
+BLOCK_REPEATS: MetaKey[dict[str, int]] = MetaKey("block_repeats", """gm.meta of a graph shortened to four of
+its repeated blocks (block reuse): `{captured node name: how many blocks of the whole graph it stands for}`
+for the ops and placeholders of block 2, which stands for blocks 2 .. N-2. Written by
+`passes.repeated_blocks.shorten`; the rewrite hands it on. Read through `repeated_blocks.repeats_of` by
+alike_regions and repeated_work, which count block 2's nodes that many times.""")
+
+PRODUCT_SCHEDULES: MetaKey[dict[str, dict[str, int]]] = MetaKey("product_schedules", """gm.meta of the
+per-rank graph: `{captured node name: {schedule: products}}` for the captured ops lowered to matrix products
+(`SCHEDULE_COUNTS` per op). Written by the rewrite; read by `passes.expand_blocks` (the schedule counts of
+the copied blocks).""")
+
 # Every key of the contract, by its name in `meta`.
 KEYS: dict[str, MetaKey] = {key.name: key for key in (
     ROLE, WEIGHT_INPUT, ALIAS_OF, LOCAL_INPUT, CARRIED, CONSTANT_VALUE, DTYPE, LOCAL_OUTPUTS, CARRIED_OUTPUTS,
     LAYOUT, ARG_LAYOUTS, REPLICATED, GLOBAL_SHAPE, GLOBAL_NODE, RECOMPUTE_REGION, AUTOCAST_REGION, SUMMA_STEP,
     INDEX_CHECK,
-    IN_SPEC, OUT_SPEC, TENSORS, STATE_KEYS, GUARDS, SCHEDULE_COUNTS,
+    IN_SPEC, OUT_SPEC, TENSORS, STATE_KEYS, GUARDS, SCHEDULE_COUNTS, BLOCK_REPEATS, PRODUCT_SCHEDULES,
 )}

@@ -11,6 +11,7 @@ compiled for before anything runs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,8 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import CONSTANT_VALUE, SCHEDULE_COUNTS
 from tess_compile.core.row_split import RowSplit
 
-__all__ = ["INPUT_ROLES", "Program", "Slot", "describe_schedules", "input_name", "input_names", "split_example_inputs"]
+__all__ = ["INPUT_ROLES", "Program", "Repeats", "Slot", "describe_schedules", "input_name", "input_names",
+           "split_example_inputs"]
 
 # Slot roles whose values arrive as the module's inputs on every call. A "local input"
 # (`compile_model(..., local_inputs=True)`, a pipeline stage's) is this rank's block of
@@ -41,6 +43,19 @@ class Slot:
     shape: tuple[int, ...]
     dtype: torch.dtype | None
     alias_of: str | None = None  # for "alias": the name of the tied tensor
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """How a program compiled with block reuse (`tess_compile.passes.repeated_blocks`) repeats: its
+    repeated blocks are a first, `middle` alike ones and a last; `short(m)` is the same program with
+    m middle blocks (m >= 2), whose middle blocks 2 .. m are copies of one, and `labels(program)` each
+    node of such a program's graph by its block (the middle copies by their number; None: none). The
+    analyses price a program from two short ones (`tess_compile.analysis.block_reuse`)."""
+
+    middle: int
+    short: Callable[[int], Program]
+    labels: Callable[[Program], dict]
 
 
 @dataclass
@@ -66,6 +81,8 @@ class Program:
     dynamic: DynamicShapes | None = None
     # How the inputs' batch and tokens split (`tess_compile.core.row_split`); None: not recorded.
     rows: RowSplit | None = None
+    # Compiled with block reuse: the same program with fewer middle blocks (None: compiled whole).
+    repeats: Repeats | None = None
 
     def __post_init__(self) -> None:
         if self.runnable is None:

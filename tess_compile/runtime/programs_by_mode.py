@@ -31,19 +31,16 @@ __all__ = ["ModeModule", "ProgramsByMode"]
 
 class ProgramsByMode:
     """The program of each mode; `recompile(training, autocast)` compiles a missing one (None: the
-    one program serves all, as on the torch.compile path, where Dynamo recompiles),
-    `prepare` readies it for the runtime."""
+    one program serves all, as on the torch.compile path, where Dynamo recompiles)."""
 
-    def __init__(self, program: Program, recompile: Callable[..., Program] | None,
-                 prepare: Callable[[Program], Program] = lambda program: program):
+    def __init__(self, program: Program, recompile: Callable[..., Program] | None):
         self.first = program
         self._programs = {(program.training, program.autocast): program}
-        self._recompile, self._prepare = recompile, prepare
+        self._recompile = recompile
 
     def adopt(self, program: Program) -> Program:
-        """`program` (another of the model's programs, e.g. a generation step) readied to run on
-        these shards; ValueError unless its parameters and buffers are laid out as the first's."""
-        program = self._prepare(program)
+        """`program` (another of the model's programs, e.g. a generation step) to run on these
+        shards; ValueError unless its parameters and buffers are laid out as the first's."""
         _check_same_state(self.first, program)
         return program
 
@@ -52,7 +49,7 @@ class ProgramsByMode:
             return self.first
         key = (training, autocast)
         if key not in self._programs:
-            other = self._prepare(self._recompile(training, autocast))
+            other = self._recompile(training, autocast)
             _check_same_state(self.first, other)
             self._programs[key] = other
         return self._programs[key]

@@ -13,7 +13,6 @@ every call's inputs. `shard_program` builds one from a compiled `Program`.
 
 from __future__ import annotations
 
-import functools
 import os
 from datetime import timedelta
 
@@ -117,8 +116,7 @@ class ShardedModule(ModeModule):
         compile: bool = False,
     ):
         device = torch.device(device) if device is not None else _default_device()
-        prepare = functools.partial(state.off_meta, device=device)
-        super().__init__(ProgramsByMode(prepare(program), recompile, prepare), compile)
+        super().__init__(ProgramsByMode(program, recompile), compile)
         self.device, self.wrap_outputs = device, wrap_outputs
         mesh = program.mesh
         # `device_mesh`: the user's mesh (shard(..., mesh=...)); its (depth, row, col) submesh

@@ -143,10 +143,8 @@ class SimulatedModule(ModeModule):
     """
 
     def __init__(self, program: Program, recompile=None, compile: bool = False):
-        device = torch.get_default_device()
-        program = state.off_meta(program, device)
-        super().__init__(ProgramsByMode(program, recompile, lambda other: state.off_meta(other, device)), compile)
-        self.device = device
+        super().__init__(ProgramsByMode(program, recompile), compile)
+        self.device = torch.get_default_device()
         self.comm = SimComm(program.mesh)
         self.ranks = nn.ModuleList([state.add_local_tensors(nn.Module(), program, r) for r in range(program.mesh.num_ranks)])
         self.train(program.training)

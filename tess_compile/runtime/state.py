@@ -17,12 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-from torch.utils import _pytree as pytree
 
 from tess_compile.core.layout import Layout, Shard, assemble, chunk, local_block, pad_block, take_block, unpad_block
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import INPUT_ROLES, Program, Slot
-from tess_compile.ops.recompute_region import outline_regions
 from tess_compile.runtime.dtensors import local_tensors
 
 __all__ = [
@@ -40,15 +38,11 @@ __all__ = [
     "global_outputs",
     "graph_inputs",
     "load_shards",
-    "off_meta",
     "pieces",
     "pieces_wrapper",
     "source_keys",
     "state_slots",
 ]
-
-_META = torch.device("meta")
-
 
 def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, role: str) -> None:
     """Register `tensor` at dotted `name` under `root`, creating empty submodules on the way."""
@@ -82,9 +76,10 @@ def add_local_tensors(
         if slot.role == "constant" and program.tensors[slot.name].is_meta:
             raise ValueError(
                 f"constant {slot.name!r} (shape {list(slot.shape)}; a non-persistent buffer or tensor constant) "
-                f"is on the meta device, and no checkpoint holds it, so mesh {program.mesh} cannot run: "
-                "give it its values before sharding, e.g. build the submodule that owns it outside "
-                "`torch.device('meta')`"
+                f"is on the meta device, no checkpoint holds it, and the module that owns it has no code that "
+                "recomputes it (torchtitan's `_init_self_buffers`, a transformers `config`, or "
+                f"`init_weights(buffer_device=...)`), so mesh {program.mesh} cannot run: give it its values before "
+                "sharding, e.g. build the submodule that owns it outside `torch.device('meta')`"
             )
         if slot.role not in INPUT_ROLES and slot.role != "alias":
             local = program.local_tensor(slot, rank, device=device)
@@ -125,25 +120,6 @@ def add_constants(program: Program, known: dict[str, torch.Tensor], modules: dic
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and not a.is_meta and torch.equal(a, b.to(a.device))
-
-
-def off_meta(program: Program, device: torch.device) -> Program:
-    """`program`, its graph's meta-device arguments (`arange(..., device=meta)` from a model
-    built on the meta device) made `device`; the same program if it has none."""
-    if not any(_META in _devices(n) for n in program.graph.graph.nodes):
-        return program
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(program.graph.graph, {}))
-    for node in graph.nodes:
-        if _META in _devices(node):
-            node.args, node.kwargs = pytree.tree_map(lambda a: device if a == _META else a, (node.args, node.kwargs))
-    module = torch.fx.GraphModule(program.graph, graph)
-    module.meta.update(program.graph.meta)
-    return dataclasses.replace(program, graph=module, runnable=outline_regions(module))
-
-
-def _devices(node: torch.fx.Node) -> list[torch.device]:
-    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.device)]
 
 
 def get_attribute(module: nn.Module, slot: Slot | str) -> torch.Tensor:
