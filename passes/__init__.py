@@ -7,7 +7,7 @@
 `tess_compile.passes.driver.compile_model` calls the passes in that order and
 packs the result in a `Program` (`tess_compile.core.program`). The passes, one
 file each: `capture` (with `view_mutations`, `data_dependent`,
-`checkpoint_regions`), `boundary`, `autocast_casts`, `place`, `verify`,
+`checkpoint_regions`, `model_errors`), `boundary`, `autocast_casts`, `place`, `verify`,
 `recompute_blocks`, `rewrite` (emitting through `builder`, converting layouts
 by `redistribute`, products by `summa` in a schedule priced by
 `product_schedule`), `merge_products`, `alike_regions`, `recompute_selective`,

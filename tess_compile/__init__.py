@@ -24,7 +24,7 @@ layouts, options, programs), `ops` (what a per-rank graph calls), the compiler
 installed under this package's name) beside `runtime` (distributed, simulated
 and compiled execution), `analysis` (accounting, cost model, planner, dumps),
 `training`, `scale_out` and `generation`; this file, `backend`, `validation`
-(`check`), `cli` and `moved` (the old module paths, deprecated) are the face.
+(`check`, with `keep_float64`: the oracle and the capture kept in float64), `cli` and `moved` (the old module paths, deprecated) are the face.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ A new op's rules go into its family's file; a new family's file is added to
 `FAMILIES` below. No op is in two families. The families: `pointwise`,
 `reductions`, `views`, `factories`, `products` (with `products_1d`),
 `attention`, `embeddings`, `losses`, `norms`, `convolutions`,
-`complex_numbers`, `experts`, `pooling`, `indexing`, `sizes`, `einsum`; the
+`complex_numbers`, `experts`, `pooling`, `indexing`, `sizes`, `einsum`,
+`scans` (prefix sums and shifts along a split dim), `view_aliases`
+(`tensor_split`, `view_as`, `reshape_as`) and `fourier` (FFTs); the
 checks the rules share: which ops take uneven splits (`uneven`) and index
 ranges (`index_checks`).
 
