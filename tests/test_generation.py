@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conftest import counting_captures
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import tess_compile
+from tess_compile.generation import generate
 from tess_compile.core.layout import Layout, Replicate, Shard, assemble
 from tess_compile.runtime.launch import run_local
 
@@ -113,6 +115,28 @@ def test_greedy_generation_equals_the_unsharded_model(q, d, mode, request, monke
     monkeypatch.setattr(sim, "generation", None)  # as a module compiled without dynamic=True has it
     with pytest.raises(ValueError, match="compiled with dynamic=True"):
         sim.generate(prompt)
+
+
+@pytest.mark.parametrize(("q", "d", "mode"), [(2, 2, "2.5d"), pytest.param(2, 1, "1d", marks=pytest.mark.slow)],
+                         ids=["q2d2", "1d-p4"])
+def test_a_long_prompt_prefills_with_its_tokens_split(q, d, mode, request, monkeypatch):
+    """A single prompt of LONG_PROMPT tokens or more is prefilled by a static program whose tokens split
+    over the mesh (no rank repeats another's work, where the dynamic prefill of one prompt runs whole over
+    depth and row); its cache is laid out once for the decode program: the unsharded model's tokens."""
+    if mode == "2.5d":
+        model, sim, _ = request.getfixturevalue("gpt2_generating")
+    else:
+        model = gpt2()
+        sim, _ = compiled(model, q, d, mode)
+    monkeypatch.setattr(generate, "LONG_PROMPT", 8)
+    prompt = prompts(batch=1, length=16, seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = sim.generation._long_prefill(sim, prompt)
+    assert program.rows.tokens == ("col" if mode == "1d" else "depth_row")
+    assert not [str(w.message) for w in caught if "repeat" in str(w.message)]  # under 5% repeated in all
+    out = sim.generate(prompt, max_new_tokens=4, return_dict_in_generate=True, output_logits=True)
+    assert worst_error(model, out, 16) < 1e-12
 
 
 @pytest.mark.slow
