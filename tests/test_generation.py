@@ -180,16 +180,21 @@ def _gloo_worker(rank, world_size):
     with counting_captures() as captures:
         out = sharded.generate(prompt, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
         out = sharded.generate(prompt[:, :3], max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
-    return worst_error(model, out, 3), out.sequences, len(captures)
+    generate.LONG_PROMPT = 8  # a process of its own: a prompt of 16 tokens is long here
+    long = sharded.generate(prompt[:1].repeat(1, 4)[:, :16], max_new_tokens=4, return_dict_in_generate=True,
+                            output_logits=True)
+    worst = max(worst_error(model, out, 3), worst_error(model, long, 16))
+    return worst, out.sequences, len(captures), sharded.generation._long_prefills[16].rows.tokens
 
 
 @pytest.mark.slow
 def test_generation_over_gloo():
     results = run_local(_gloo_worker, 8, timeout_s=600)
-    for worst, sequences, compiles in results:
+    for worst, sequences, compiles, tokens in results:
         assert worst < 1e-12
         assert torch.equal(sequences, results[0][1])
         assert compiles == 3  # prefill and decode, and the decode of SUMMA's split, priced
+        assert tokens == "depth_row"  # the long prompt's prefill split its tokens
 
 
 class _Scaled(torch.nn.Module):
