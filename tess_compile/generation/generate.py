@@ -156,6 +156,8 @@ class Generation:
         return self._long_prefills[length]
 
     def _compile_long_prefill(self, module, ids: torch.Tensor) -> Program | None:
+        """`CacheStep` on one prompt of `ids`' length and an empty cache, static, in the module's options
+        (its token split), adopted on `module`'s shards; None (said) where its tokens stay whole."""
         length = ids.shape[1]
         step_inputs = (torch.zeros_like(ids), torch.ones_like(ids), torch.arange(length, device=ids.device)[None])
         options = dataclasses.replace(self.options, dynamic=False, batch_split="none")
