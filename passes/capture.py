@@ -27,7 +27,8 @@ with it (`tess_compile.passes.meta_device`).
 
 Code that branches on, or sizes a tensor by, values in tensors: a ValueError naming its line
 (`tess_compile.passes.data_dependent`). An error the model itself raises on the inputs is
-raised as it is, with its line (`tess_compile.passes.model_errors`).
+raised as it is, with its line (`tess_compile.passes.model_errors`). An attention mask built from
+sizes alone that is the causal mask becomes `is_causal=True` (`tess_compile.passes.causal_masks`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch.fx.traceback import preserve_node_meta
 from torch.utils import _pytree as pytree
 
 from tess_compile.passes.capture_reuse import reused_capture
+from tess_compile.passes.causal_masks import causal_masks_as_flags
 from tess_compile.passes.checkpoint_regions import mark_checkpoints, traced_checkpoints
 from tess_compile.passes.data_dependent import (
     explained_data_dependence,
@@ -145,6 +147,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, weight_inputs: d
     _split_at_constant_indices(gm, tensors)
     _inline_grad_mode_wrappers(gm)
     functionalize_view_mutations(gm)
+    causal_masks_as_flags(gm)
     _drop_dead_code(gm)
     mark_checkpoints(gm)
     _devices_at_run_time(gm)

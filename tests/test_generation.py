@@ -123,8 +123,10 @@ def test_a_long_prompt_prefills_with_its_tokens_split(q, d, mode, request, monke
     """A single prompt of LONG_PROMPT tokens or more is prefilled by a static program whose tokens split
     over the mesh (no rank repeats another's work, where the dynamic prefill of one prompt runs whole over
     depth and row); its cache is laid out once for the decode program: the unsharded model's tokens."""
-    if mode == "2.5d":
+    if mode == "2.5d":  # the shared module, with a generation of its own (the fixture's programs left as they are)
         model, sim, _ = request.getfixturevalue("gpt2_generating")
+        own = sim.generation
+        monkeypatch.setattr(sim, "generation", generate.Generation(own.model, own.mesh, own.options, own.cluster))
     else:
         model = gpt2()
         sim, _ = compiled(model, q, d, mode)
