@@ -8,7 +8,8 @@
 packs the result in a `Program` (`tess_compile.core.program`). The passes, one
 file each: `capture` (with `view_mutations`, `data_dependent`,
 `checkpoint_regions`, `model_errors`, `meta_device` for a model on the meta device, and
-`capture_reuse`, one export shared by several compiles), `repeated_blocks` (a model's alike
+`capture_reuse`, one export shared by several compiles, and `dynamic_capture`, the
+symbolic dims of a dynamic capture), `repeated_blocks` (a model's alike
 layers found and the graph shortened to four of them) and `expand_blocks` (block 2's per-rank
 nodes copied for the blocks it stands for), `boundary`, `autocast_casts`, `place`, `verify`,
 `recompute_blocks`, `rewrite` (emitting through `builder`, converting layouts
