@@ -246,7 +246,7 @@ def plan(
     dp: int | str = 1,
     pp: int | str = 1,
     microbatches: int | None = None,
-    zero: bool = False,
+    zero: bool | str = "auto",
     progress: Progress | None = None,
     **deprecated,
 ) -> list[PlanRow]:
@@ -269,8 +269,9 @@ def plan(
     `dp` data-parallel replicas and `pp` pipeline stages (numbers, or "auto" for every one that divides the GPUs,
     the batch and the model's repeated blocks) wrap each mesh of
     `gpus / (dp * pp)` ranks, with `microbatches` per step (default
-    `parallel_plan.default_microbatches`) and, with `zero`, the optimizer
-    state sharded over dp (`tess_compile.analysis.parallel_plan`).
+    `parallel_plan.default_microbatches`) and, with `zero`, parameters,
+    gradients and optimizer state sharded over dp by FSDP2 (`tess_compile.analysis.parallel_plan`;
+    "auto", the default: each configuration with dp > 1 with and without).
     `progress(done, total, what)`, if given, is called before each configuration is
     compiled and priced (`what` names it: "2.5d [4, 4, 4], dp 1, pp 1") and once at the
     end (`Progress`); `tess-compile plan` passes a progress bar.
@@ -296,7 +297,8 @@ def plan(
         if rows_per_group is not None and rows_per_group % m:
             raise ValueError(f"microbatches={m} does not divide the batch of {rows_per_group} rows per "
                              f"data-parallel replica (batch {batch}, dp={dp_}): use a divisor of {rows_per_group}")
-        configs += [(Outer(dp_, pp_, m, zero), mesh, None if batch is None else rows_per_group // m) for mesh in meshes]
+        micro = None if batch is None else rows_per_group // m
+        configs += [(Outer(dp_, pp_, m, sharded), mesh, micro) for sharded in _zero_options(zero, dp_) for mesh in meshes]
     if not configs:
         raise ValueError(f"no (dp, pp, mesh) of {gpus} GPUs in modes {', '.join(modes)} with dp={dp!r}, pp={pp!r}: "
                          "pick other modes or GPU counts, or let dp and pp be 'auto'")
@@ -304,6 +306,16 @@ def plan(
         rows = _rows(model, inputs, configs, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
                      keep_blocks=keep_blocks, recompute=recompute, progress=progress or _no_progress)
     return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
+
+
+def _zero_options(zero: bool | str, dp: int) -> tuple[bool, ...]:
+    """Whether to shard over `dp` replicas (ZeRO) in each configuration to price: `zero`, or both
+    ("auto"); never over one replica."""
+    if zero not in ("auto", True, False):
+        raise ValueError(f"zero={zero!r}: use True, False or 'auto' (both, for dp > 1)")
+    if dp == 1:
+        return (False,)
+    return (False, True) if zero == "auto" else (zero,)
 
 
 def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress: Progress, **options) -> list[PlanRow]:
@@ -405,6 +417,7 @@ def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float, block_b
         link = "intra" if dp_link_is_intra(cluster, outer, row.mesh.num_ranks) else "inter"
         note += f"; {outer.microbatches} microbatches" if outer.pp > 1 else ""
         note += f"; dp {link}-node" if outer.dp > 1 else ""
+        note += " (ZeRO)" if outer.zero else ""
     return replace(row, time=time, memory=memory, fits=fits, note=note, outer=outer)
 
 
