@@ -45,6 +45,6 @@ def test_what_is_skipped_cannot_win():
         assert skipped, [row.note for row in rows]
         best = pick(rows).time.step_s
         for row in skipped[:1]:
-            (again,) = [other for other in plan(make_stack, 8, modes=(row.mode,), dp=row.outer.dp, pp=row.outer.pp)
-                        if other.mesh == row.mesh]
+            (again,) = [other for other in plan(make_stack, 8, modes=(row.mode,), dp=row.outer.dp, pp=row.outer.pp,
+                                                zero=row.outer.zero) if other.mesh == row.mesh]
             assert again.time.step_s >= best
