@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conftest import counting_captures
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import tess_compile
+from tess_compile.generation import generate
 from tess_compile.core.layout import Layout, Replicate, Shard, assemble
 from tess_compile.runtime.launch import run_local
 
@@ -115,6 +117,28 @@ def test_greedy_generation_equals_the_unsharded_model(q, d, mode, request, monke
         sim.generate(prompt)
 
 
+@pytest.mark.parametrize(("q", "d", "mode"), [(2, 2, "2.5d"), pytest.param(2, 1, "1d", marks=pytest.mark.slow)],
+                         ids=["q2d2", "1d-p4"])
+def test_a_long_prompt_prefills_with_its_tokens_split(q, d, mode, request, monkeypatch):
+    """A single prompt of LONG_PROMPT tokens or more is prefilled by a static program whose tokens split
+    over the mesh (no rank repeats another's work, where the dynamic prefill of one prompt runs whole over
+    depth and row); its cache is laid out once for the decode program: the unsharded model's tokens."""
+    if mode == "2.5d":
+        model, sim, _ = request.getfixturevalue("gpt2_generating")
+    else:
+        model = gpt2()
+        sim, _ = compiled(model, q, d, mode)
+    monkeypatch.setattr(generate, "LONG_PROMPT", 8)
+    prompt = prompts(batch=1, length=16, seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = sim.generation._long_prefill(sim, prompt)
+    assert program.rows.tokens == ("col" if mode == "1d" else "depth_row")
+    assert not [str(w.message) for w in caught if "repeat" in str(w.message)]  # under 5% repeated in all
+    out = sim.generate(prompt, max_new_tokens=4, return_dict_in_generate=True, output_logits=True)
+    assert worst_error(model, out, 16) < 1e-12
+
+
 @pytest.mark.slow
 def test_generation_through_inductor():
     """compile=True: the prefill and decode programs through inductor, symbolic in batch and cached
@@ -156,16 +180,21 @@ def _gloo_worker(rank, world_size):
     with counting_captures() as captures:
         out = sharded.generate(prompt, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
         out = sharded.generate(prompt[:, :3], max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True)
-    return worst_error(model, out, 3), out.sequences, len(captures)
+    generate.LONG_PROMPT = 8  # a process of its own: a prompt of 16 tokens is long here
+    long = sharded.generate(prompt[:1].repeat(1, 4)[:, :16], max_new_tokens=4, return_dict_in_generate=True,
+                            output_logits=True)
+    worst = max(worst_error(model, out, 3), worst_error(model, long, 16))
+    return worst, out.sequences, len(captures), sharded.generation._long_prefills[16].rows.tokens
 
 
 @pytest.mark.slow
 def test_generation_over_gloo():
     results = run_local(_gloo_worker, 8, timeout_s=600)
-    for worst, sequences, compiles in results:
+    for worst, sequences, compiles, tokens in results:
         assert worst < 1e-12
         assert torch.equal(sequences, results[0][1])
         assert compiles == 3  # prefill and decode, and the decode of SUMMA's split, priced
+        assert tokens == "depth_row"  # the long prompt's prefill split its tokens
 
 
 class _Scaled(torch.nn.Module):

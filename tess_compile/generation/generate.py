@@ -10,6 +10,16 @@ cached length:
 - decode: one new token. transformers' attention takes another path for one
   query (no causal mask), so the length of the new tokens is fixed there.
 
+A single prompt of `LONG_PROMPT` tokens or more is prefilled by a third,
+static program of its length (one per length, compiled on first use), whose
+tokens split over the mesh as a training step's do (`token_split`, the
+module's option: context-parallel attention, sequence parallelism in 1-D), so
+the prompt's activations and work spread over every rank. Its cache comes out
+split by tokens and is laid out once as the decode program takes it (gathered
+along the token axes, one collective per cache tensor). Where the mesh cannot
+split the prompt's tokens (`token_split="none"`, a length the token axes do
+not take), the dynamic prefill serves, as for shorter prompts.
+
 Each is compiled once (`compile_for`, with the module's options and cluster),
 on the first `generate`, in eval mode, on the very shards of the module
 `shard` or `simulate` returned (their parameters must be laid out alike:
@@ -34,6 +44,7 @@ from torch import nn
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.analysis.cost_model import predict_time
 from tess_compile.core.cluster import Cluster
+from tess_compile.core.layout import local_block
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import Program
@@ -42,12 +53,13 @@ from tess_compile.generation.prepare import Call, prepare_call
 from tess_compile.core.row_split import resolve_batch_split, splits_of
 from tess_compile.runtime.sharded_module import ShardedModule
 
-__all__ = ["Generation"]
+__all__ = ["LONG_PROMPT", "Generation"]
 
 log = logging.getLogger("tess_compile")
 
 _CACHED_DIM = 2  # [batch, kv heads, cached, head dim]
 _STEP_INPUTS = 3  # the new tokens, the attention mask, the position ids; then the cache
+LONG_PROMPT = 512  # tokens of a single prompt from which its prefill splits them over the mesh
 
 
 class Generation:
@@ -58,6 +70,7 @@ class Generation:
         self.programs: dict[str, tuple[Program, Program]] = {}  # batch split -> prefill and decode, on the shards
         self._decoders: dict[str, Program] = {}  # batch split -> a decode program compiled to be priced
         self._choices: dict[tuple[str, ...], str] = {}  # candidate splits -> the one priced fastest
+        self._long_prefills: dict[int, Program | None] = {}  # prompt length -> its token-split prefill, or None
 
     def generate(self, module, inputs: torch.Tensor | None = None, generation_config=None, logits_processor=None,
                  stopping_criteria=None, prefix_allowed_tokens_fn=None, streamer=None, **kwargs):
@@ -68,10 +81,11 @@ class Generation:
                             stopping_criteria, prefix_allowed_tokens_fn)
         _check_positions(module, call)
         programs = self._compiled(module, call.input_ids)
+        long_prefill = self._long_prefill(module, call.input_ids)
         if streamer is not None:
             streamer.put(call.input_ids.cpu())
         with torch.no_grad():
-            ids, scores, logits = self._decode(module, programs, call, streamer)
+            ids, scores, logits = self._decode(module, programs, call, streamer, long_prefill)
         if streamer is not None:
             streamer.end()
         if not call.config.return_dict_in_generate:
@@ -80,9 +94,11 @@ class Generation:
 
         return GenerateDecoderOnlyOutput(sequences=ids, scores=scores, logits=logits)
 
-    def _decode(self, module, programs: tuple[Program, Program], call: Call, streamer):
-        """transformers' `_sample` loop, each forward a program call: the sequences, and the scores and
-        logits of each step where the config asks for them (else None)."""
+    def _decode(self, module, programs: tuple[Program, Program], call: Call, streamer,
+                long_prefill: Program | None = None):
+        """transformers' `_sample` loop, each forward a program call (the first by `long_prefill` where
+        there is one): the sequences, and the scores and logits of each step where the config asks for
+        them (else None)."""
         config, ids = call.config, call.input_ids
         recorded = config.return_dict_in_generate
         scores = () if recorded and config.output_scores else None
@@ -94,7 +110,12 @@ class Generation:
         while True:
             program = programs[0] if step_ids.shape[1] > 1 else programs[1]
             positions = state["position_ids"][:, -step_ids.shape[1]:]
-            logits, blocks = _step(module, program, [step_ids, state["attention_mask"], positions], blocks)
+            step_inputs = [step_ids, state["attention_mask"], positions]
+            if long_prefill is not None:
+                logits, blocks = _split_step(module, long_prefill, step_inputs, programs[1])
+                long_prefill = None
+            else:
+                logits, blocks = _step(module, program, step_inputs, blocks)
             state = self.model._update_model_kwargs_for_generation({}, state)  # the mask and positions, one longer
             step_scores = call.processors(ids, logits.to(copy=True, dtype=torch.float32, device=ids.device))
             scores = scores + (step_scores,) if scores is not None else None
@@ -123,6 +144,37 @@ class Generation:
                      "laid out as %s", self.mesh, split, next(s.layout for s in prefill.slots if s.role == "local input"))
             self.programs[split] = (prefill, decode)
         return self.programs[split]
+
+    def _long_prefill(self, module, ids: torch.Tensor) -> Program | None:
+        """The token-split prefill of a single prompt of `LONG_PROMPT` tokens or more (module docstring),
+        compiled on first use for its length; None for other prompts and where its tokens stay whole."""
+        batch, length = ids.shape
+        if batch != 1 or length < LONG_PROMPT or self.options.token_split == "none":
+            return None
+        if length not in self._long_prefills:
+            self._long_prefills[length] = self._compile_long_prefill(module, ids)
+        return self._long_prefills[length]
+
+    def _compile_long_prefill(self, module, ids: torch.Tensor) -> Program | None:
+        """`CacheStep` on one prompt of `ids`' length and an empty cache, static, in the module's options
+        (its token split), adopted on `module`'s shards; None (said) where its tokens stay whole."""
+        length = ids.shape[1]
+        step_inputs = (torch.zeros_like(ids), torch.ones_like(ids), torch.arange(length, device=ids.device)[None])
+        options = dataclasses.replace(self.options, dynamic=False, batch_split="none")
+        try:
+            compiled = compile_for(CacheStep(self.model), self.mesh, (*step_inputs, ()), options, self.cluster,
+                                   training=False, state_layouts=module.state_layouts())
+        except ValueError as err:
+            log.warning("generation: a prompt of %d tokens prefills whole on mesh %s: its token split does not "
+                        "compile: %s", length, self.mesh, err)
+            return None
+        if compiled.program.rows.tokens == "none":
+            log.info("generation: a prompt of %d tokens prefills whole on mesh %s (%s)", length, self.mesh,
+                     compiled.program.rows)
+            return None
+        log.info("generation: a prompt of %d tokens prefills with %s on mesh %s", length, compiled.program.rows,
+                 self.mesh)
+        return module.adopt(compiled.program)
 
     def _split(self, module, ids: torch.Tensor, batch: int) -> str:
         """The batch split of `batch` prompts: "one" for a single prompt (a program of one sequence, which
@@ -245,6 +297,23 @@ def _empty_cache(program: Program, batch: int, device=None) -> list[torch.Tensor
             shape[0], shape[_CACHED_DIM] = batch, 0
             blocks.append(torch.zeros(slot.layout.local_shape(shape, program.mesh), dtype=slot.dtype, device=device))
     return blocks
+
+
+def _split_step(module, program: Program, inputs: list[torch.Tensor], decode: Program) -> tuple[torch.Tensor, dict]:
+    """The first step of one long prompt by its token-split prefill `program`: the last position's logits
+    (global) and each rank's cache blocks, each cache tensor gathered from the token split once and laid
+    out as `decode` takes it."""
+    inputs = [x.contiguous() for x in inputs]
+    outputs = module.run_program(program, {r: list(inputs) for r in module.rank_modules()})
+    shapes = program.call_output_shapes(inputs)
+    logits = module.global_output(program, 0, {r: out[0] for r, out in outputs.items()}, shapes[0])
+    blocks: dict[int, list] = {r: [] for r in outputs}
+    layouts = [slot.layout for slot in decode.slots if slot.role == "local input"]
+    for index, layout in enumerate(layouts, 1):
+        whole = module.global_output(program, index, {r: out[index] for r, out in outputs.items()}, shapes[index])
+        for r in blocks:
+            blocks[r].append(local_block(whole, layout, decode.mesh, r).contiguous())
+    return logits, blocks
 
 
 def _step(module, program: Program, inputs: list[torch.Tensor], blocks: dict[int, list]) -> tuple[torch.Tensor, dict]:
