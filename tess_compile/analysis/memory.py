@@ -250,7 +250,7 @@ def record_step(program: Program, node_labels: dict) -> StepRecord:
 
 
 class _Labels:
-    """The label of the op running now, for `step_moments` (see there)."""
+    """The label of the op running now, for `record_step` (see there)."""
 
     def __init__(self, program: Program, node_labels: dict):
         by_name = {node.name: label for node, label in node_labels.items()}
