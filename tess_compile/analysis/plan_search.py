@@ -16,6 +16,9 @@ functions, so the time at `rows` is at least `rows / larger` times the cheapest 
 `larger >= rows` rows, fitting in memory or not (`bound_time`); the data and pipeline
 parallelism around it are then priced as for a compiled row. So the search compiles, for each
 mesh, its largest microbatch first (`search_order`), then the others by their bound.
+
+With `zero="auto"` every configuration of more than one data-parallel replica is searched with
+and without ZeRO (`zero_options`): both share the compile of their mesh.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Hashable, Sequence
 
 from tess_compile.analysis.cost_model import StepTime
 
-__all__ = ["bound_time", "search_order"]
+__all__ = ["bound_time", "search_order", "zero_options"]
 
 # The StepTime fields that grow with a microbatch's rows (the others are per call or per parameter).
 _GROWING = ("forward_compute_s", "forward_comm_s", "backward_compute_s", "backward_comm_s", "forward_ahead_s")
@@ -48,3 +51,13 @@ def bound_time(cheapest: StepTime, rows: int, larger: int) -> StepTime:
     time priced at `larger >= rows` rows (see the module docstring)."""
     share = rows / larger
     return dataclasses.replace(cheapest, **{name: getattr(cheapest, name) * share for name in _GROWING})
+
+
+def zero_options(zero: bool | str, dp: int) -> tuple[bool, ...]:
+    """Whether to shard over `dp` replicas (ZeRO) in each configuration to price: `zero`, or both
+    ("auto"); never over one replica."""
+    if zero not in ("auto", True, False):
+        raise ValueError(f"zero={zero!r}: use True, False or 'auto' (both, for dp > 1)")
+    if dp == 1:
+        return (False,)
+    return (False, True) if zero == "auto" else (zero,)

@@ -46,7 +46,7 @@ from tess_compile.analysis.parallel_plan import (
     outer_options,
     price,
 )
-from tess_compile.analysis.plan_search import bound_time, search_order
+from tess_compile.analysis.plan_search import bound_time, search_order, zero_options
 from tess_compile.analysis.schedule_choice import ScheduleChoice, choose_schedule
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
@@ -298,7 +298,8 @@ def plan(
             raise ValueError(f"microbatches={m} does not divide the batch of {rows_per_group} rows per "
                              f"data-parallel replica (batch {batch}, dp={dp_}): use a divisor of {rows_per_group}")
         micro = None if batch is None else rows_per_group // m
-        configs += [(Outer(dp_, pp_, m, sharded), mesh, micro) for sharded in _zero_options(zero, dp_) for mesh in meshes]
+        configs += [(Outer(dp_, pp_, m, sharded), mesh, micro)
+                    for sharded in zero_options(zero, dp_) for mesh in meshes]
     if not configs:
         raise ValueError(f"no (dp, pp, mesh) of {gpus} GPUs in modes {', '.join(modes)} with dp={dp!r}, pp={pp!r}: "
                          "pick other modes or GPU counts, or let dp and pp be 'auto'")
@@ -306,16 +307,6 @@ def plan(
         rows = _rows(model, inputs, configs, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
                      keep_blocks=keep_blocks, recompute=recompute, progress=progress or _no_progress)
     return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
-
-
-def _zero_options(zero: bool | str, dp: int) -> tuple[bool, ...]:
-    """Whether to shard over `dp` replicas (ZeRO) in each configuration to price: `zero`, or both
-    ("auto"); never over one replica."""
-    if zero not in ("auto", True, False):
-        raise ValueError(f"zero={zero!r}: use True, False or 'auto' (both, for dp > 1)")
-    if dp == 1:
-        return (False,)
-    return (False, True) if zero == "auto" else (zero,)
 
 
 def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress: Progress, **options) -> list[PlanRow]:
