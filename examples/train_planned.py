@@ -78,8 +78,9 @@ def plan_spec(args) -> ParallelSpec:
     def factory():  # called on the meta device: no weight is allocated
         return make_model(args), torch.zeros(args.batch, args.seq, dtype=torch.long)
 
+    # zero=False: the checkpoints are DCP's, which a ZeRO module refuses (docs/scale_out.md)
     rows = tess_compile.plan(factory, args.gpus, gpus_per_node=args.gpus, modes=args.modes.split(","), dp="auto",
-                             pp="auto")
+                             pp="auto", zero=False)
     print(format_table(rows), end="", flush=True)
     chosen = pick(rows)
     if chosen is None:

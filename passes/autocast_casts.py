@@ -41,15 +41,20 @@ from tess_compile.core.autocast import Autocast, autocast_off_everywhere, runnin
 from tess_compile.core.meta_keys import AUTOCAST_REGION, RECOMPUTE_REGION
 from tess_compile.passes.view_mutations import node_like
 
-__all__ = ["apply_autocast"]
+__all__ = ["apply_autocast", "needs_casts"]
 
 aten = torch.ops.aten
+
+
+def needs_casts(gm: GraphModule, autocast: Autocast | None) -> bool:
+    """Whether `apply_autocast` changes `gm`: under an autocast, or with autocast regions or mixed norms."""
+    return autocast is not None or any(AUTOCAST_REGION.has(node) or _mixed_norm(node) for node in gm.graph.nodes)
 
 
 def apply_autocast(gm: GraphModule, autocast: Autocast | None) -> GraphModule:
     """`gm` with autocast's casts of `autocast` (None: none, but in autocast regions) as ops, and its
     mixed-dtype norms computed in their weights' dtype."""
-    if autocast is None and not any(AUTOCAST_REGION.has(node) or _mixed_norm(node) for node in gm.graph.nodes):
+    if not needs_casts(gm, autocast):
         return gm
     fake_mode = detect_fake_mode([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
     made: dict[tuple, Node] = {}  # (input, dtype, recompute region) -> its cast, shared by later ops

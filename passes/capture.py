@@ -48,15 +48,11 @@ from torch.utils import _pytree as pytree
 from tess_compile.passes.capture_reuse import reused_capture
 from tess_compile.passes.causal_masks import causal_masks_as_flags
 from tess_compile.passes.checkpoint_regions import mark_checkpoints, traced_checkpoints
-from tess_compile.passes.data_dependent import (
-    explained_data_dependence,
-    is_data_dependent,
-    refuse_data_dependent_shapes,
-)
+from tess_compile.passes.data_dependent import explained_data_dependence, refuse_data_dependent_shapes
+from tess_compile.passes.dynamic_capture import dynamic_example, export_dynamic
 from tess_compile.passes.model_errors import the_models_own_errors
 from tess_compile.passes.meta_device import on_the_meta_device, recompute_meta_buffers
 from tess_compile.passes.view_mutations import functionalize_view_mutations, may_alias_root, writes_in_place
-from tess_compile.core.dynamic import export_dims, export_example
 from tess_compile.core.autocast import Autocast, autocast_off_everywhere, running_under
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
@@ -87,26 +83,27 @@ _ROLE = {
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             weight_inputs: dict[int, str] | None = None, batch_factor: int | None = None,
-            autocast: Autocast | None = None) -> torch.fx.GraphModule:
+            autocast: Autocast | None = None, shared: bool = False) -> torch.fx.GraphModule:
     """Export `model` on example inputs and tag each placeholder with its role.
 
     `weight_inputs` maps user-input positions that are really weights (as in
     Dynamo's graphs, where parameters arrive as inputs) to their names; those
     placeholders get `WEIGHT_INPUT` = name. `batch_factor` (a dynamic
     compile's) captures the batch as a symbolic multiple of it and the other
-    dims of the inputs symbolic where the model allows (`tess_compile.core.dynamic`),
+    dims of the inputs symbolic where the model allows (`tess_compile.passes.dynamic_capture`),
     except the weight inputs' dims and those marked `torch._dynamo.mark_static`;
     `GUARDS` is then the number of guards the capture left, so
     that the driver can tell those the later passes add. The model runs under the
     torch.autocast `autocast` (None: none), so that code that reads a dtype (`x.to(h.dtype)`)
     traces as it runs there; export records no cast of autocast's
     (`tess_compile.passes.autocast_casts` writes them). Inside
-    `tess_compile.passes.capture_reuse.captures_reused()` a model is exported once per way it is called.
+    `tess_compile.passes.capture_reuse.captures_reused()` a model is exported once per way it is called
+    (`shared`: the graph the compiles share, not to be changed; `capture_reuse.owned`).
     """
     kwargs = kwargs or {}
     options = (tuple(sorted((weight_inputs or {}).items())), batch_factor, autocast)
     return reused_capture(model, (args, kwargs), options,
-                          lambda: _capture(model, args, kwargs, weight_inputs, batch_factor, autocast))
+                          lambda: _capture(model, args, kwargs, weight_inputs, batch_factor, autocast), shared)
 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, weight_inputs: dict[int, str] | None,
@@ -115,7 +112,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, weight_inputs: d
     recompute_meta_buffers(model)
     dims = None
     if batch_factor is not None:
-        args, kwargs, dims = _dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
+        args, kwargs, dims = dynamic_example(args, kwargs, batch_factor, weight_inputs or {})
     with (explained_data_dependence(model), the_models_own_errors(model, args, kwargs), autocast_off_everywhere(),
           running_under(autocast), on_the_meta_device(model, args, kwargs) as (args, kwargs)):
         ep = _export(model, args, kwargs, dims)
@@ -162,44 +159,6 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, weight_inputs: d
     return gm
 
 
-def _dynamic_example(args: tuple, kwargs: dict, batch_factor: int, weight_inputs: dict[int, str]) -> tuple:
-    """The example inputs of a dynamic capture and export's dims for them (`export_dims`, `export_example`).
-    The weight inputs are held out of both: their dims stay fixed, and none of them is taken for the batch.
-    A dim marked `torch._dynamo.mark_static(x, dim)` on an input stays fixed (the torch.compile backend marks
-    the dims that Dynamo's graph holds as constants), and a fixed batch need not split evenly."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    held = [_HELD if i in weight_inputs else x for i, x in enumerate(leaves)]
-    held_args, held_kwargs = pytree.tree_unflatten(held, spec)
-    inputs = (*held_args, *held_kwargs.values())
-    if _batch_marked_static(inputs):  # a fixed batch: none to split evenly, none to repeat
-        dims = export_dims(held_args, held_kwargs, 1)
-    else:
-        dims = export_dims(held_args, held_kwargs, batch_factor)
-        held_args, held_kwargs = export_example(held_args, held_kwargs, batch_factor)
-    dims = tuple(_unmarked(d, x) for d, x in zip(dims, inputs))
-    example = pytree.tree_leaves((held_args, held_kwargs))
-    args, kwargs = pytree.tree_unflatten([leaves[i] if i in weight_inputs else x for i, x in enumerate(example)], spec)
-    return args, kwargs, dims
-
-
-# A weight input's place while a dynamic capture decides the dims of the others: not a tensor, so fixed.
-_HELD = object()
-
-
-def _unmarked(dims, x):
-    """An input's export dims less those marked static on it (top-level tensor inputs)."""
-    static = getattr(x, "_dynamo_static_indices", ())
-    if not isinstance(dims, dict) or not static:
-        return dims
-    return {dim: d for dim, d in dims.items() if dim not in static} or None
-
-
-def _batch_marked_static(inputs: tuple) -> bool:
-    """Whether the batch, dim 0 of the first tensor input (as `export_dims` takes it), is marked static."""
-    first = next((x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)), None)
-    return first is not None and 0 in getattr(first, "_dynamo_static_indices", ())
-
-
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tuple | None):
     """`torch.export.export` of the model, its outputs made exportable (`_exportable`). A model that
     returns a cache and takes `use_cache` (not given) is exported again with `use_cache=False`: a
@@ -233,47 +192,12 @@ def _export_with(model: torch.nn.Module, args: tuple, kwargs: dict, dropped: lis
         with preserve_node_meta(), traced_checkpoints():
             if dims is None:
                 return torch.export.export(model, args, kwargs, strict=False)
-            return _export_dynamic(model, args, kwargs, dims)
+            return export_dynamic(model, args, kwargs, dims)
     finally:
         if own is None:
             del model.forward
         else:
             model.forward = own
-
-
-def _export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict, dims: tuple):
-    """Export with symbolic dims; a model whose code fixes the batch is a ValueError with the fix."""
-    try:
-        # size-oblivious: a symbol may also be 1 (a batch of one block, a sequence of one token)
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            return torch.export.export(model, args, kwargs, dynamic_shapes=dims, strict=False)
-    except torch._dynamo.exc.UserError as err:
-        if is_data_dependent(err):
-            raise  # explained by capture
-        if "size()[0] != 1" in str(err) and _batch_of_one(dims):
-            # the model's code differs at a batch of 1 (a broadcast): the program takes batches of 2 or more
-            log.info("dynamic=True: %s's code differs at a batch of 1; the program takes batches of 2 or more",
-                     type(model).__name__)
-            return _export_dynamic(model, args, kwargs, pytree.tree_map(_least_batch_two, dims))
-        said = " ".join(line.strip() for line in str(err).strip().splitlines()[:8] if line.strip())
-        raise ValueError(
-            f"dynamic=True: {type(model).__name__}'s code fixes a dim that is captured as symbolic (the batch, dim 0 "
-            f"of the inputs); torch.export says: {said}\nwrite the model's sizes from its inputs (x.shape[0], "
-            "view(-1, ...)) instead of constants, or pass dynamic=False"
-        ) from err
-
-
-def _batch_of_one(dims: tuple) -> bool:
-    """Whether the batch dim among export's `dims` may be 1 (a plain `Dim("batch")` of least 1)."""
-    return any(_is_batch_of_one(d) for d in pytree.tree_leaves(dims))
-
-
-def _is_batch_of_one(dim) -> bool:
-    return getattr(dim, "__name__", None) == "batch" and getattr(dim, "min", None) == 1
-
-
-def _least_batch_two(dim):
-    return torch.export.Dim("batch", min=2) if _is_batch_of_one(dim) else dim
 
 
 def shape_env_of(gm: torch.fx.GraphModule):

@@ -23,7 +23,7 @@ import torch
 from torch.fx import Graph, GraphModule
 from torch.utils import _pytree as pytree
 
-__all__ = ["captures_reused", "reused_capture"]
+__all__ = ["captures_reused", "owned", "reused_capture"]
 
 _CAPTURES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tess_captures", default=None)
 
@@ -42,16 +42,24 @@ def captures_reused():
         _CAPTURES.reset(token)
 
 
-def reused_capture(model: torch.nn.Module, inputs, options: tuple, make: Callable[[], GraphModule]) -> GraphModule:
+def reused_capture(model: torch.nn.Module, inputs, options: tuple, make: Callable[[], GraphModule],
+                   shared: bool = False) -> GraphModule:
     """`make()`, the capture of `model` on `inputs` with `options` (hashable: weight inputs, batch factor,
-    autocast), or inside `captures_reused()` a copy of the graph it gave the first time."""
+    autocast), or inside `captures_reused()` a copy of the graph it gave the first time; with `shared`, that
+    graph itself, which the caller must not change (`owned` gives a copy to change)."""
     captures = _CAPTURES.get()
     if captures is None or options[1] is not None:  # a dynamic capture's guards are its compile's own
         return make()
     key = (id(model), model.training, options, _described(inputs))
     if key not in captures:
         captures[key] = (model, make())  # the model too: its id stays its own while the block lasts
-    return _copied(captures[key][1])
+    return captures[key][1] if shared else _copied(captures[key][1])
+
+
+def owned(gm: GraphModule) -> GraphModule:
+    """`gm`, or a copy of it if it is a capture that `captures_reused()` shares."""
+    captures = _CAPTURES.get()
+    return _copied(gm) if captures and any(gm is held for _, held in captures.values()) else gm
 
 
 def _described(inputs) -> tuple:

@@ -34,11 +34,12 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from tess_compile.passes.alike_regions import alike_regions
-from tess_compile.passes.autocast_casts import apply_autocast
+from tess_compile.passes.autocast_casts import apply_autocast, needs_casts
 from tess_compile.passes.boundary import mark_boundary
 from tess_compile.passes.bucket_gradients import bucket_gradients
 from tess_compile.passes.capture import capture, shape_env_of
-from tess_compile.passes.expand_blocks import block_labels, expand_blocks
+from tess_compile.passes.capture_reuse import owned
+from tess_compile.passes.expand_blocks import block_labels, expand_blocks, expand_slots, expanded_schedules
 from tess_compile.passes.merge_products import merge_products
 from tess_compile.passes.observers import PassResult, notify
 from tess_compile.passes.place import place
@@ -66,7 +67,6 @@ from tess_compile.core.meta_keys import (
     LOCAL_INPUT,
     OUT_SPEC,
     ROLE,
-    SCHEDULE_COUNTS,
     STATE_KEYS,
     TENSORS,
     WEIGHT_INPUT,
@@ -96,6 +96,7 @@ def compile_model(
     cluster: Cluster | None = None,
     autocast: Autocast | None = None,
     reuse_blocks: bool = True,
+    priced_only: bool = False,
     **keywords,
 ) -> Program:
     """Capture `model` on `example_inputs` and compile it for `mesh`.
@@ -124,6 +125,10 @@ def compile_model(
     `autocast` (device type, dtype): the program runs under that torch.autocast, its casts written
     into the graph (`tess_compile.passes.autocast_casts`); the runtimes run it with autocast off.
     `reuse_blocks=False` compiles every repeated block (module docstring): the same program, slower.
+    `priced_only=True` (the planner's) gives a program only to price: with block reuse its graph is the
+    short per-rank graph, which `Program.repeats` extends, and which must not run; and unless `strict`,
+    the report of repeated work names the ops that run replicated only (the planner prints the
+    redundant work).
     """
     options = CompileOptions.resolve("compile_model", options, keywords, mode=mesh.mode)
     if options.keep_blocks == AUTO:
@@ -139,36 +144,66 @@ def compile_model(
     rows = row_split_for(options, mesh, args, kwargs, weight_inputs)
     batch_factor = batch_parts(rows.batch, mesh) if options.dynamic else None
     gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
-             autocast=autocast, guarded=False)
-    # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
-    gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
-    gm = apply_autocast(gm, autocast)
+             autocast=autocast, shared=True, guarded=False)
+    if local_inputs or local_outputs or carried or needs_casts(gm, autocast):
+        # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
+        gm = owned(gm)
+        gm = mark_boundary(gm, mesh, local_inputs=local_inputs, local_outputs=local_outputs, carried=carried)
+        gm = apply_autocast(gm, autocast)
     cluster = CALIBRATED_CLUSTER if cluster is None else cluster
     lower = functools.partial(_lower, run, mesh, options, cluster, replicate_outputs=replicate_outputs,
                               rows=rows, state_layouts=state_layouts)
     found = find_repeated_blocks(gm)
     bucket = functools.partial(bucket_gradients, mesh=mesh, **({"block_path": found.path} if found else {}))
     blocks = found if reuse_blocks and options.recompute != "selective" else None
-    whole = None
     if blocks is not None:
         placed, short = lower(run("shorten blocks", shorten, gm, blocks))
-        whole = run("expand blocks", expand_blocks, short, blocks, blocks.count - 4, allow_none=True)
-        if whole is None:
+        first = expand_blocks(short, blocks, 0)  # the program with two middle blocks, if they are alike
+        if first is None:
             log.info("repeated blocks: blocks 1 and 2 of %s do not come out alike; the whole graph is compiled",
                      blocks.path)
-    if whole is None:
-        placed, short = lower(gm)
-        whole, blocks = short, None
-    shared = (placed, model.training, autocast, rows)
-    checked = bucket(expand_blocks(short, blocks, 0)) if blocks is not None else None
-    gm = run("bucket gradients", bucket, whole)
+            blocks = None
+    if blocks is None:
+        placed, short = lower(owned(gm))
+        whole, checked = short, None
+    elif priced_only:
+        whole, checked = None, bucket(first)
+    else:
+        whole, checked = run("expand blocks", expand_blocks, short, blocks, blocks.count - 4), bucket(first)
+    gm = run("bucket gradients", bucket, whole) if whole is not None else None
     # always: a wrong rule shows here, not at the first forward (block reuse: on the four blocks compiled)
     run("verify rewritten", verify_rewritten, checked or gm, mesh, placed=placed, guarded=False)
-    run("report repeated work", report_repeated_work, checked or gm, mesh, placed=placed, strict=options.strict)
+    run("report repeated work", report_repeated_work, checked or gm, mesh, placed=placed, strict=options.strict,
+        count_flops=not priced_only)
     log.info("compiled %s for mesh %s in %.2fs", type(model).__name__, mesh, time.perf_counter() - start)
-    program = _program(gm, mesh, *shared, dynamic=options.dynamic)
-    if blocks is not None:
-        program.repeats = _repeats(short, blocks, bucket, mesh, shared, checked, options.dynamic)
+    common = (placed, model.training, autocast, rows)
+    if blocks is None:
+        program = _program(gm, mesh, *common, dynamic=options.dynamic)
+    else:
+        program = _reused(gm, short, checked, blocks, bucket, mesh, common, options.dynamic)
+    return _logged(program, options, cluster)
+
+
+def _reused(gm: GraphModule | None, short: GraphModule, checked: GraphModule, blocks: RepeatedBlocks,
+            bucket: Callable, mesh: Mesh, common: tuple, dynamic: bool) -> Program:
+    """The program of a compile with block reuse, with its `Repeats`: of the whole per-rank graph `gm`, or
+    where that was not built (priced only) of the short one, `short`, with the whole's slots and schedule
+    counts (a program to price, not to run)."""
+    copies = blocks.count - 4
+    if gm is not None:
+        program, schedules = _program(gm, mesh, *common, dynamic=dynamic), None
+    else:
+        program = _program(short, mesh, *common, dynamic=dynamic, slots=expand_slots(_slots(checked), blocks, copies))
+        schedules = expanded_schedules(short, blocks, copies)[1]
+    program.repeats = _repeats(short, blocks, bucket, mesh, common, checked, dynamic, schedules)
+    return program
+
+
+def _logged(program: Program, options: CompileOptions, cluster: Cluster) -> Program:
+    """`program`, the schedules summa="auto" chose logged."""
+    if options.summa == AUTO and program.schedules:
+        log.info("summa=auto on mesh %s: %s (priced on %s)", program.mesh, describe_schedules(program.schedules),
+                 "CALIBRATED_CLUSTER" if cluster == CALIBRATED_CLUSTER else "the given cluster")
     return program
 
 
@@ -184,21 +219,19 @@ def _lower(run: _Passes, mesh: Mesh, options: CompileOptions, cluster: Cluster, 
              context=options.context)
     gm = run("merge products", merge_products, gm, mesh)
     gm = run("alike regions", alike_regions, gm, mesh)
-    if options.summa == AUTO and SCHEDULE_COUNTS.of(gm):
-        log.info("summa=auto on mesh %s: %s (priced on %s)", mesh, describe_schedules(SCHEDULE_COUNTS.of(gm)),
-                 "CALIBRATED_CLUSTER" if cluster == CALIBRATED_CLUSTER else "the given cluster")
     if options.recompute == "selective":
         gm = run("recompute selective", mark_selective, gm, mesh)
     return placed, gm
 
 
 def _program(gm: GraphModule, mesh: Mesh, placed: GraphModule, training: bool, autocast: Autocast | None,
-             rows: RowSplit, *, dynamic: bool) -> Program:
-    """The `Program` of the per-rank graph `gm`, whose outputs and inputs are those of `placed`."""
+             rows: RowSplit, *, dynamic: bool, slots: list[Slot] | None = None) -> Program:
+    """The `Program` of the per-rank graph `gm` (with `slots`, default those of its placeholders), whose
+    outputs and inputs are those of `placed`."""
     return Program(
         mesh=mesh,
         graph=gm,
-        slots=_slots(gm),
+        slots=_slots(gm) if slots is None else slots,
         output_layouts=_output_layouts(placed),
         output_shapes=_output_shapes(placed),
         in_spec=IN_SPEC.of(gm),
@@ -227,8 +260,8 @@ def row_split_for(options: CompileOptions, mesh: Mesh, args: tuple, kwargs: dict
     return resolve_row_split(options.batch_split, options.token_split, batch, length, mesh, options.dynamic)
 
 
-def _repeats(short: GraphModule, blocks: RepeatedBlocks, bucket: Callable, mesh: Mesh, shared: tuple,
-             checked: GraphModule, dynamic: bool) -> Repeats:
+def _repeats(short: GraphModule, blocks: RepeatedBlocks, bucket: Callable, mesh: Mesh, common: tuple,
+             checked: GraphModule, dynamic: bool, schedules: dict[str, int] | None) -> Repeats:
     """The `Repeats` of a program compiled with block reuse from the per-rank graph `short` (its buckets
     not made): the program with m middle blocks is `short` with m - 2 copies of block 2, bucketed
     (`checked` for m = 2)."""
@@ -236,12 +269,12 @@ def _repeats(short: GraphModule, blocks: RepeatedBlocks, bucket: Callable, mesh:
     @functools.cache
     def with_middle(middle: int) -> Program:
         gm = checked if middle == 2 else bucket(expand_blocks(short, blocks, middle - 2))
-        return _program(gm, mesh, *shared, dynamic=dynamic)
+        return _program(gm, mesh, *common, dynamic=dynamic)
 
     def labels(program: Program) -> dict:
         return block_labels(program.graph, blocks)
 
-    return Repeats(blocks.count - 2, with_middle, labels)
+    return Repeats(blocks.count - 2, with_middle, labels, schedules)
 
 
 class _Passes:
@@ -255,8 +288,7 @@ class _Passes:
     def __init__(self, mesh: Mesh, dynamic: bool = False):
         self.mesh, self.dynamic, self.index, self.nodes = mesh, dynamic, 0, None
 
-    def __call__(self, name: str, run_pass, *args, guarded: bool = True, allow_none: bool = False,
-                 **kwargs) -> GraphModule | None:
+    def __call__(self, name: str, run_pass, *args, guarded: bool = True, **kwargs) -> GraphModule:
         start = time.perf_counter()
         try:
             with torch.fx.experimental._config.patch(backed_size_oblivious=self.dynamic):
@@ -267,8 +299,6 @@ class _Passes:
             if not guarded:
                 raise
             raise RuntimeError(f"tess-compile pass {name!r} failed on mesh {self.mesh}: {err}") from err
-        if gm is None and allow_none:
-            return None
         if not isinstance(gm, GraphModule):
             raise AssertionError(f"tess-compile pass {name!r} returned {type(gm).__name__}, not a GraphModule")
         seconds = time.perf_counter() - start

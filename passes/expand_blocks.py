@@ -22,12 +22,14 @@ a program from its short forms (`tess_compile.analysis.block_reuse`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_aggregate
 
 from tess_compile.passes.repeated_blocks import RepeatedBlocks
+from tess_compile.core.program import Slot
 from tess_compile.ops.grad_bucket import grad_bucket
 from tess_compile.core.meta_keys import (
     ALIAS_OF,
@@ -45,7 +47,7 @@ from tess_compile.core.meta_keys import (
     SUMMA_STEP,
 )
 
-__all__ = ["block_labels", "expand_blocks"]
+__all__ = ["block_labels", "expand_blocks", "expand_slots", "expanded_schedules"]
 
 _FIRST, _BEFORE, _MIDDLE = 0, 1, 2  # the block before the copied one, and the copied one
 _COMPARED = (LAYOUT, GLOBAL_SHAPE, DTYPE, SUMMA_STEP, CONSTANT_VALUE, REPLICATED)
@@ -124,7 +126,31 @@ def expand_blocks(gm: GraphModule, blocks: RepeatedBlocks, copies: int) -> Graph
     out = GraphModule(gm, graph)
     out.meta.update(gm.meta)
     BLOCK_REPEATS.pop(out)
-    _count_products(out, gm, blocks, copies)
+    products, counts = expanded_schedules(gm, blocks, copies)
+    PRODUCT_SCHEDULES.set(out, products)
+    SCHEDULE_COUNTS.set(out, counts)
+    return out
+
+
+def expand_slots(slots: list[Slot], blocks: RepeatedBlocks, copies: int) -> list[Slot]:
+    """The slots of `expand_blocks(gm, blocks, copies)` from those of `gm` (with no copies): each run of
+    block 2's slots (its parameters, then its buffers) once more after it for each copy, under the copy's
+    names."""
+    middle = {role[1] for role in blocks.roles[_MIDDLE]}
+    out: list[Slot] = []
+    run: list[Slot] = []
+    for slot in [*slots, None]:
+        if slot is not None and slot.name in middle:
+            run.append(slot)
+            continue
+        out += run
+        for c in range(copies if run else 0):
+            renames = {role[1]: other[1] for role, other in zip(blocks.roles[_MIDDLE], blocks.roles[3 + c])}
+            out += [dataclasses.replace(s, name=renames[s.name], alias_of=renames.get(s.alias_of, s.alias_of))
+                    for s in run]
+        run = []
+        if slot is not None:
+            out.append(slot)
     return out
 
 
@@ -159,9 +185,9 @@ class _Renames:
         return new
 
 
-def _count_products(out: GraphModule, gm: GraphModule, blocks: RepeatedBlocks, copies: int) -> None:
-    """`SCHEDULE_COUNTS` and `PRODUCT_SCHEDULES` of `out`: `gm`'s, and those of block 2's products once
-    more for each copy."""
+def expanded_schedules(gm: GraphModule, blocks: RepeatedBlocks, copies: int) -> tuple[dict, dict[str, int]]:
+    """`PRODUCT_SCHEDULES` and `SCHEDULE_COUNTS` of `expand_blocks(gm, blocks, copies)`: `gm`'s, and those of
+    block 2's products once more for each copy."""
     products = dict(PRODUCT_SCHEDULES.get(gm, {}))
     counts = Counter(SCHEDULE_COUNTS.get(gm, {}))
     for c in range(copies):
@@ -170,8 +196,7 @@ def _count_products(out: GraphModule, gm: GraphModule, blocks: RepeatedBlocks, c
             if name in names:
                 products[names[name]] = schedules
                 counts.update(schedules)
-    PRODUCT_SCHEDULES.set(out, products)
-    SCHEDULE_COUNTS.set(out, dict(sorted(counts.items())))
+    return products, dict(sorted(counts.items()))
 
 
 def _alike(before: list[list[Node]], middle: list[list[Node]], labels: dict[Node, int | None]) -> bool:

@@ -47,10 +47,13 @@ REPEATED_SHARE = 0.05
 NUM_CONTRIBUTORS = 5  # the ops named when the sum passes the share
 
 
-def report_repeated_work(gm: GraphModule, mesh: Mesh, *, placed: GraphModule, strict: bool = False) -> GraphModule:
+def report_repeated_work(gm: GraphModule, mesh: Mesh, *, placed: GraphModule, strict: bool = False,
+                         count_flops: bool = True) -> GraphModule:
     """Warn once about the ops of `placed` that run replicated or repeat FLOPs across the ranks
-    of the per-rank `gm` (see the module docstring); `strict`: a ValueError for the latter."""
-    lines = _repeated_lines(gm, mesh, placed)
+    of the per-rank `gm` (see the module docstring); `strict`: a ValueError for the latter.
+    `count_flops=False` (a compile only to be priced, whose redundant work the planner prints) leaves
+    out the FLOPs, which take two fake runs, and names the ops that run replicated only."""
+    lines = _repeated_lines(gm, mesh, placed) if count_flops or strict else []
     if lines and strict:
         raise ValueError(
             "\n".join(lines) + "\nstrict=True forbids repeated work: shard the op (split the dim the repeated work "

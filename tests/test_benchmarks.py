@@ -23,10 +23,10 @@ def _load(name: str):
 
 def test_compile_time_benchmark_runs_on_meta(capsys):
     bench = _load("compile_time")
-    row = bench.measure(layers=2, hidden=64, heads=4, q=2, d=2)
-    assert row["per_rank_nodes"] > row["nodes"] > 0
-    assert bench.main(["--layers", "1", "--hidden", "32", "--heads", "4"]) == 0
-    assert "[q=2, q=2, d=2]" in capsys.readouterr().out
+    assert bench.main(["--configs", "8b", "--layers", "5", "--meshes", "2.5d:2,2,1", "1d:4", "--batch", "4", "--seq",
+                       "8"]) == 0
+    out = capsys.readouterr().out
+    assert "[q=2, q=2, d=1]" in out and "1-D [p=4]" in out and " yes " in out and " no " in out
 
 
 def test_bytes_per_layer_benchmark_runs(capsys):

@@ -7,7 +7,8 @@ node (op, target, arguments, every `meta` key but torch's `val`), with the same 
 schedule counts, and the analyses must price them alike: bytes, FLOPs, step time and the
 step's peak (`tess_compile.analysis.block_reuse` prices a reused program from two short ones).
 Fast: the programs of a TinyGPT of five blocks in 2.5-D, and of a stack whose blocks run
-under torch.utils.checkpoint in 1-D. Slow: the zoo's decoders made five blocks deep
+under torch.utils.checkpoint in 1-D. Slow: the TinyGPT's predictions, and those of a program compiled only to be priced
+(`priced_only=True`, whose whole per-rank graph is never built); the zoo's decoders made five blocks deep
 (transformers' GPT-2 and Mixtral in 1-D over 4 ranks, Llama with grouped KV heads and
 torchtitan's Llama 3 on `[2, 2, 2]`), programs and predictions; Gemma 2, whose layers
 alternate, has no repeated blocks to reuse.
@@ -120,6 +121,19 @@ def both(model, mesh, inputs, **options):
 def test_tiny_gpt_reused_is_the_whole_compile(tiny_gpt):
     model, ids = tiny_gpt
     assert_same_program(*both(model, Mesh(2, 2), (ids,)))
+
+
+@pytest.mark.slow
+def test_tiny_gpt_priced_from_its_short_forms_as_the_whole(tiny_gpt):
+    """A reused program, and one compiled only to be priced (its whole per-rank graph never built), price
+    as the whole compile."""
+    model, ids = tiny_gpt
+    with captures_reused():
+        priced = quiet_compile(model, Mesh(2, 2), (ids,), priced_only=True)
+        reused, whole = both(model, Mesh(2, 2), (ids,))
+    assert priced.slots == whole.slots and priced.schedules == whole.schedules
+    assert_same_predictions(reused, whole)
+    assert_same_predictions(priced, whole)
 
 
 def test_checkpointed_blocks_in_1d_reused_are_the_whole_compile():

@@ -348,7 +348,7 @@ def test_version_from_a_source_tree_that_is_not_installed(monkeypatch):
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """`plan --json FILE --plot FILE --pick FILE` of make_mlp on 8 GPUs (dp and pp auto: 6 configurations), run
+    """`plan --json FILE --plot FILE --pick FILE` of make_mlp on 8 GPUs (dp, pp and zero auto: 10 configurations), run
     once in this process: (exit code, stdout, stderr, the JSON document, the SVG text, the picked spec)."""
     folder = tmp_path_factory.mktemp("plan_outputs")
     (folder / "plan_model.py").write_text(PLAN_MODEL_PY)
@@ -370,7 +370,7 @@ def test_plan_json_has_the_documented_keys_and_a_row_per_configuration(planned):
     table = plan_rows(out)  # the table still goes to stdout beside --json FILE
     assert set(document) == JSON_KEYS and document["schema"] == 1
     rows = document["rows"]
-    assert len(rows) == len(table) == 6, out
+    assert len(rows) == len(table) == 10, out
     for row, line in zip(rows, table):
         assert set(row) == ROW_KEYS and set(row["time_s"]) == TIME_KEYS and set(row["memory_bytes"]) == MEMORY_KEYS
         assert (row["mode"], str(row["mesh"]), f"{row['step_s']:.4g}") == (line[0], line[1], line[4]), (row, line)
@@ -379,7 +379,7 @@ def test_plan_json_has_the_documented_keys_and_a_row_per_configuration(planned):
         assert row["compiled"] and row["fits"] and memory["at_backward"] == sum(memory[key] for key in parts)
         assert memory["total"] > memory["at_backward"]  # the step's peak: gradients and backward's work on top
     assert {(row["dp"], row["pp"]) for row in rows} == {(1, 1), (2, 1), (4, 1), (8, 1)}
-    assert document["pick"] == 0 and [row["pick"] for row in rows] == [True] + [False] * 5
+    assert document["pick"] == 0 and [row["pick"] for row in rows] == [True] + [False] * 9
     # each row's whole layout as a parallel spec of the 8 GPUs; --pick wrote the pick's
     specs = [ParallelSpec.from_dict(row["spec"]) for row in rows]
     assert [(s.dp, s.pp, s.mode, s.world_size) for s in specs] == [(r["dp"], r["pp"], r["mode"], 8) for r in rows]

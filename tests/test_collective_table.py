@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tess_compile.analysis.cost_model import PhaseProfile, ProgramProfile, kernel_profile, step_time
+from tess_compile.analysis.cost_model import ProgramProfile, step_time
+from tess_compile.analysis.kernels import PhaseProfile, kernel_profile
 from tess_compile.core.cluster import ALGORITHMS, CALIBRATED_CLUSTER, COLLECTIVE_RULES, PAPER_CLUSTER
 from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.mesh import Mesh

@@ -13,15 +13,8 @@ from torch import nn
 
 from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.accounting import collective_costs, forward_flops, predict_bytes
-from tess_compile.analysis.cost_model import (
-    PhaseProfile,
-    comm_seconds,
-    kernel_profile,
-    predict_time,
-    profile_program,
-    ring_wire_bytes,
-    step_time,
-)
+from tess_compile.analysis.cost_model import comm_seconds, predict_time, profile_program, ring_wire_bytes, step_time
+from tess_compile.analysis.kernels import PhaseProfile, kernel_profile
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER, Link, collective_time
 from tess_compile.core.mesh import Mesh

@@ -270,3 +270,16 @@ def test_fixed_dp_and_pp_are_checked():
         plan(make_mlp, 64, dp=3)
     with pytest.raises(ValueError, match="pp=2 stages do not split the model's 1 repeated blocks evenly"):
         plan(make_mlp, 64, pp=2)
+
+
+def test_zero_rows_enter_the_search_by_default():
+    """zero="auto" (the default): each configuration with dp > 1 is priced with ZeRO and without, from one
+    compile of its mesh; never over one replica."""
+    rows = plan(make_mlp, 8, modes=("1d",), dp=2, keep_blocks=False)
+    assert sorted(row.outer.zero for row in rows) == [False, True]
+    sharded, plain = sorted(rows, key=lambda row: not row.outer.zero)
+    assert sharded.memory.optimizer == plain.memory.optimizer // 2 and "(ZeRO)" in sharded.note
+    assert sharded.spec.zero == 3 and plain.spec.zero == 0
+    assert [row.outer.zero for row in plan(make_mlp, 8, modes=("1d",), keep_blocks=False)] == [False]
+    with pytest.raises(ValueError, match="zero='yes': use True, False or 'auto'"):
+        plan(make_mlp, 8, zero="yes")

@@ -114,7 +114,7 @@ def test_plan_rows_on_a_profiled_cluster_include_the_optimizer_and_dp_sync():
     model, x = make_stack()
     (single,), (replicated,) = (
         tess_compile.plan(model, 8, example_inputs=(x,), cluster=PROFILED, modes=(mode,), dp=dp, summa="broadcast",
-                          keep_blocks=False) for mode, dp in (("1d", 1), ("2d", 2)))
+                          keep_blocks=False, zero=False) for mode, dp in (("1d", 1), ("2d", 2)))
     assert single.time.optimizer_s > 0 and replicated.time.optimizer_s > 0
     assert (single.outer.dp, single.mesh.mode, replicated.outer.dp, replicated.mesh.mode) == (1, "1d", 2, "2d")
     # each data-parallel replica's gradients are all-reduced: one measured all-reduce per parameter

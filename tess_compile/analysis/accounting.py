@@ -38,6 +38,7 @@ placeholders; writes nothing.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from tess_compile.passes.repeated_blocks import find_repeated_blocks, repeats_of
 from tess_compile.passes.repeated_work import flops_by_node
 from tess_compile.analysis.block_reuse import added_block, extended
 from tess_compile.core.collective_table import COLLECTIVES
-from tess_compile.core.fake_run import fake_run, global_placeholder, placeholder_values, tensor_bytes
+from tess_compile.core.fake_run import fake_run, global_placeholder, tensor_bytes
 from tess_compile.core.flops import flop_counter
 from tess_compile.core.mesh import Mesh, check_rank
 from tess_compile.core.program import Program, split_example_inputs
@@ -69,11 +70,11 @@ __all__ = [
     "CollectiveCost",
     "PHASES",
     "bytes_by_phase",
-    "bucket_costs",
     "bytes_from_records",
     "captured_forward_flops",
     "collective_costs",
     "forward_flops",
+    "forward_values",
     "predict_bytes",
     "program_costs",
     "redundant_work",
@@ -93,9 +94,21 @@ def forward_flops(program: Program) -> int:
     rank runs in forward."""
     if program.repeats is not None:
         return extended(program, forward_flops)
-    counter = flop_counter()
-    fake_run(program.graph, program.mesh, within=counter)
-    return counter.get_total_flops()
+    return forward_values(program.graph, program.mesh)[1]
+
+
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {inputs_require_grad: run}
+
+
+def forward_values(gm: GraphModule, mesh: Mesh, inputs_require_grad: bool = False) -> tuple[dict[Node, object], int]:
+    """Every node's value from a fake run of the per-rank `gm` (`core.fake_run.fake_run`) and the run's
+    matmul-like FLOPs; one run per graph serves the costs, the FLOPs and the fetched blocks' bytes."""
+    runs = _FORWARDS.setdefault(gm, {})
+    if inputs_require_grad not in runs:
+        counter = flop_counter()
+        values = fake_run(gm, mesh, inputs_require_grad=inputs_require_grad, within=counter)
+        runs[inputs_require_grad] = (values, counter.get_total_flops())
+    return runs[inputs_require_grad]
 
 
 def unsharded_forward_flops(model: torch.nn.Module, example_inputs) -> int:
@@ -179,37 +192,22 @@ class CollectiveCost:
 
 def program_costs(program: Program, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
     """`collective_costs` of the program's per-rank graph; of a program compiled with block reuse, from
-    its short forms (`tess_compile.analysis.block_reuse`): the 2-block program's collectives but its
-    gradient buckets, the collectives of the 3-block program's added copy once more per further block,
-    and the whole program's buckets counted on its graph (`bucket_costs`), where every bucket of the
-    short programs is reached (else from a run of the whole graph)."""
+    its short forms (`tess_compile.analysis.block_reuse`): the 2-block program's collectives, and those
+    of the 3-block program's added copy (its gradient buckets too: they are its own) once more per
+    further block."""
     if program.repeats is None:
         return collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
     two, three = (program.repeats.short(m) for m in (2, 3))
-    costs2 = collective_costs(two.graph, two.mesh, inputs_require_grad=inputs_require_grad)
-    buckets2 = [cost for cost in costs2 if cost.node.target is grad_bucket]
-    if buckets2 != bucket_costs(two.graph, two.mesh, inputs_require_grad=inputs_require_grad):
-        return collective_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad)
     added = added_block(program)
-    costs3 = collective_costs(three.graph, three.mesh, inputs_require_grad=inputs_require_grad)
-    again = [cost for cost in costs3 if cost.node in added and cost.node.target is not grad_bucket]
-    return ([cost for cost in costs2 if cost.node.target is not grad_bucket] + again * (program.repeats.middle - 2)
-            + bucket_costs(program.graph, program.mesh, inputs_require_grad=inputs_require_grad))
-
-
-def bucket_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
-    """The collectives of the gradient buckets of the per-rank `gm`, from its placeholders alone (no
-    run): each bucket as if backward reaches it."""
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        values = dict(zip(placeholders, placeholder_values(gm, mesh, inputs_require_grad)))
-    return [cost for node in gm.graph.find_nodes(op="call_function", target=grad_bucket)
-            for cost in _bucket_group_costs(node, [values[member] for member in node.args[0]])]
+    again = [cost for cost in collective_costs(three.graph, three.mesh, inputs_require_grad=inputs_require_grad)
+             if cost.node in added]
+    return (collective_costs(two.graph, two.mesh, inputs_require_grad=inputs_require_grad)
+            + again * (program.repeats.middle - 2))
 
 
 def collective_costs(gm: GraphModule, mesh: Mesh, *, inputs_require_grad: bool = False) -> list[CollectiveCost]:
     """The cost of every collective node of the per-rank `gm`, in graph order."""
-    values = fake_run(gm, mesh, inputs_require_grad=inputs_require_grad)
+    values = forward_values(gm, mesh, inputs_require_grad)[0]
     reached = _reached_by_backward(gm, values)
     costs = []
     for node in gm.graph.nodes:
@@ -274,14 +272,10 @@ def _norm_costs(node: Node, values: dict[Node, object], reached: set) -> list[Co
 def _bucket_costs(node: Node, values: dict[Node, object], reached: set) -> list[CollectiveCost]:
     """The backward all-reduces of a `grad_bucket` node (`tess_compile.ops.grad_bucket`): one per
     group of `bucket_groups`, of its members' bytes, when backward reaches the bucket."""
+    members, axes = node.args
     if not any(fn in reached for fn in _grad_fns(values[node])):
         return []
-    return _bucket_group_costs(node, [values[member] for member in node.args[0]])
-
-
-def _bucket_group_costs(node: Node, tensors: list[torch.Tensor]) -> list[CollectiveCost]:
-    """The all-reduces of the `grad_bucket` node of members `tensors` (their values)."""
-    members, axes = node.args
+    tensors = [values[member] for member in members]
     groups = bucket_groups(axes, [t.dtype for t in tensors], [t.requires_grad for t in tensors])
     return [CollectiveCost(node, "grad_sync", axis, None, "all_reduce", sum(tensor_bytes(tensors[m]) for m in group),
                            backward_of=tuple(members[m] for m in group)) for axis, group in groups]

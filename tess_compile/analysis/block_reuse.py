@@ -19,11 +19,10 @@ extends what they measure to `middle` blocks:
   first or the last. Where the two short programs' moments do not line up, None: the caller
   runs the whole program.
 
-These are exact where each middle block adds the same; the gradient buckets of the replicated
-parameters (`passes/bucket_gradients.py`) span the blocks, so their collectives are counted on
-the whole program's graph (its placeholders' sizes, no fake run) and their bytes in memory are
-assumed to grow by the same per block (exact while the whole program's buckets fall as the short
-ones' do: each of its replicated parameters, a block's norms, fits one 25 MiB bucket).
+These are exact where each middle block adds the same: its nodes are copies, and the gradient
+buckets of such a program never span two blocks (`passes/bucket_gradients.py`), so each block's
+are its own. A program compiled only to be priced (`compile_model(priced_only=True)`) holds the
+short per-rank graph in place of the whole, which is never built.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 An analysis of the rewritten graph, like `tess_compile.analysis.accounting`,
 whose byte counts it prices; it runs nothing between ranks. `profile_program`
 runs one rank's program forward and backward on fake tensors and records
-every kernel it launches (`ProgramProfile`); `step_time` prices a profile
+every kernel it launches (`ProgramProfile`, `tess_compile.analysis.kernels`); `step_time` prices a profile
 on a `Cluster` (`tess_compile.core.cluster`), and `predict_time` does
 both. Per phase (forward, backward):
 
@@ -47,28 +47,25 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, program_costs, transfers
 from tess_compile.analysis.block_reuse import extended
-from tess_compile.analysis.memory import param_shards
-from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule, product_terms
-from tess_compile.core.fake_run import placeholder_values, tensor_bytes, tensor_leaves
+from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
+from tess_compile.analysis.memory import param_shards, short_record
+from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule
+from tess_compile.core.fake_run import placeholder_values, tensor_leaves
 from tess_compile.core.mesh import AXES, Mesh
 from tess_compile.core.program import Program
-from tess_compile.ops.collectives import COLLECTIVE_OPS, ShapeComm, broadcast_start, use_comm
-from tess_compile.ops.grad_bucket import packing
+from tess_compile.ops.collectives import ShapeComm, broadcast_start, use_comm
 
 __all__ = [
     "COMM_TERMS",
     "COMPUTE_TERMS",
     "TERMS",
-    "PhaseProfile",
     "ProgramProfile",
     "StepTime",
     "coefficients",
     "comm_seconds",
-    "kernel_profile",
     "lone_axis",
     "optimizer_seconds",
     "predict_time",
@@ -156,40 +153,6 @@ class StepTime:
 _OVERLAPPED_PHASES = {False: (), True: ("forward", "backward"), "forward": ("forward",)}
 
 
-_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
-
-
-# Products that add a bias term: the CPU kernels first copy it into the output.
-_BIASED = ("addmm", "baddbmm")
-
-
-# Fused attention kernels (forward and backward): `_scaled_dot_product_flash_attention`,
-# `..._efficient_attention`, `..._flash_attention_for_cpu`, ...
-_ATTENTION_PREFIX = "_scaled_dot_product"
-
-
-# The namespaces of the ops whose kernels or own work cost `Cluster.op_overhead` of host time each.
-_HOST_NAMESPACES = ("aten", "tess")
-
-
-# Ops that launch no kernel: views, aliases, allocations.
-_NO_KERNEL = ("detach", "alias", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty",
-              "new_empty_strided", "_unsafe_view", "_reshape_alias", "split", "split_with_sizes", "unbind", "chunk")
-
-
-@dataclass(frozen=True)
-class PhaseProfile:
-    """The kernels one rank launches in one phase, as the cost model prices them."""
-
-    matmul_flops: float = 0.0  # FLOPs of the matrix products (fused attention included)
-    matmul_flops_per_size: float = 0.0  # the sum over products of FLOPs / smallest dimension
-    memory_bytes: float = 0.0  # bytes the other kernels read and write
-    num_kernels: int = 0  # kernels launched (products and others; collectives not counted)
-    num_matmuls: int = 0
-    bias_bytes: float = 0.0  # bytes the products with a bias term copy it with (`Cluster.bias_copy`)
-    num_ops: int = 0  # kernels and the runtime's own non-collective ops (views and allocations not counted)
-
-
 @dataclass(frozen=True)
 class ProgramProfile:
     """One rank's kernels per phase and its collectives (`accounting.collective_costs`)."""
@@ -203,74 +166,11 @@ class ProgramProfile:
         return self.forward if phase == "forward" else self.backward
 
 
-def _product_shape(name: str, args) -> tuple[int, int, int, int]:
-    """(batch, m, k, n) of a matrix-product kernel."""
-    a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
-    batch = a.shape[0] if a.dim() == 3 else 1
-    return batch, a.shape[-2], a.shape[-1], b.shape[-1]
-
-
-class _KernelRecorder(TorchDispatchMode):
-    """Sums, per phase, what `PhaseProfile` holds over every op dispatched below it."""
-
-    def __init__(self):
-        super().__init__()
-        self.phase = "forward"
-        self.totals = {phase: {"matmul_flops": 0.0, "matmul_flops_per_size": 0.0, "memory_bytes": 0.0,
-                               "bias_bytes": 0.0, "num_kernels": 0, "num_matmuls": 0, "num_ops": 0}
-                       for phase in PHASES}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func._overloadpacket.__name__
-        if packing() or func in COLLECTIVE_OPS or func.namespace not in _HOST_NAMESPACES or func.is_view \
-                or name in _NO_KERNEL:
-            return out  # collectives (priced apart, a gradient bucket's copies with them), views, allocations
-        totals = self.totals[self.phase]
-        totals["num_ops"] += 1
-        if func.namespace != "aten":
-            return out  # the runtime's own ops launch no kernel of their own
-        totals["num_kernels"] += 1
-        if name in _MATMULS:
-            batch, m, k, n = _product_shape(name, args)
-            self._product(totals, 2 * batch * m * k * n, min(m, k, n))
-            if name in _BIASED:  # the bias a CPU kernel copies into the output, which the product reads back
-                totals["bias_bytes"] += 2 * tensor_bytes(out)
-        elif name.startswith(_ATTENTION_PREFIX):
-            # forward (q, k, v, ...), backward (grad_out, q, k, v, ...); the full score
-            # matrix's two products, twice as many in backward
-            backward = name.endswith("_backward")
-            query, key = args[1:3] if backward else args[0:2]
-            batch, heads, length, head_dim = query.shape
-            flops = 4 * batch * heads * length * key.shape[-2] * head_dim * (2 if backward else 1)
-            self._product(totals, flops, min(length, key.shape[-2], head_dim))
-        else:
-            totals["memory_bytes"] += sum(tensor_bytes(t) for t in tensor_leaves(args, kwargs, out))
-        return out
-
-    @staticmethod
-    def _product(totals: dict, flops: int, size: int) -> None:
-        totals["num_matmuls"] += 1
-        for name, amount in product_terms(flops, size).items():
-            totals[name] += amount
-
-
-def kernel_profile(fn) -> PhaseProfile:
-    """The kernels `fn()` launches, forward and backward alike, as the cost model counts them
-    (on real or fake tensors): what `tess_compile.analysis.profiling` calibrates the cluster's
-    compute constants with."""
-    recorder = _KernelRecorder()
-    with recorder:
-        fn()
-    return PhaseProfile(**recorder.totals["forward"])
-
-
 def _fake_step(program: Program, inputs_require_grad: bool) -> dict[str, PhaseProfile]:
     """Run one rank's program forward, then backward from every output that requires grad,
     on fake tensors, recording its kernels (recomputed regions count in backward)."""
     graph = program.runnable
-    recorder = _KernelRecorder()
+    recorder = KernelRecorder()
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = placeholder_values(graph, program.mesh, inputs_require_grad)
         with use_comm(ShapeComm()), recorder:
@@ -294,12 +194,21 @@ def profile_program(program: Program, *, inputs_require_grad: bool = False) -> P
     if inputs_require_grad not in cached:
         if program.repeats is None:
             phases = _fake_step(program, inputs_require_grad)
-        else:  # from the short programs (`tess_compile.analysis.block_reuse`)
+        elif not inputs_require_grad and not _has_regions(program.repeats.short(2)):
+            # the kernels of the short programs' steps that `step_peak` records (`tess_compile.analysis.block_reuse`)
+            phases = {phase: extended(program, lambda short, phase=phase: short_record(program, short).phases[phase])
+                      for phase in PHASES}
+        else:  # a recompute region is a module, whose tracking in `step_peak` adds ops of its own
             phases = {phase: extended(program, lambda short, phase=phase: profile_program(
                 short, inputs_require_grad=inputs_require_grad).phase(phase)) for phase in PHASES}
         costs = program_costs(program, inputs_require_grad=inputs_require_grad)
         cached[inputs_require_grad] = ProgramProfile(program.mesh, phases["forward"], phases["backward"], tuple(costs))
     return cached[inputs_require_grad]
+
+
+def _has_regions(program: Program) -> bool:
+    """Whether the program's recompute regions are outlined as modules (`ops.recompute_region`)."""
+    return program.runnable is not program.graph
 
 
 # The terms of a phase's time, each priced by one constant of the cluster (`coefficients`):

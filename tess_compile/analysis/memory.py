@@ -19,7 +19,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
 
+from tess_compile.analysis.accounting import forward_values
 from tess_compile.analysis.block_reuse import extended, extended_peak
+from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
 from tess_compile.core.fake_run import fake_run, placeholder_values, tensor_bytes, tensor_leaves
 from tess_compile.core.meta_keys import ROLE, WEIGHT_INPUT
 from tess_compile.core.program import Program
@@ -29,11 +31,13 @@ from tess_compile.ops.fetched_product import fetched_product
 __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "MemoryEstimate",
+    "StepRecord",
     "activation_bytes",
     "collective_buffer_bytes",
     "param_shards",
     "predict_memory",
-    "step_moments",
+    "record_step",
+    "short_record",
     "step_peak",
 ]
 
@@ -91,7 +95,7 @@ def activation_bytes(program: Program) -> int:
     region counts its inputs only.
     """
     if program.repeats is not None:
-        return extended(program, activation_bytes)
+        return extended(program, lambda short: short_record(program, short).saved)
     saved: list[torch.Tensor] = []
 
     def pack(tensor):
@@ -117,7 +121,7 @@ def collective_buffer_bytes(program: Program) -> int:
     if program.repeats is not None:  # the middle blocks' products are alike
         return collective_buffer_bytes(program.repeats.short(2))
     gm = program.graph
-    values = fake_run(gm, program.mesh)
+    values = forward_values(gm, program.mesh)[0]
     in_flight = 2 if any(n.target is broadcast_start for n in gm.graph.nodes) else 1
     largest = 0
     for node in gm.graph.nodes:
@@ -142,9 +146,8 @@ def step_peak(program: Program) -> int:
     from the steps of its short forms (`tess_compile.analysis.block_reuse.extended_peak`).
     """
     if program.graph not in _PEAKS:
-        repeats = program.repeats
-        peak = None if repeats is None else extended_peak(
-            program, lambda short: step_moments(short, repeats.labels(short)))
+        peak = None if program.repeats is None else extended_peak(
+            program, lambda short: short_record(program, short).moments)
         _PEAKS[program.graph] = _step_peak(program) if peak is None else peak
     return _PEAKS[program.graph]
 
@@ -170,11 +173,35 @@ def _step_peak(program: Program) -> int:
     return max((device["Total"] for device in peak.values()), default=0)
 
 
-def step_moments(program: Program, node_labels: dict) -> list[tuple[object, int]]:
-    """The bytes rank 0 holds after each op of the step `step_peak` runs, each with the label of the op
-    (`node_labels` of the program's graph nodes: an op of forward by its node, of backward by the node
-    whose backward runs it, of the optimizer by the parameter it updates; an op of none takes the label
-    before)."""
+@dataclass(frozen=True)
+class StepRecord:
+    """What one fake training step of a program shows (`record_step`): the bytes held after each op with
+    the op's label, the kernels of each phase (`tess_compile.analysis.kernels`) and the bytes autograd
+    saved in forward (`activation_bytes`)."""
+
+    moments: list[tuple[object, int]]
+    phases: dict[str, PhaseProfile]
+    saved: int
+
+
+_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> its StepRecord
+
+
+def short_record(program: Program, short: Program) -> StepRecord:
+    """`record_step` of `short`, a short form of the program compiled with block reuse `program`
+    (`Repeats.short`), its nodes labelled by their blocks."""
+    if short.graph not in _RECORDS:
+        _RECORDS[short.graph] = record_step(short, program.repeats.labels(short))
+    return _RECORDS[short.graph]
+
+
+def record_step(program: Program, node_labels: dict) -> StepRecord:
+    """One fake training step of `program` as `step_peak`'s second one runs it (the one whose peak is the
+    higher: the AdamW state exists from its start), recording the bytes rank 0 holds after each op with
+    the label of the op (`node_labels` of the program's graph nodes: an op of forward by its node, of
+    backward by the node whose backward runs it, of the optimizer by the parameter it updates; an op of
+    none takes the label before), the kernels of forward and backward (`KernelRecorder`), and the
+    storages autograd saves in forward, the weights' left out (`activation_bytes`)."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     labels = _Labels(program, node_labels)
@@ -195,22 +222,35 @@ def step_moments(program: Program, node_labels: dict) -> list[tuple[object, int]
             self.moments.append((labels.current, sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())))
 
     graph = program.runnable
+    saved: dict[int, int] = {}
     with FakeTensorMode(allow_non_fake_inputs=True):
         values = placeholder_values(graph, program.mesh)
         labels.placeholders(values)
+        weights = {v.untyped_storage()._cdata for v, n in zip(values, graph.graph.find_nodes(op="placeholder"))
+                   if _is_weight(n) and isinstance(v, torch.Tensor)}
+
+        def pack(tensor):
+            if tensor.untyped_storage()._cdata not in weights:
+                saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+            return tensor
+
         params = [v for v in tensor_leaves(values) if v.requires_grad] if program.training else []
         optimizer = torch.optim.AdamW(params) if params else None
-        tracker = Tracker()
+        if optimizer is not None:  # the state of a first step
+            for param in params:
+                param.grad = torch.zeros_like(param)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        tracker, kernels = Tracker(), KernelRecorder()
         tracker.track_external(*tensor_leaves(values), *([optimizer] if optimizer else []))
-        with tracker:
-            for _ in range(2 if optimizer else 1):
-                tracker.reset_mod_stats()
-                _fake_training_step(graph, values, optimizer, labels)
-    return tracker.moments
+        with tracker, kernels, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            _fake_training_step(graph, values, optimizer, labels, kernels)
+    phases = {phase: PhaseProfile(**totals) for phase, totals in kernels.totals.items()}
+    return StepRecord(tracker.moments, phases, sum(saved.values()))
 
 
 class _Labels:
-    """The label of the op running now, for `step_moments` (see there)."""
+    """The label of the op running now, for `record_step` (see there)."""
 
     def __init__(self, program: Program, node_labels: dict):
         by_name = {node.name: label for node, label in node_labels.items()}
@@ -256,11 +296,11 @@ class _Labels:
                 if t.dim():  # a storage's address is another's once it is freed: the newest holder's
                     self.of_storage[t.untyped_storage()._cdata] = self.current
 
-    def optimizer(self, params: list) -> None:
+    def optimizer(self, optimizer) -> None:
         self.phase = "optimizer"
-        for p in params:
-            for t in (p, p.grad):
-                if t is not None:
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            for t in (p, p.grad, *optimizer.state.get(p, {}).values()):
+                if isinstance(t, torch.Tensor) and t.dim():
                     self.of_storage[t.untyped_storage()._cdata] = self.of_tensor.get(id(p))
 
 
@@ -274,24 +314,33 @@ class _LabelledRun(Interpreter):
         return super().run_node(node)
 
 
-def _fake_training_step(graph, values: list, optimizer, labels: _Labels | None = None) -> None:
+def _fake_training_step(graph, values: list, optimizer, labels: _Labels | None = None,
+                        kernels: KernelRecorder | None = None) -> None:
+    """A training step of `graph` on the fake `values` (see `step_peak`); `labels` and `kernels`, if given,
+    follow its phases (`record_step`)."""
     with use_comm(ShapeComm()), torch.set_grad_enabled(optimizer is not None):
-        if labels is not None:
-            labels.phase = "forward"
+        _phase(labels, kernels, "forward")
         outputs = graph.forward(*values) if labels is None else _LabelledRun(graph, labels).run(*values)
         roots = [t for t in tensor_leaves(outputs) if t.requires_grad]
         del outputs
         if roots:
-            if labels is not None:
-                labels.phase = "backward"
+            _phase(labels, kernels, "backward")
             with use_comm(ShapeComm(), "backward"):
                 torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
         del roots
     if optimizer is not None:
+        _phase(labels, kernels, None)
         if labels is not None:
-            labels.optimizer([p for group in optimizer.param_groups for p in group["params"]])
+            labels.optimizer(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def _phase(labels: _Labels | None, kernels: KernelRecorder | None, phase: str | None) -> None:
+    if labels is not None:
+        labels.phase = phase or "optimizer"
+    if kernels is not None:
+        kernels.phase = phase
 
 
 def predict_memory(program: Program) -> MemoryEstimate:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from tess_compile.passes.capture_reuse import captures_reused
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
 from tess_compile.analysis.candidate_meshes import DEFAULT_MODES, candidate_meshes, mesh_label, mesh_sides
 from tess_compile.analysis.cost_model import StepTime
@@ -44,6 +46,7 @@ from tess_compile.analysis.parallel_plan import (
     outer_options,
     price,
 )
+from tess_compile.analysis.plan_search import bound_time, search_order, zero_options
 from tess_compile.analysis.schedule_choice import ScheduleChoice, choose_schedule
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
@@ -180,28 +183,31 @@ def build_inputs(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
 
 def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
               overlap: bool, summa: str, strict: bool, keep_blocks: bool | str = False,
-              recompute: str = "none", unsharded_flops: Callable[[], int]) -> PlanRow:
+              recompute: str = "none", unsharded_flops: Callable[[], int]) -> tuple[PlanRow, StepTime | None]:
     """The row of `mesh`: `model` compiled and priced in `summa` (and, with keep_blocks="auto", with
     and without keeping the fetched blocks; `schedule_choice.choose_schedule`), the fastest option
-    that fits the budget, or the fastest with the reason if none fits or it fails to compile.
+    that fits the budget, or the fastest with the reason if none fits or it fails to compile; and
+    the cheapest time of all priced (None if it failed), which bounds smaller microbatches.
     `unsharded_flops()` gives the unsharded model's forward FLOPs."""
     options = None
     try:
         options = CompileOptions(mode=mesh.mode, summa=summa, keep_blocks=keep_blocks, recompute=recompute,
                                  strict=strict)
-        choice = choose_schedule(model, mesh, inputs, options, cluster, budget=budget, overlap=overlap)
+        choice = choose_schedule(model, mesh, inputs, options, cluster, budget=budget, overlap=overlap,
+                                 priced_only=True)
     except (ValueError, RuntimeError) as exc:
         log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
-        return PlanRow(mesh, note=f"does not compile: {exc}", options=options)
+        return PlanRow(mesh, note=f"does not compile: {exc}", options=options), None
     best = choice.best
+    cheapest = min((item.time for item in choice.priced), key=lambda time: time.step_s)
     chosen = {"summa": best.summa, "keep_blocks": best.keep_blocks, "schedules": best.schedules,
               "redundant_work": redundant_work(choice.program, unsharded_flops()), "options": choice.options}
     if not choice.fits:
         note = f"needs {best.memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
-        return PlanRow(mesh, best.time, best.memory, note, **chosen)
+        return PlanRow(mesh, best.time, best.memory, note, **chosen), cheapest
     inter = [axis for axis in AXES if mesh.size(axis) > 1 and not cluster.is_intra_node(mesh, axis)]
     note = f"inter-node: {', '.join(inter)}" if inter else "within one node"
-    return PlanRow(mesh, best.time, best.memory, _schedule_note(choice) + note, fits=True, **chosen)
+    return PlanRow(mesh, best.time, best.memory, _schedule_note(choice) + note, fits=True, **chosen), cheapest
 
 
 def _schedule_note(choice: ScheduleChoice) -> str:
@@ -240,7 +246,7 @@ def plan(
     dp: int | str = 1,
     pp: int | str = 1,
     microbatches: int | None = None,
-    zero: bool = False,
+    zero: bool | str = "auto",
     progress: Progress | None = None,
     **deprecated,
 ) -> list[PlanRow]:
@@ -263,8 +269,9 @@ def plan(
     `dp` data-parallel replicas and `pp` pipeline stages (numbers, or "auto" for every one that divides the GPUs,
     the batch and the model's repeated blocks) wrap each mesh of
     `gpus / (dp * pp)` ranks, with `microbatches` per step (default
-    `parallel_plan.default_microbatches`) and, with `zero`, the optimizer
-    state sharded over dp (`tess_compile.analysis.parallel_plan`).
+    `parallel_plan.default_microbatches`) and, with `zero`, parameters,
+    gradients and optimizer state sharded over dp by FSDP2 (`tess_compile.analysis.parallel_plan`;
+    "auto", the default: each configuration with dp > 1 with and without).
     `progress(done, total, what)`, if given, is called before each configuration is
     compiled and priced (`what` names it: "2.5d [4, 4, 4], dp 1, pp 1") and once at the
     end (`Progress`); `tess-compile plan` passes a progress bar.
@@ -290,31 +297,64 @@ def plan(
         if rows_per_group is not None and rows_per_group % m:
             raise ValueError(f"microbatches={m} does not divide the batch of {rows_per_group} rows per "
                              f"data-parallel replica (batch {batch}, dp={dp_}): use a divisor of {rows_per_group}")
-        configs += [(Outer(dp_, pp_, m, zero), mesh, None if batch is None else rows_per_group // m) for mesh in meshes]
+        micro = None if batch is None else rows_per_group // m
+        configs += [(Outer(dp_, pp_, m, sharded), mesh, micro)
+                    for sharded in zero_options(zero, dp_) for mesh in meshes]
     if not configs:
         raise ValueError(f"no (dp, pp, mesh) of {gpus} GPUs in modes {', '.join(modes)} with dp={dp!r}, pp={pp!r}: "
                          "pick other modes or GPU counts, or let dp and pp be 'auto'")
-    unsharded_flops = functools.cache(lambda: unsharded_forward_flops(model, inputs))  # once a mesh compiles
+    with captures_reused():  # one export per microbatch size serves every mesh
+        rows = _rows(model, inputs, configs, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
+                     keep_blocks=keep_blocks, recompute=recompute, progress=progress or _no_progress)
+    return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
+
+
+def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress: Progress, **options) -> list[PlanRow]:
+    """The row of each configuration (Outer, mesh, microbatch rows) of `plan`: each (mesh, microbatch)
+    compiled once (`_evaluate` with `options`), the largest microbatch of each mesh first, the others
+    skipped where a bound from it shows they cannot win (`tess_compile.analysis.plan_search`)."""
+    batch, budget = batch_size(inputs), options["budget"]
+    unsharded_flops = functools.cache(lambda rows: unsharded_forward_flops(  # once per microbatch size compiled
+        model, inputs if rows in (None, batch) else microbatch_inputs(inputs, batch, rows)))
     boundary = functools.cache(lambda: boundary_bytes(model, inputs))  # once a pipeline is priced
-    evaluated: dict[tuple, PlanRow] = {}
-    rows = []
-    report = progress or _no_progress
-    for number, (outer, mesh, micro) in enumerate(configs, 1):
+    evaluated: dict[tuple, tuple[PlanRow, StepTime | None]] = {}  # (mesh, micro) -> row, cheapest time priced
+    rows: dict[int, PlanRow] = {}
+    best = math.inf
+    first, rest = search_order(list(enumerate(configs)), key=lambda config: (config[1][1], config[1][2]))
+    for done, (number, (outer, mesh, micro)) in enumerate([*first, *rest]):
         what = f"{mesh.mode} {mesh_label(mesh)}, dp {outer.dp}, pp {outer.pp}"
-        log.info("plan: compiling %s for %s (%d of %d)", type(model).__name__, what, number, len(configs))
-        report(number - 1, len(configs), what)
+        progress(done, len(configs), what)
         micro_inputs = inputs if micro in (None, batch) else microbatch_inputs(inputs, batch, micro)
-        if (mesh, micro) not in evaluated:
-            flops = unsharded_flops if micro_inputs is inputs else functools.cache(
-                lambda x=micro_inputs: unsharded_forward_flops(model, x))
-            evaluated[(mesh, micro)] = _evaluate(
-                model, micro_inputs, mesh, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
-                keep_blocks=keep_blocks, recompute=recompute, unsharded_flops=flops)
         block = _stage_block(boundary, mesh, micro, batch) if outer.pp > 1 else 0
         held_inputs = sum(map(tensor_bytes, tensor_leaves(micro_inputs))) if outer.pp > 1 else 0
-        rows.append(_around(evaluated[(mesh, micro)], outer, cluster, budget, block, held_inputs))
-    report(len(configs), len(configs), "")
-    return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
+        bound = _bound(evaluated, outer, mesh, micro, cluster, budget, block, held_inputs)
+        if bound is not None and bound.time.step_s > best * (1 + (cluster.time_error or 0)):
+            rows[number] = replace(bound, time=None, memory=None, fits=False, note=(
+                f"not compiled: a step takes at least {bound.time.step_s:.4g} s here (priced from a larger "
+                f"microbatch of the mesh), more than the fastest's {best:.4g} s"))
+            continue
+        log.info("plan: compiling %s for %s (%d of %d)", type(model).__name__, what, done + 1, len(configs))
+        if (mesh, micro) not in evaluated:
+            evaluated[(mesh, micro)] = _evaluate(model, micro_inputs, mesh, cluster,
+                                                 unsharded_flops=functools.partial(unsharded_flops, micro), **options)
+        rows[number] = _around(evaluated[(mesh, micro)][0], outer, cluster, budget, block, held_inputs)
+        if rows[number].fits:
+            best = min(best, rows[number].time.step_s)
+    progress(len(configs), len(configs), "")
+    return [rows[number] for number in range(len(configs))]
+
+
+def _bound(evaluated: dict, outer: Outer, mesh: Mesh, micro: int | None, cluster: Cluster, budget: float,
+           block: int, held_inputs: int) -> PlanRow | None:
+    """A row whose step is a lower bound of (outer, mesh, micro)'s, from the smallest larger microbatch of
+    the mesh priced (`plan_search.bound_time`); None where there is none."""
+    larger = [rows for (other, rows), (_, cheapest) in evaluated.items()
+              if other == mesh and rows is not None and micro is not None and rows > micro and cheapest is not None]
+    if not larger:
+        return None
+    rows = min(larger)
+    row, cheapest = evaluated[(mesh, rows)]
+    return _around(replace(row, time=bound_time(cheapest, micro, rows)), outer, cluster, budget, block, held_inputs)
 
 
 def _no_progress(done: int, total: int, what: str) -> None:
@@ -368,6 +408,7 @@ def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float, block_b
         link = "intra" if dp_link_is_intra(cluster, outer, row.mesh.num_ranks) else "inter"
         note += f"; {outer.microbatches} microbatches" if outer.pp > 1 else ""
         note += f"; dp {link}-node" if outer.dp > 1 else ""
+        note += " (ZeRO)" if outer.zero else ""
     return replace(row, time=time, memory=memory, fits=fits, note=note, outer=outer)
 
 

@@ -11,7 +11,7 @@ do in training):
   activation, product, residual on a 2 MB activation, forward and backward,
   each output newly allocated as in a program) takes beside its products and
   launches, over its bytes as the cost model counts them
-  (`cost_model.kernel_profile`): the kernels of a program in the working
+  (`kernels.kernel_profile`): the kernels of a program in the working
   set of a program, not a streaming add (which runs 3 to 5 times faster);
 - each collective the programs use (broadcast, reduce, all-reduce,
   all-gather, reduce-scatter) on every group size that divides the world,
@@ -65,7 +65,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tess_compile.analysis.cost_model import kernel_profile, profile_program, step_time
+from tess_compile.analysis.cost_model import profile_program, step_time
+from tess_compile.analysis.kernels import kernel_profile
 from tess_compile.analysis.rank_timing import Timer, process_group_device, world_mean
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import AXES, Mesh
@@ -200,7 +201,7 @@ def _layer(device: torch.device, rows: int, width: int) -> Callable[[], None]:
 
 def _memory_bandwidth(timer: Timer, device: torch.device, overhead: float, flops: float, half: float) -> float:
     """Bytes per second of the memory-bound kernels of a reference layer (`_layer` on a 2 MB
-    activation) as the cost model counts their bytes (`cost_model.kernel_profile`): the layer's
+    activation) as the cost model counts their bytes (`kernels.kernel_profile`): the layer's
     time less its products (at the fitted rate) and one `overhead` a kernel."""
     layer = _layer(device, *_ACTIVATION)
     counted = kernel_profile(layer)

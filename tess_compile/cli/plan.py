@@ -136,7 +136,8 @@ def _plan_rows(args, model: nn.Module, inputs, cluster: Cluster, modes: tuple[st
         try:
             return plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap,
                         summa=args.summa, keep_blocks=KEEP_BLOCKS[args.keep_blocks], recompute=args.recompute,
-                        dp=args.dp, pp=args.pp, microbatches=args.microbatches, zero=args.zero, progress=bar)
+                        dp=args.dp, pp=args.pp, microbatches=args.microbatches, zero=KEEP_BLOCKS[args.zero],
+                        progress=bar)
         except ValueError as exc:
             raise CliError(str(exc)) from None
 
@@ -284,8 +285,10 @@ def add_command(commands) -> None:
     parser.add_argument("--microbatches", type=positive(int), default=None,
                         help="microbatches per step with pipeline stages (default: the most up to 4 per stage that "
                            "divide the batch)")
-    parser.add_argument("--zero", action="store_true",
-                        help="shard gradients and AdamW state over the data-parallel replicas (ZeRO)")
+    parser.add_argument("--zero", choices=tuple(KEEP_BLOCKS), nargs="?", const="on", default="auto",
+                        help="shard parameters, gradients and AdamW state over the data-parallel replicas (ZeRO, "
+                           "FSDP2): auto (each configuration with dp > 1 with and without), on (--zero alone) or "
+                           "off (default auto)")
     parser.add_argument("--keep-blocks", choices=tuple(KEEP_BLOCKS), default="auto",
                         help="keep the fetched blocks of the matrix products for backward: auto (where memory "
                            "allows and it is faster), on or off (default auto)")

@@ -56,6 +56,8 @@ class Repeats:
     middle: int
     short: Callable[[int], Program]
     labels: Callable[[Program], dict]
+    # A program compiled only to be priced (its graph the short one): the whole's schedule counts.
+    schedules: dict[str, int] | None = None
 
 
 @dataclass
@@ -94,7 +96,10 @@ class Program:
 
     @property
     def schedules(self) -> dict[str, int]:
-        """How many matrix products run each schedule (`SCHEDULE_COUNTS`, written by `tess_compile.passes.rewrite`)."""
+        """How many matrix products run each schedule (`SCHEDULE_COUNTS`, written by `tess_compile.passes.rewrite`;
+        of a program priced only, its repeats' whole count)."""
+        if self.repeats is not None and self.repeats.schedules is not None:
+            return self.repeats.schedules
         return SCHEDULE_COUNTS.get(self.graph, {})
 
     def local_tensor(self, slot: Slot, rank: int, full: torch.Tensor | None = None, device=None) -> torch.Tensor:
