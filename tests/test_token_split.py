@@ -262,3 +262,12 @@ def test_token_splits_over_gloo_processes():
     runs = [("2.5d", "gather"), ("2.5d", "ring"), ("1d", "gather")]
     for errors in run_local(_gloo_worker, 8, args=(2, 2, runs), timeout_s=600):
         assert max(errors.values()) < 1e-12, errors
+
+
+def test_plan_rows_say_their_token_split():
+    """plan prices a batch of one with its tokens split, and its row says so."""
+    from tess_compile.analysis.planner import plan
+
+    (row,) = plan(lambda: (_stack(), _input()), 8, modes=("2.5d",), dp=1, pp=1)
+    assert row.fits and row.note.startswith("tokens over depth_row"), row.note
+    assert row.redundant_work <= 1.05

@@ -211,9 +211,11 @@ def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget:
 
 
 def _schedule_note(choice: ScheduleChoice) -> str:
-    """`gather for 12 products, keep_blocks; ` where auto chose (per product, or among candidates)."""
+    """`tokens over depth_row, gather for 12 products, keep_blocks; `: the token split where the rows split
+    a sequence's tokens (`core.row_split`), and what auto chose (per product, or among candidates)."""
     best = choice.best
-    words = []
+    rows = choice.program.rows
+    words = [f"tokens over {rows.tokens}"] if rows is not None and rows.tokens != "none" else []
     if best.summa == AUTO and best.schedules:
         words.append(describe_schedules(dict(best.schedules)))
     elif len(choice.priced) > 1:
