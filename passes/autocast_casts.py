@@ -133,12 +133,14 @@ def _casts(node: Node, state: Autocast, fake_mode) -> dict[int, torch.dtype]:
         return {}
     if _has_autocast_kernel(node.target, device_type):
         return _kernel_casts(node.target, args, kwargs, leaves, state, fake_mode)
-    if len({leaf.dtype for leaf in leaves if _is_float(leaf)}) > 1:
+    # A composite op (einsum) whose own ops autocast casts: its inputs cast to what it computes in. Inputs of
+    # mixed dtypes (which it takes only under autocast, its products casting both) are cast alike.
+    mixed = len({leaf.dtype for leaf in leaves if _is_float(leaf)}) > 1
+    try:
+        computes_in = _dtype_of(_call(node.target, args, kwargs, state, True, fake_mode))
+    except RuntimeError:
         return {}
-    # A composite op (einsum) whose own ops autocast casts: its inputs cast to what it computes in.
-    computes_in, plain = (_dtype_of(_call(node.target, args, kwargs, state, enabled, fake_mode))
-                          for enabled in (True, False))
-    if computes_in == plain:
+    if not mixed and computes_in == _dtype_of(_call(node.target, args, kwargs, state, False, fake_mode)):
         return {}
     return {i: computes_in for i, leaf in enumerate(leaves) if _is_float(leaf) and leaf.dtype != computes_in}
 

@@ -43,7 +43,13 @@ MAX_REDUNDANT = 1.05
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 # (architecture, call, mode) -> why it fails: a strict xfail, so that a fix shows
-KNOWN_LIMITS: dict[tuple[str, str, str], str] = {}
+_SCAN_OVER_TOKENS = ("one sequence, its tokens split over depth and row: the selective scan is a loop over token "
+                     "slices and the causal conv's halo gathers the tokens it reads, so both run whole on every rank "
+                     "of the token axes (exact; redundant work {}; docs/modes.md, not done yet)")
+KNOWN_LIMITS: dict[tuple[str, str, str], str] = {
+    ("mamba", "tokens", "2.5d"): _SCAN_OVER_TOKENS.format(1.11),
+    ("mamba2", "tokens", "2.5d"): _SCAN_OVER_TOKENS.format(1.14),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -83,7 +83,10 @@ def _row_blocks(node: Node, ctx, x: Node, layout: Layout) -> tuple[Placement, Pl
     for axis in ("depth", "row"):
         p, parts = layout.on(axis), ctx.mesh.size(axis)
         on_rows = isinstance(p, Shard) and p.dim < len(shape) - 1
-        if on_rows and (shape[p.dim] % parts == 0 or p.groups == 1):  # padded rows give padded output rows
+        # padded rows give padded output rows, where one axis alone splits their dim unevenly
+        alone = on_rows and not any(isinstance(other, Shard) and other.dim == p.dim
+                                    for other in (*blocks, layout.on("row" if axis == "depth" else "depth")))
+        if on_rows and (shape[p.dim] % parts == 0 or (p.groups == 1 and alone)):
             blocks.append(p)
             shape[p.dim] = split_size(shape[p.dim], parts)
             continue
