@@ -33,9 +33,10 @@ from torch.utils import _pytree as pytree
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
 from tess_compile.analysis.accounting import saved_bytes
+from tess_compile.runtime.launch import run_local
 
 __all__ = ["Config", "Trainer", "add_row_arguments", "make_table", "measure", "print_summary", "print_table",
-           "select_rows", "tess", "write_record"]
+           "run_launches", "select_rows", "tess"]
 
 
 def tess(model: nn.Module, batch, q: int, d: int, *, mode: str, compiled: bool, **options) -> nn.Module:
@@ -303,9 +304,30 @@ def select_rows(parser: argparse.ArgumentParser, args, configs: dict, *, extra: 
     return names
 
 
-def write_record(path: str, script: str, argv, **fields) -> None:
-    """The run as JSON at `path`: the command that made it, torch's version, the cores, `fields`."""
-    command = f"python3 benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
-    record = {"command": command, "torch": torch.__version__, "cpu_count": os.cpu_count(), **fields}
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+def run_launches(worker: Callable, runs: list[dict], names: list[str], args, *, q: int, d: int, repeats: tuple,
+                 configs: dict, describe: Callable, peer: str, reference: tuple[str, str], script: str, argv) -> None:
+    """One launch of `worker(rank, world, names, sizes, q, d, rounds, steps, warmup, optimizer)` on the
+    q*q*d ranks per sizes of `runs`, each printed (`describe(sizes)`, then its table, against the
+    fastest `peer` row and the `reference` row, named and labelled); the summary; and the JSON
+    record at `args.out`, if given."""
+    rounds, steps, warmup = repeats
+    start = time.perf_counter()
+    tables = []
+    for sizes in runs:
+        results = run_local(worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup, args.optimizer),
+                            timeout_s=3600, collective_timeout_s=600)
+        print("\n" + describe(sizes) + f"; median over {rounds} rounds of {steps} steps, after {warmup} warm-up")
+        table = make_table(names, results, configs, reference[0])
+        print_table(table, peer, reference[1])
+        tables.append({"sizes": sizes, **table})
+    wall_s = time.perf_counter() - start
+    if len(tables) > 1:
+        print_summary(tables, peer)
+    print(f"(ms/step: the slowest rank's; wall time of the whole run {wall_s:.0f} s)")
+    if args.out:
+        command = f"python3 benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+        record = {"command": command, "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                  "world_size": q * q * d, "mesh_2_5d": [q, q, d], "optimizer": args.optimizer, "rounds": rounds,
+                  "steps": steps, "warmup": warmup, "wall_s": round(wall_s, 1), "runs": tables}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)

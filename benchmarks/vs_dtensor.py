@@ -100,7 +100,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -113,17 +112,13 @@ from benchmarks.step_rows import (
     Trainer,
     add_row_arguments,
     cores,
-    make_table,
     measure,
     parse_ints,
-    print_summary,
-    print_table,
+    run_launches,
     select_rows,
     tess,
-    write_record,
 )
 from tess_compile.core.options import SCHEDULES
-from tess_compile.runtime.launch import run_local
 
 __all__ = ["CONFIGS", "WithLoss", "main", "make_model", "titan_plan"]
 
@@ -264,7 +259,14 @@ def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int
     return measure(trainers, rounds, steps, warmup)
 
 
-PEER, REFERENCE = "DTensor at its best", "DT eager"
+PEER = "DTensor at its best"
+
+
+def _describe(sizes: dict, *, optimizer: str, q: int, d: int) -> str:
+    return (f"PyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
+            f"vocabulary {sizes['vocab']} (tied), batch {sizes['batch']}, sequence {sizes['seq']}, fp32, "
+            f"cross-entropy, AdamW ({optimizer}); {q * q * d} gloo processes on {cores()} CPU cores (DTensor and "
+            f"tess 1d over all, tess 2.5d on [{q},{q},{d}])")
 
 
 def main(argv=None) -> int:
@@ -281,27 +283,9 @@ def main(argv=None) -> int:
     else:
         runs = [dict(SIZES, dim=dim, seq=seq) for dim in dims for seq in seqs]
         (q, d), (rounds, steps, warmup) = (2, 2), (args.rounds, args.steps, args.warmup)
-    start = time.perf_counter()
-    tables = []
-    for sizes in runs:
-        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup, args.optimizer),
-                            timeout_s=3600, collective_timeout_s=600)
-        print(f"\nPyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
-              f"vocabulary {sizes['vocab']} (tied), batch {sizes['batch']}, sequence {sizes['seq']}, fp32, "
-              f"cross-entropy, AdamW ({args.optimizer}); {q * q * d} gloo processes on {cores()} CPU cores (DTensor and "
-              f"tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after "
-              f"{warmup} warm-up")
-        table = make_table(names, results, CONFIGS, "DTensor eager")
-        print_table(table, PEER, REFERENCE)
-        tables.append({"sizes": sizes, **table})
-    wall_s = time.perf_counter() - start
-    if len(tables) > 1:
-        print_summary(tables, PEER)
-    print(f"(ms/step: the slowest rank's; wall time of the whole run {wall_s:.0f} s)")
-    if args.out:
-        write_record(args.out, "vs_dtensor.py", argv, world_size=q * q * d, mesh_2_5d=[q, q, d],
-                     optimizer=args.optimizer, rounds=rounds, steps=steps, warmup=warmup,
-                     wall_s=round(wall_s, 1), runs=tables)
+    run_launches(_worker, runs, names, args, q=q, d=d, repeats=(rounds, steps, warmup), configs=CONFIGS,
+                 describe=functools.partial(_describe, optimizer=args.optimizer, q=q, d=d), peer=PEER,
+                 reference=("DTensor eager", "DT eager"), script="vs_dtensor.py", argv=argv)
     return 0
 
 

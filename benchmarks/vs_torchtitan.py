@@ -59,7 +59,6 @@ import dataclasses
 import functools
 import os
 import sys
-import time
 import types
 import warnings
 from unittest import mock
@@ -74,24 +73,20 @@ from benchmarks.step_rows import (
     Trainer,
     add_row_arguments,
     cores,
-    make_table,
     measure,
     parse_ints,
-    print_summary,
-    print_table,
+    run_launches,
     select_rows,
     tess,
-    write_record,
 )
 from benchmarks.titan_architectures import BATCH, SEQ, llama3_config, sdpa_layers
 from benchmarks.vs_dtensor import WithLoss, make_batch
-from tess_compile.runtime.launch import run_local
 
 __all__ = ["CONFIGS", "TitanWithLoss", "main", "make_model"]
 
 DEFAULT_SEQS = "64,128,256"
 BATCH_SIZE = 8
-PEER, REFERENCE = "torchtitan at its best", "tt eager"
+PEER = "torchtitan at its best"
 
 
 def make_config(flavor: str, seq: int, tp: int):
@@ -223,6 +218,13 @@ def _sizes(flavor: str, batch: int, seq: int, tp: int) -> dict:
             "vocab": config.vocab_size, "batch": batch, "seq": seq}
 
 
+def _describe(sizes: dict, *, optimizer: str, q: int, d: int) -> str:
+    return (f"torchtitan's Llama 3 {sizes['flavor']}: dim {sizes['dim']}, {sizes['layers']} layers, "
+            f"{sizes['heads']} heads, vocabulary {sizes['vocab']}, causal SDPA, batch {sizes['batch']}, sequence "
+            f"{sizes['seq']}, fp32, cross-entropy, AdamW ({optimizer}); {q * q * d} gloo processes on {cores()} "
+            f"CPU cores (torchtitan TP+SP and tess 1d over all, tess 2.5d on [{q},{q},{d}])")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavors", default="debugmodel", help="torchtitan Llama 3 flavors, e.g. debugmodel")
@@ -236,27 +238,9 @@ def main(argv=None) -> int:
     else:
         (q, d), (rounds, steps, warmup) = (2, 2), (args.rounds, args.steps, args.warmup)
         runs = [_sizes(flavor.strip(), BATCH_SIZE, seq, q * q * d) for flavor in args.flavors.split(",") for seq in seqs]
-    start = time.perf_counter()
-    tables = []
-    for sizes in runs:
-        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup, args.optimizer),
-                            timeout_s=3600, collective_timeout_s=600)
-        print(f"\ntorchtitan's Llama 3 {sizes['flavor']}: dim {sizes['dim']}, {sizes['layers']} layers, "
-              f"{sizes['heads']} heads, vocabulary {sizes['vocab']}, causal SDPA, batch {sizes['batch']}, sequence "
-              f"{sizes['seq']}, fp32, cross-entropy, AdamW ({args.optimizer}); {q * q * d} gloo processes on {cores()} "
-              f"CPU cores (torchtitan TP+SP and tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} "
-              f"rounds of {steps} steps, after {warmup} warm-up")
-        table = make_table(names, results, CONFIGS, "torchtitan eager")
-        print_table(table, PEER, REFERENCE)
-        tables.append({"sizes": sizes, **table})
-    wall_s = time.perf_counter() - start
-    if len(tables) > 1:
-        print_summary(tables, PEER)
-    print(f"(ms/step: the slowest rank's; wall time of the whole run {wall_s:.0f} s)")
-    if args.out:
-        write_record(args.out, "vs_torchtitan.py", argv, world_size=q * q * d, mesh_2_5d=[q, q, d],
-                     optimizer=args.optimizer, rounds=rounds, steps=steps, warmup=warmup,
-                     wall_s=round(wall_s, 1), runs=tables)
+    run_launches(_worker, runs, names, args, q=q, d=d, repeats=(rounds, steps, warmup), configs=CONFIGS,
+                 describe=functools.partial(_describe, optimizer=args.optimizer, q=q, d=d), peer=PEER,
+                 reference=("torchtitan eager", "tt eager"), script="vs_torchtitan.py", argv=argv)
     return 0
 
 
