@@ -29,11 +29,11 @@ Rows, each on all 8 ranks of one launch:
   shard degree of 1 moves no data, is left out: torch 2.13's `fully_shard`
   refuses the backend's plain-tensor parameters on the TP mesh
   ("When dp_mesh_dims is provided, all parameters must be DTensors").
-  What the trainer leaves to that FSDP over the SPMD mesh, summing the
-  gradients of the parameters replicated over TP (spmd type R, whose
-  gradients are partial: the norms' weights under sequence parallelism),
-  each rank does after backward in one all-reduce of one flat buffer
-  (`TitanWithLoss.reduce_replicated_grads`); without it those weights
+  Without FSDP nothing in torchtitan's step sums the gradients of the
+  parameters replicated over TP (spmd type R, whose gradients are partial:
+  the norms' weights under sequence parallelism), so each rank sums them
+  after backward in one all-reduce of one flat buffer
+  (`TitanWithLoss.reduce_replicated_grads`); without that sum those weights
   drift apart across ranks from the second step on.
 - tess-compile: `tess_compile.shard` in mode "1d" (Megatron-LM over p=8)
   and "2.5d" (`[2,2,2]`), eager and with `compile=True`, default options.
