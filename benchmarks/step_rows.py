@@ -36,7 +36,7 @@ from tess_compile.analysis.accounting import saved_bytes
 from tess_compile.runtime.launch import run_local
 
 __all__ = ["Config", "Trainer", "add_row_arguments", "make_table", "measure", "print_summary", "print_table",
-           "run_launches", "select_rows", "tess"]
+           "run_launches", "select_rows", "shape_of_launches", "tess"]
 
 
 def tess(model: nn.Module, batch, q: int, d: int, *, mode: str, compiled: bool, **options) -> nn.Module:
@@ -302,6 +302,14 @@ def select_rows(parser: argparse.ArgumentParser, args, configs: dict, *, extra: 
     if args.quick:
         names = [name for name in names if not configs[name].compiled]
     return names
+
+
+def shape_of_launches(args) -> tuple[int, int, tuple[int, int, int]]:
+    """q and d of the launches' mesh, and their (rounds, steps, warm-up steps): `--quick`'s
+    `[2,2,1]` and 2 rounds of 1 step after 1, else `[2,2,2]` and the options'."""
+    if args.quick:
+        return 2, 1, (2, 1, 1)
+    return 2, 2, (args.rounds, args.steps, args.warmup)
 
 
 def run_launches(worker: Callable, runs: list[dict], names: list[str], args, *, q: int, d: int, repeats: tuple,

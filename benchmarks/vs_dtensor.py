@@ -116,6 +116,7 @@ from benchmarks.step_rows import (
     parse_ints,
     run_launches,
     select_rows,
+    shape_of_launches,
     tess,
 )
 from tess_compile.core.options import SCHEDULES
@@ -278,12 +279,9 @@ def main(argv=None) -> int:
     dims = parse_ints(parser, "--dims", args.dims)
     seqs = parse_ints(parser, "--seqs", args.seqs)
     names = select_rows(parser, args, CONFIGS, extra=args.schedules)
-    if args.quick:
-        runs, (q, d), (rounds, steps, warmup) = [QUICK_SIZES], (2, 1), (2, 1, 1)
-    else:
-        runs = [dict(SIZES, dim=dim, seq=seq) for dim in dims for seq in seqs]
-        (q, d), (rounds, steps, warmup) = (2, 2), (args.rounds, args.steps, args.warmup)
-    run_launches(_worker, runs, names, args, q=q, d=d, repeats=(rounds, steps, warmup), configs=CONFIGS,
+    q, d, repeats = shape_of_launches(args)
+    runs = [QUICK_SIZES] if args.quick else [dict(SIZES, dim=dim, seq=seq) for dim in dims for seq in seqs]
+    run_launches(_worker, runs, names, args, q=q, d=d, repeats=repeats, configs=CONFIGS,
                  describe=functools.partial(_describe, optimizer=args.optimizer, q=q, d=d), peer=PEER,
                  reference=("DTensor eager", "DT eager"), script="vs_dtensor.py", argv=argv)
     return 0

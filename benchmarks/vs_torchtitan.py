@@ -77,6 +77,7 @@ from benchmarks.step_rows import (
     parse_ints,
     run_launches,
     select_rows,
+    shape_of_launches,
     tess,
 )
 from benchmarks.titan_architectures import BATCH, SEQ, llama3_config, sdpa_layers
@@ -232,13 +233,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     seqs = parse_ints(parser, "--seqs", args.seqs)
     names = select_rows(parser, args, CONFIGS)
+    q, d, repeats = shape_of_launches(args)
     if args.quick:
-        (q, d), (rounds, steps, warmup) = (2, 1), (2, 1, 1)
         runs = [_sizes("tiny", BATCH, SEQ, q * q * d)]
     else:
-        (q, d), (rounds, steps, warmup) = (2, 2), (args.rounds, args.steps, args.warmup)
         runs = [_sizes(flavor.strip(), BATCH_SIZE, seq, q * q * d) for flavor in args.flavors.split(",") for seq in seqs]
-    run_launches(_worker, runs, names, args, q=q, d=d, repeats=(rounds, steps, warmup), configs=CONFIGS,
+    run_launches(_worker, runs, names, args, q=q, d=d, repeats=repeats, configs=CONFIGS,
                  describe=functools.partial(_describe, optimizer=args.optimizer, q=q, d=d), peer=PEER,
                  reference=("torchtitan eager", "tt eager"), script="vs_torchtitan.py", argv=argv)
     return 0
