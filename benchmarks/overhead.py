@@ -48,12 +48,16 @@ DTensor. Three sections, each one launch of `tess_compile.run_local`:
    to torch's functional collectives (`tess_compile.runtime.functional_collectives`);
    where this tree has no such lowering, or with `--functional off`, the row
    says so. Eager `[2,2,2]` runs beside them for reference.
+4. **Host time per collective and per parameter** (`--sections fake`; `benchmarks/overhead_fake_pg.py`):
+   the eager step of rank 0 of `[2,2,2]` on torch's fake process group, and of a
+   world of one, in one process: microseconds of host time per collective and per parameter of a
+   step, against the targets of 10 and 2.
 
 The CPU cores are shared by all processes of a launch: these are host times on
 this machine, not GPU predictions.
 
     python3 benchmarks/overhead.py [--layers 4] [--hidden 32] [--heads 4] [--batch 4] [--seq 8]
-        [--rounds 15] [--steps 20] [--warmup 5] [--calls 200] [--sections one,collectives,compiled]
+        [--rounds 15] [--steps 20] [--warmup 5] [--calls 200] [--sections one,collectives,compiled,fake]
         [--no-compile] [--functional auto|on|off] [--profile] [--quick] [--out benchmarks/results/overhead.json]
 
 `--quick` runs tiny sizes, few repeats and eager rows only (compiling costs
@@ -282,11 +286,11 @@ def print_world_of_one(result: dict, sizes: dict, repeats: dict) -> list[dict]:
 # Section 2 ------------------------------------------------------------------------------------------
 
 
-class _Clock:
-    """Seconds spent in the wrapped calls since the last `take()`."""
+class Clock:
+    """Seconds spent in the wrapped calls since the last `take()`, by `now` (wall time unless told)."""
 
-    def __init__(self):
-        self.seconds = 0.0
+    def __init__(self, now=time.perf_counter):
+        self.seconds, self.now = 0.0, now
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
@@ -294,11 +298,11 @@ class _Clock:
 
     def wrap(self, function):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.now()
             try:
                 out = function(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += self.now() - start
             return _TimedWork(out, self) if kwargs.get("async_op") else out
 
         return timed
@@ -307,18 +311,18 @@ class _Clock:
 class _TimedWork:
     """An asynchronous collective's Work whose `wait` counts as the collective's time."""
 
-    def __init__(self, work, clock: _Clock):
+    def __init__(self, work, clock: Clock):
         self.work, self.clock = work, clock
 
     def wait(self):
-        start = time.perf_counter()
+        start = self.clock.now()
         try:
             return self.work.wait()
         finally:
-            self.clock.seconds += time.perf_counter() - start
+            self.clock.seconds += self.clock.now() - start
 
 
-_C10D_CALLS = ("broadcast", "reduce", "all_reduce", "all_gather_single", "all_gather_into_tensor",
+C10D_CALLS = ("broadcast", "reduce", "all_reduce", "all_gather_single", "all_gather_into_tensor",
                "reduce_scatter_single", "reduce_scatter_tensor")
 
 
@@ -345,9 +349,9 @@ def _measure_collectives(rank: int, sizes: dict, calls: int) -> dict:
     mesh = Mesh(2, 2)
     comm = DistComm(mesh, init_device_mesh("cpu", mesh.shape, mesh_dim_names=("depth", "row", "col")),
                     timedelta(seconds=600))
-    c10d, run = _Clock(), _Clock()
+    c10d, run = Clock(), Clock()
     patches = [mock.patch.object(dist, name, c10d.wrap(getattr(dist, name)))
-               for name in _C10D_CALLS if hasattr(dist, name)]
+               for name in C10D_CALLS if hasattr(dist, name)]
     comm.run, comm.wait = run.wrap(comm.run), run.wrap(comm.wait)  # wait: broadcast_start's second half
     x = torch.randn(sizes["batch"], sizes["seq"], sizes["hidden"], generator=torch.Generator().manual_seed(rank))
     out = {}
@@ -481,7 +485,7 @@ def print_compiled_222(results: list[dict] | None, sizes: dict, repeats: dict, w
 # ----------------------------------------------------------------------------------------------------
 
 
-SECTIONS = ("one", "collectives", "compiled")
+SECTIONS = ("one", "collectives", "compiled", "fake")
 
 
 def main(argv=None) -> int:
@@ -491,7 +495,7 @@ def main(argv=None) -> int:
     for name, value in REPEATS.items():
         parser.add_argument(f"--{name}", type=int, default=value)
     parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"which sections to run, of {','.join(SECTIONS)} (1, 2 and 3 of the docstring)")
+                        help=f"which sections to run, of {','.join(SECTIONS)} (1 to 4 of the docstring)")
     parser.add_argument("--no-compile", action="store_true", help="eager rows only (sections 1 and 3)")
     parser.add_argument("--functional", choices=("auto", "on", "off"), default="auto",
                         help="section 3's functional-collective row: where this tree lowers (auto), always, never")
@@ -532,6 +536,11 @@ def main(argv=None) -> int:
             results = run_local(_compiled_222, 8, args=(sizes, repeats, functional), timeout_s=3600,
                                 collective_timeout_s=600)
         record["compiled_222"] = print_compiled_222(results, sizes, repeats, why_not)
+    if "fake" in sections:
+        from benchmarks.overhead_fake_pg import host_time, print_host_time
+
+        result = run_local(host_time, 1, args=(sizes, repeats), timeout_s=1800)[0]
+        record["host_time_fake_pg"] = print_host_time(result, sizes, repeats)
     print(f"\n(CPU cores: {os.cpu_count()}; wall time of the whole run {time.perf_counter() - start:.0f} s)")
     if args.out:
         with open(args.out, "w") as f:

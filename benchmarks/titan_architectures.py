@@ -15,13 +15,13 @@ attention, which needs a block mask built outside the model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TITAN_ARCHITECTURES"]
+__all__ = ["TITAN_ARCHITECTURES", "llama3_config", "sdpa_layers"]
 
 HIDDEN, HEADS, LAYERS, VOCAB, SEQ, BATCH, MLP = 32, 4, 2, 64, 8, 4, 64
 
@@ -35,7 +35,7 @@ def _tokens_loss(labels: torch.Tensor):
     return loss
 
 
-def _sdpa_layers(layers: list) -> list:
+def sdpa_layers(layers: list) -> list:
     """The layer configs with causal SDPA as their inner attention."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -64,34 +64,43 @@ class _KeepComplexCaches(nn.Module):
         return self
 
 
-def _decoder(model_cls, layers: list, gen):
-    """A torchtitan decoder from tiny layer configs, initialised, with random tokens and labels."""
+def _decoder_config(model_cls, layers: list):
+    """A torchtitan decoder's config from tiny layer configs, attention causal SDPA."""
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.nn_modules import RMSNorm
 
     normal = {"weight": torch.nn.init.normal_}
-    config = model_cls.Config(
+    return model_cls.Config(
         dim=HIDDEN,
         vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN, param_init=normal),
         norm=RMSNorm.Config(normalized_shape=HIDDEN, param_init={"weight": torch.nn.init.ones_}),
         lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB, param_init=normal),
-        layers=_sdpa_layers(layers),
+        layers=sdpa_layers(layers),
     )
+
+
+def _decoder(config, gen):
+    """A torchtitan decoder of `config`, initialised, with random tokens and labels."""
     model = config.build()
     model.init_states()
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     return _KeepComplexCaches(model), (tokens,), _tokens_loss(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen))
 
 
-def _llama3(gen):
+def llama3_config():
+    """torchtitan's Llama 3 config at the zoo's tiny sizes, attention causal SDPA."""
     from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
     rope = ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=2 * SEQ, theta=500000, scaling="llama")
     layers = _build_llama3_layers(n_layers=LAYERS, dim=HIDDEN, n_heads=HEADS, hidden_dim=MLP, rope=rope,
                                   attn_backend="flex")
-    return _decoder(Llama3Model, layers, gen)
+    return _decoder_config(Llama3Model, layers)
+
+
+def _llama3(gen):
+    return _decoder(llama3_config(), gen)
 
 
 def _qwen3_rope():
@@ -105,7 +114,7 @@ def _qwen3(gen):
 
     layers = _build_qwen3_layers(n_layers=LAYERS, dim=HIDDEN, n_heads=HEADS, n_kv_heads=HEADS,
                                  head_dim=HIDDEN // HEADS, hidden_dim=MLP, attn_backend="flex", rope=_qwen3_rope())
-    return _decoder(Qwen3Model, layers, gen)
+    return _decoder(_decoder_config(Qwen3Model, layers), gen)
 
 
 

@@ -97,33 +97,31 @@ rows only (compiling costs minutes), for the tests.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import functools
-import json
 import os
-import statistics
 import sys
-import time
-import warnings
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils import _pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tess_compile
-from tess_compile.analysis.accounting import saved_bytes
+from benchmarks.step_rows import (
+    Config,
+    Trainer,
+    add_row_arguments,
+    cores,
+    measure,
+    parse_ints,
+    run_launches,
+    select_rows,
+    shape_of_launches,
+    tess,
+)
 from tess_compile.core.options import SCHEDULES
-from tess_compile.runtime.launch import run_local
 
-__all__ = ["CONFIGS", "Config", "WithLoss", "main", "make_model", "titan_plan"]
+__all__ = ["CONFIGS", "WithLoss", "main", "make_model", "titan_plan"]
 
 SIZES = {"dim": 128, "layers": 2, "heads": 8, "vocab": 512, "batch": 16, "seq": 32}
 QUICK_SIZES = {"dim": 32, "layers": 1, "heads": 8, "vocab": 64, "batch": 8, "seq": 8}
@@ -230,37 +228,23 @@ def dtensor_titan(model: WithLoss, batch, q: int, d: int, *, sequence_parallel: 
     return model
 
 
-def tess(model: WithLoss, batch, q: int, d: int, *, mode: str, compiled: bool, **options) -> nn.Module:
-    """tess-compile's module of `model` on the q*q*d ranks in `mode` (1d: all ranks on one
-    axis) with its default options but `options` (e.g. `summa`); `compiled`: its per-rank
-    program through inductor (`compile=True`)."""
-    return tess_compile.shard(model, q, d, example_inputs=batch, mode=mode, timeout=300, compile=compiled, **options)
+def _loss_parallel(module: nn.Module):
+    from torch.distributed.tensor.parallel import loss_parallel
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """A row: `build(model, batch, q, d) -> module`; `compiled`: it compiles (left out by
-    `--quick`); `dtensor`: a candidate for DTensor at its best; `loss_parallel`: the step
-    runs forward and backward under `loss_parallel()`; `extra`: only with `--schedules`."""
-
-    build: Callable
-    compiled: bool = False
-    dtensor: bool = False
-    loss_parallel: bool = False
-    extra: bool = False
+    return loss_parallel()
 
 
 CONFIGS = {
-    "DTensor eager": Config(functools.partial(dtensor, compiled=False), dtensor=True),
-    "DTensor compiled": Config(functools.partial(dtensor, compiled=True), compiled=True, dtensor=True),
+    "DTensor eager": Config(functools.partial(dtensor, compiled=False), peer=True),
+    "DTensor compiled": Config(functools.partial(dtensor, compiled=True), compiled=True, peer=True),
     "DTensor lp eager": Config(functools.partial(dtensor_titan, sequence_parallel=False, compiled=""),
-                               dtensor=True, loss_parallel=True),
+                               peer=True, context=_loss_parallel),
     "DTensor lp blocks": Config(functools.partial(dtensor_titan, sequence_parallel=False, compiled="blocks"),
-                                compiled=True, dtensor=True, loss_parallel=True),
+                                compiled=True, peer=True, context=_loss_parallel),
     "DTensor lp+sp blocks": Config(functools.partial(dtensor_titan, sequence_parallel=True, compiled="blocks"),
-                                   compiled=True, dtensor=True, loss_parallel=True),
+                                   compiled=True, peer=True, context=_loss_parallel),
     "DTensor lp model": Config(functools.partial(dtensor_titan, sequence_parallel=False, compiled="model"),
-                               compiled=True, dtensor=True, loss_parallel=True),
+                               compiled=True, peer=True, context=_loss_parallel),
     "tess 1d": Config(functools.partial(tess, mode="1d", compiled=False)),
     "tess 2.5d": Config(functools.partial(tess, mode="2.5d", compiled=False)),
     **{f"tess 2.5d {summa}": Config(functools.partial(tess, mode="2.5d", compiled=False, summa=summa), extra=True)
@@ -268,271 +252,39 @@ CONFIGS = {
     "tess 1d compiled": Config(functools.partial(tess, mode="1d", compiled=True), compiled=True),
     "tess 2.5d compiled": Config(functools.partial(tess, mode="2.5d", compiled=True), compiled=True),
 }
-# the ratios of the summary: tess's rows over DTensor at its best
-SUMMARY_ROWS = ["tess 1d", "tess 1d compiled", "tess 2.5d", "tess 2.5d compiled"]
-
-
-class CommBytes(CommDebugMode):
-    """CommDebugMode that also sums the bytes of the input tensor of each collective it counts."""
-
-    def __init__(self):
-        super().__init__()
-        self.num_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.get_total_counts()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.get_total_counts() > before:
-            first = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
-            self.num_bytes += first.numel() * first.element_size()
-        return out
-
-
-def _loss_value(loss: torch.Tensor) -> float:
-    """The loss as a float on this rank (a replicated DTensor's full value)."""
-    if isinstance(loss, DTensor):
-        loss = loss.full_tensor()
-    return float(loss)
-
-
-OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-
-
-def make_adamw(module: nn.Module, implementation: str) -> torch.optim.AdamW:
-    """AdamW over `module`'s parameters in `implementation` (a key of `OPTIMIZERS`), the DTensors
-    and the plain tensors each a parameter group of their own: a fused or foreach step runs per
-    group, and refuses the two kinds in one call."""
-    params = list(module.parameters())
-    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    return torch.optim.AdamW([{"params": group} for group in kinds if group], lr=1e-4,
-                             **OPTIMIZERS[implementation])
-
-
-class Trainer:
-    """One configuration on this rank: its module, AdamW (`make_adamw`), and the global batch."""
-
-    def __init__(self, name: str, sizes: dict, q: int, d: int, optimizer: str):
-        self.config = CONFIGS[name]
-        self.batch = make_batch(sizes)
-        self.module = self.config.build(make_model(sizes), self.batch, q, d)
-        self.optimizer = make_adamw(self.module, optimizer)
-        self.last_loss = None
-
-    def context(self):
-        """Where forward and backward run: under `loss_parallel()` for the rows that use it."""
-        if self.config.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    def forward(self) -> torch.Tensor:
-        return self.module(*self.batch)
-
-    def step(self, forward=None) -> None:
-        self.optimizer.zero_grad()
-        with self.context():
-            loss = (forward or self.forward)()
-            loss.backward()
-        self.optimizer.step()
-        self.last_loss = loss.detach()
-
-    def saved_bytes(self) -> int:
-        """One step; the bytes its forward saves for backward."""
-        parameters = [p.to_local() if isinstance(p, DTensor) else p for p in self.module.parameters()]
-        losses = []
-        with self.context():  # entered once around forward, once around backward in `step`: never nested
-            saved = saved_bytes(lambda: losses.append(self.forward()), parameters)
-        self.step(lambda: losses[0])
-        return saved
-
-    def moved_bytes(self) -> int:
-        """One step; the bytes its collectives send."""
-        comm = getattr(self.module, "comm", None)  # tess-compile's runtime records its collectives
-        if comm is not None:
-            comm.records.clear()
-            self.step()
-            if self.module.compile:  # collectives lowered into the compiled graphs: as the graphs hold them
-                graphs = self.module.compiled_program(None).graphs
-                return sum(record.num_bytes for graph in graphs for record in graph.collectives)
-            return sum(record.num_bytes for record in comm.records)
-        # dynamo cannot trace under CommDebugMode (and fullgraph=True refuses to fall back): an eager step
-        with warnings.catch_warnings(), torch.compiler.set_stance("force_eager"), CommBytes() as counter:
-            warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad
-            self.step()
-        return counter.num_bytes
-
-    def timed_round(self, steps: int) -> tuple[float, float]:
-        """Seconds per step of `steps` steps between barriers, and this process's CPU seconds per step
-        in them (every thread: the program's, gloo's, inductor's kernels'; waits not counted)."""
-        dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            self.step()
-        cpu = time.process_time() - cpu
-        dist.barrier()
-        return (time.perf_counter() - start) / steps, cpu / steps
 
 
 def _worker(rank: int, world_size: int, names: list, sizes: dict, q: int, d: int,
             rounds: int, steps: int, warmup: int, optimizer: str) -> list:
-    trainers = [Trainer(name, sizes, q, d, optimizer) for name in names]
-    first_losses = []
-    for trainer in trainers:
-        for index in range(warmup):
-            trainer.step()
-            if index == 0:
-                first_losses.append(_loss_value(trainer.last_loss))
-    rows = [{"saved": trainer.saved_bytes(), "moved": trainer.moved_bytes(), "times": [], "cpu": [],
-             "loss_first": loss} for trainer, loss in zip(trainers, first_losses)]
-    for _ in range(rounds):
-        for trainer, row in zip(trainers, rows):
-            wall, cpu = trainer.timed_round(steps)
-            row["times"].append(wall)
-            row["cpu"].append(cpu)
-    for trainer, row in zip(trainers, rows):
-        row["loss_last"] = _loss_value(trainer.last_loss)
-    return rows
+    trainers = [Trainer(CONFIGS[name], make_model(sizes), make_batch(sizes), q, d, optimizer) for name in names]
+    return measure(trainers, rounds, steps, warmup)
 
 
-def _parse_ints(parser, flag: str, text: str) -> list[int]:
-    try:
-        values = [int(value) for value in text.split(",")]
-    except ValueError:
-        parser.error(f"{flag} {text!r}: give whole numbers separated by commas, e.g. {flag} 32,64,128")
-    if any(value <= 0 for value in values):
-        parser.error(f"{flag} {text!r}: every value must be positive")
-    return values
+PEER = "DTensor at its best"
+
+
+def _describe(sizes: dict, *, optimizer: str, q: int, d: int) -> str:
+    return (f"PyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
+            f"vocabulary {sizes['vocab']} (tied), batch {sizes['batch']}, sequence {sizes['seq']}, fp32, "
+            f"cross-entropy, AdamW ({optimizer}); {q * q * d} gloo processes on {cores()} CPU cores (DTensor and "
+            f"tess 1d over all, tess 2.5d on [{q},{q},{d}])")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", default=str(SIZES["dim"]), help="model dims, e.g. 128,256")
-    parser.add_argument("--seqs", default=DEFAULT_SEQS, help="sequence lengths, one launch each per dim")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="fused",
-                        help="AdamW's implementation on every row (default: fused, torchtitan's default)")
-    parser.add_argument("--configs", help="only these rows, by name, separated by commas (default: all)")
+    add_row_arguments(parser, DEFAULT_SEQS, "benchmarks/results/vs_dtensor.json")
     parser.add_argument("--schedules", action="store_true", help="also tess 2.5d in each fixed schedule")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes (sequence 8) on 4 ranks ([2,2,1]), eager rows only, 2 rounds of 1 step")
-    parser.add_argument("--out", help="also write the results as JSON here (e.g. benchmarks/results/vs_dtensor.json)")
     args = parser.parse_args(argv)
-    dims = _parse_ints(parser, "--dims", args.dims)
-    seqs = _parse_ints(parser, "--seqs", args.seqs)
-    if min(args.rounds, args.steps, args.warmup) < 1:
-        parser.error("--rounds, --steps and --warmup must each be at least 1")
-    if args.configs:
-        names = [name.strip() for name in args.configs.split(",")]
-        unknown = [name for name in names if name not in CONFIGS]
-        if unknown:
-            parser.error(f"--configs: unknown {unknown}; the configurations are {list(CONFIGS)}")
-    else:
-        names = [name for name, config in CONFIGS.items() if args.schedules or not config.extra]
-    if args.quick:
-        runs, (q, d), (rounds, steps, warmup) = [QUICK_SIZES], (2, 1), (2, 1, 1)
-        names = [name for name in names if not CONFIGS[name].compiled]
-    else:
-        runs = [dict(SIZES, dim=dim, seq=seq) for dim in dims for seq in seqs]
-        (q, d), (rounds, steps, warmup) = (2, 2), (args.rounds, args.steps, args.warmup)
-    start = time.perf_counter()
-    tables = []
-    for sizes in runs:
-        results = run_local(_worker, q * q * d, args=(names, sizes, q, d, rounds, steps, warmup, args.optimizer),
-                            timeout_s=3600, collective_timeout_s=600)
-        print(f"\nPyTorch's test Transformer: dim {sizes['dim']}, {sizes['layers']} layers, {sizes['heads']} heads, "
-              f"vocabulary {sizes['vocab']} (tied), batch {sizes['batch']}, sequence {sizes['seq']}, fp32, "
-              f"cross-entropy, AdamW ({args.optimizer}); {q * q * d} gloo processes on {_cores()} CPU cores (DTensor and "
-              f"tess 1d over all, tess 2.5d on [{q},{q},{d}]); median over {rounds} rounds of {steps} steps, after "
-              f"{warmup} warm-up")
-        table = make_table(names, results)
-        print_table(table)
-        tables.append({"sizes": sizes, **table})
-    wall_s = time.perf_counter() - start
-    if len(tables) > 1:
-        print_summary(tables)
-    print(f"(ms/step: the slowest rank's; wall time of the whole run {wall_s:.0f} s)")
-    if args.out:
-        record = {"command": "python3 benchmarks/vs_dtensor.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "torch": torch.__version__, "cpu_count": os.cpu_count(), "world_size": q * q * d,
-                  "mesh_2_5d": [q, q, d], "optimizer": args.optimizer, "rounds": rounds, "steps": steps, "warmup": warmup,
-                  "wall_s": round(wall_s, 1), "runs": tables}
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    dims = parse_ints(parser, "--dims", args.dims)
+    seqs = parse_ints(parser, "--seqs", args.seqs)
+    names = select_rows(parser, args, CONFIGS, extra=args.schedules)
+    q, d, repeats = shape_of_launches(args)
+    runs = [QUICK_SIZES] if args.quick else [dict(SIZES, dim=dim, seq=seq) for dim in dims for seq in seqs]
+    run_launches(_worker, runs, names, args, q=q, d=d, repeats=repeats, configs=CONFIGS,
+                 describe=functools.partial(_describe, optimizer=args.optimizer, q=q, d=d), peer=PEER,
+                 reference=("DTensor eager", "DT eager"), script="vs_dtensor.py", argv=argv)
     return 0
-
-
-def _cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def make_table(names: list, results: list) -> dict:
-    """The rows of one launch: median ms/step over rounds (slowest rank per round), the ratios to
-    DTensor at its best (the fastest DTensor row) and to DTensor eager, rank 0's losses and bytes; the
-    CPU a rank spends per step (median over rounds of the mean over ranks), and the least step time
-    the cores allow for that work (every rank's CPU over the cores): the rest of a step is waiting."""
-    medians = {name: statistics.median(max(times) for times in zip(*(rank[index]["times"] for rank in results)))
-               for index, name in enumerate(names)}
-    cpus = {name: statistics.median(statistics.fmean(cpu) for cpu in zip(*(rank[index]["cpu"] for rank in results)))
-            for index, name in enumerate(names)}
-    candidates = [name for name in names if CONFIGS[name].dtensor]
-    best = min(candidates, key=medians.get) if candidates else None
-    eager = medians.get("DTensor eager")
-    rows = []
-    for index, name in enumerate(names):
-        row = results[0][index]
-        rows.append({
-            "configuration": name,
-            "ms_per_step": round(medians[name] * 1e3, 2),
-            "vs_best": round(medians[name] / medians[best], 3) if best else None,
-            "vs_dtensor_eager": round(medians[name] / eager, 3) if eager else None,
-            "loss_first": row["loss_first"],
-            "loss_last": row["loss_last"],
-            "saved_bytes": row["saved"],
-            "moved_bytes": row["moved"],
-            "cpu_ms_per_rank": round(cpus[name] * 1e3, 2),
-            "cpu_bound_ms": round(cpus[name] * len(results) / _cores() * 1e3, 2),
-            "round_ms": [round(max(times) * 1e3, 2) for times in zip(*(rank[index]["times"] for rank in results))],
-        })
-    return {"best": best, "rows": rows}
-
-
-def _ratio(value) -> str:
-    return f"{value:.2f}" if value is not None else "-"
-
-
-def print_table(table: dict) -> None:
-    """One row per configuration, DTensor at its best named above."""
-    best = table["best"]
-    if best is not None:
-        ms = next(row["ms_per_step"] for row in table["rows"] if row["configuration"] == best)
-        print(f"DTensor at its best: {best} ({ms:.1f} ms/step)")
-    print(f"{'configuration':<22} {'ms/step':>8} {'vs best':>8} {'vs DT eager':>11} {'loss first':>11} "
-          f"{'loss last':>10} {'saved B/rank':>13} {'moved B/rank/step':>18} {'CPU ms/rank':>12} {'CPU-bound ms':>13}")
-    for row in table["rows"]:
-        print(f"{row['configuration']:<22} {row['ms_per_step']:8.1f} {_ratio(row['vs_best']):>8} "
-              f"{_ratio(row['vs_dtensor_eager']):>11} {row['loss_first']:11.6f} {row['loss_last']:10.6f} "
-              f"{row['saved_bytes']:>13,} {row['moved_bytes']:>18,} {row['cpu_ms_per_rank']:12.1f} "
-              f"{row['cpu_bound_ms']:13.1f}")
-    losses = [row["loss_first"] for row in table["rows"]]
-    print(f"(first-step losses agree to {max(losses) - min(losses):.1e})")
-
-
-def print_summary(tables: list) -> None:
-    """Per launch: DTensor at its best, and tess's rows over it."""
-    present = [name for name in SUMMARY_ROWS if any(row["configuration"] == name for row in tables[0]["rows"])]
-    print("\nSummary: ms/step of DTensor at its best, and tess's over it (goal for compiled tess: <= 0.80)")
-    print(f"{'dim':>4} {'seq':>4} {'DTensor at its best':<22} {'ms/step':>8} "
-          + " ".join(f"{name:>18}" for name in present))
-    for table in tables:
-        by_name = {row["configuration"]: row for row in table["rows"]}
-        best = table["best"]
-        ms = by_name[best]["ms_per_step"] if best else float("nan")
-        print(f"{table['sizes']['dim']:>4} {table['sizes']['seq']:>4} {best or '-':<22} {ms:8.1f} "
-              + " ".join(f"{_ratio(by_name[name]['vs_best']):>18}" for name in present))
 
 
 if __name__ == "__main__":

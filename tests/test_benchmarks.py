@@ -99,6 +99,10 @@ def test_overhead_benchmark_runs(capsys, tmp_path):
                                                                         "per-rank graph alone"]
     assert len(record["collectives"]) == len(bench.COLLECTIVE_CASES) and record["compiled_222"] == []
     assert isinstance(record["parameters_node_us_per_param"], float)
+    one, rank0 = record["host_time_fake_pg"]  # a world of one; rank 0 of [2,2,2] on the fake process group
+    assert one["collectives_per_step"] == 0 and one["us_per_collective"] is None
+    assert rank0["collectives_per_step"] > 0 and rank0["us_per_collective"] > rank0["c10d_us_per_collective"] > 0
+    assert "runtime us/parameter" in table
 
 
 def test_gpu_check_skips_without_cuda_and_dry_runs_on_cpu(capsys, tmp_path):

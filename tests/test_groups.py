@@ -35,6 +35,18 @@ def test_nccl_groups_take_nccl_options(monkeypatch):
 
 
 
+def test_fake_groups_take_no_options(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "fake")
+    assert groups._backend_override(timedelta(seconds=7)) == ("fake", None)
+
+
+def test_groups_build_on_the_fake_process_group(fake_mesh):
+    """torch's fake group (one process stands for rank 0 of 8, nothing moves: what
+    `benchmarks/overhead.py` times the host's work on) refuses the generic options class."""
+    made = groups.mesh_groups("cpu", Mesh(2, 2), timedelta(seconds=7), None)
+    assert tuple(made.tp_mesh.shape) == (2, 2, 2) and made.world.rank == 0
+
+
 def test_a_new_default_group_gets_groups_of_its_own(tmp_path):
     """A process that destroys its default group and makes another (tests, a profile after a run)
     gets the new group's DeviceMesh, not one cached from the destroyed group."""

@@ -136,8 +136,11 @@ def world_of(device_mesh) -> World | None:
 
 def _backend_override(timeout: timedelta) -> tuple[str, object]:
     """The default group's backend with options that time a group out after `timeout`:
-    NCCL takes only its own options class (it refuses the generic one)."""
+    NCCL takes only its own options class (it refuses the generic one); torch's fake group
+    (nothing moves, nothing waits) takes none."""
     backend = dist.get_backend()
+    if backend == dist.Backend.FAKE:
+        return backend, None
     if backend == dist.Backend.NCCL:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
