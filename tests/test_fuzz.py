@@ -34,6 +34,8 @@ FAST_SEEDS = (2, 19, 24, 30, 31, 48, 51, 60, 77, 87, 106, 115, 178, 189, 195)
 # Minimal programs of the defects the fuzzer found (docs/fuzzing.md), as they were shrunk: regression
 # tests, whose meaning is the grammar's resolution of them at the time (check `fp.source` after changing it).
 FOUND = {
+    "latent-values-whole-over-a-token-split": Program(mesh=(2, 1, "1d"), seq=4, features=1, vocab=2, start=6,
+                                                      steps=(Step("latent_attention", (0, 0, 0, 0, 0)),), end=0),
     "addmm-out1-view-1d": Program(mesh=(2, 1, "1d"), features=1, end=57, steps=(Step("matmul", (0, 55, 0, 0, 0)),)),
     "unit-split-expand": Program(mesh=(2, 2, "2.5d"), steps=(Step("linear"), Step("expand"), Step("linear"))),
     "unit-split-heads-1d": Program(mesh=(2, 1, "1d"), end=1, steps=(Step("linear"), Step("heads"))),

@@ -68,8 +68,8 @@ def place_attention(node: Node, ctx) -> Decision:
 
 def _split_queries_by_tokens(ctx, node: Node, required: dict, out: list) -> None:
     """On each axis where the queries come split by tokens (a plain split of their sequence dim), keep
-    that split: the output's sequence dim is split alike, the keys and values are split by their own
-    tokens where they come so (all-gathered by the lowering) and whole otherwise, and an attention mask
+    that split: the output's sequence dim is split alike, the keys and values are split by their
+    tokens where the keys come so (both all-gathered by the lowering) and whole otherwise, and an attention mask
     takes the queries' rows (its key dim whole). With dropout only where the tokens split evenly
     (`sharded_attention` then draws the rank's rows of the unsharded model's mask)."""
     query, key, value = node.args[:3]
@@ -83,10 +83,10 @@ def _split_queries_by_tokens(ctx, node: Node, required: dict, out: list) -> None
         if dropout and any(shape_of(t)[-2] % ctx.mesh.size(axis) for t in (query, key)):
             continue
         required[query] = required[query].with_axis(axis, Shard(q_seq))
+        # keys and values alike (the lowering gathers both along the keys' split): split where the keys come so
+        split = without_partial(layout_of(ctx, key)).on(axis) == Shard(len(shape_of(key)) - 2)
         for kv in (key, value):
-            kv_seq = len(shape_of(kv)) - 2
-            split = without_partial(layout_of(ctx, kv)).on(axis) == Shard(kv_seq)
-            required[kv] = required[kv].with_axis(axis, Shard(kv_seq) if split else R)
+            required[kv] = required[kv].with_axis(axis, Shard(len(shape_of(kv)) - 2) if split else R)
         if isinstance(mask, Node):
             rows = len(shape_of(mask)) - 2
             by_rows = rows >= 0 and shape_of(mask)[rows] == shape_of(node)[n_out - 2]
