@@ -14,7 +14,8 @@ import math
 
 import torch
 
-__all__ = ["attend", "attend_backward", "grouped", "merge", "position_bias", "ungrouped"]
+__all__ = ["attend", "attend_backward", "grouped", "merge", "position_bias", "save_blocks", "saved_blocks",
+           "ungrouped"]
 
 aten = torch.ops.aten
 
@@ -116,3 +117,21 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     out = out * torch.exp(lse - finite).unsqueeze(-1).to(out.dtype) \
         + block_out * torch.exp(block_lse - finite).unsqueeze(-1).to(out.dtype)
     return out, total
+
+
+def save_blocks(ctx, qs, ks, vs, outs, lses, masks, positions) -> None:
+    """Save for backward the n ranks' blocks an attention schedule keeps: queries, keys, values, outputs
+    and log-sum-exps, and masks and query positions where given (`saved_blocks` reads them back)."""
+    ctx.has_mask, ctx.has_positions = masks[0] is not None, positions[0] is not None
+    ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses, *(masks if ctx.has_mask else ()),
+                          *(positions if ctx.has_positions else ()))
+
+
+def saved_blocks(ctx, n: int) -> tuple[list, ...]:
+    """`save_blocks`' lists back: queries, keys, values, outputs, log-sum-exps, masks and positions (a
+    list of None where none was given)."""
+    saved = iter(ctx.saved_tensors)
+    qs, ks, vs, outs, lses = ([next(saved) for _ in range(n)] for _ in range(5))
+    masks, positions = ([next(saved) for _ in range(n)] if present else [None] * n
+                        for present in (ctx.has_mask, ctx.has_positions))
+    return qs, ks, vs, outs, lses, masks, positions

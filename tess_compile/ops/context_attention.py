@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from tess_compile.ops.attention_kernels import attend, attend_backward, grouped, position_bias, ungrouped
+from tess_compile.ops.attention_kernels import (
+    attend,
+    attend_backward,
+    grouped,
+    position_bias,
+    save_blocks,
+    saved_blocks,
+    ungrouped,
+)
 from tess_compile.ops.collectives import Comm, active_comm, current_comm, use_comm
 
 __all__ = ["context_attention", "lockstep_context_attention"]
@@ -36,7 +44,6 @@ class _ContextAttention(torch.autograd.Function):
     def forward(ctx, comm, fetch, key_length, is_causal, scale, n, *tensors):
         qs, k_used, v_used, k_own, v_own, masks, positions = (tensors[i * n:(i + 1) * n] for i in range(7))
         ctx.comm, ctx.fetch, ctx.key_length, ctx.is_causal, ctx.scale, ctx.n = comm, fetch, key_length, is_causal, scale, n
-        ctx.has_mask, ctx.has_positions = masks[0] is not None, positions[0] is not None
         outs, lses = [], []
         for r in range(n):
             heads = qs[r].shape[-3]
@@ -44,17 +51,13 @@ class _ContextAttention(torch.autograd.Function):
             out, lse = attend(qs[r], grouped(k_used[r], heads), grouped(v_used[r], heads), bias, scale)
             outs.append(out)
             lses.append(lse)
-        ctx.save_for_backward(*qs, *k_own, *v_own, *outs, *lses, *(masks if ctx.has_mask else ()),
-                              *(positions if ctx.has_positions else ()))
+        save_blocks(ctx, qs, k_own, v_own, outs, lses, masks, positions)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         n = ctx.n
-        saved = iter(ctx.saved_tensors)
-        qs, k_own, v_own, outs, lses = ([next(saved) for _ in range(n)] for _ in range(5))
-        masks, positions = ([next(saved) for _ in range(n)] if present else [None] * n
-                            for present in (ctx.has_mask, ctx.has_positions))
+        qs, k_own, v_own, outs, lses, masks, positions = saved_blocks(ctx, n)
         comm = ctx.comm or current_comm()
         k_used, v_used = _refetch(comm, k_own, ctx.fetch), _refetch(comm, v_own, ctx.fetch)
         mask_grad = any(ctx.needs_input_grad[6 + 5 * n:6 + 6 * n])  # a learned additive mask (a bias table)

@@ -22,7 +22,16 @@ import math
 
 import torch
 
-from tess_compile.ops.attention_kernels import attend, attend_backward, grouped, merge, position_bias, ungrouped
+from tess_compile.ops.attention_kernels import (
+    attend,
+    attend_backward,
+    grouped,
+    merge,
+    position_bias,
+    save_blocks,
+    saved_blocks,
+    ungrouped,
+)
 from tess_compile.ops.collectives import Comm, ShapeComm, active_comm, current_comm, use_comm
 
 __all__ = ["lockstep_ring_attention", "ring_attention"]
@@ -86,7 +95,6 @@ class _RingAttention(torch.autograd.Function):
         qs, ks, vs, masks, positions = (list(tensors[i * n:(i + 1) * n]) for i in range(5))
         ctx.comm, ctx.axes, ctx.block, ctx.key_length, ctx.is_causal, ctx.scale, ctx.n = (
             comm, axes, block, key_length, is_causal, scale, n)
-        ctx.has_mask, ctx.has_positions = masks[0] is not None, positions[0] is not None
         outs = [torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device) for q, v in zip(qs, vs)]
         lses = [torch.full(q.shape[:-1], -math.inf, dtype=_lse_dtype(q), device=q.device) for q in qs]
         for index, _, k_block, v_block in _visits(comm, ks, vs, axes, "forward"):
@@ -95,17 +103,13 @@ class _RingAttention(torch.autograd.Function):
                 bias = _block_bias(ctx, positions[r], masks[r], index, qs[r])
                 out, lse = attend(qs[r], grouped(k_block[r], heads), grouped(v_block[r], heads), bias, scale)
                 outs[r], lses[r] = merge(outs[r], lses[r], out, lse.to(lses[r].dtype))
-        ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses, *(masks if ctx.has_mask else ()),
-                              *(positions if ctx.has_positions else ()))
+        save_blocks(ctx, qs, ks, vs, outs, lses, masks, positions)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         n = ctx.n
-        saved = iter(ctx.saved_tensors)
-        qs, ks, vs, outs, lses = ([next(saved) for _ in range(n)] for _ in range(5))
-        masks, positions = ([next(saved) for _ in range(n)] if present else [None] * n
-                            for present in (ctx.has_mask, ctx.has_positions))
+        qs, ks, vs, outs, lses, masks, positions = saved_blocks(ctx, n)
         comm = ctx.comm or current_comm()
         mask_grad = any(ctx.needs_input_grad[7 + 3 * n:7 + 4 * n])  # a learned additive mask (a bias table)
         grad_q = [torch.zeros_like(q) for q in qs]
