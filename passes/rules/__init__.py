@@ -3,13 +3,14 @@
 Each family's file (`passes/rules/<family>.py`) holds, for the ops of that
 family, its placement rules, its lowering rules and, where mode "1d"
 (Megatron-LM) differs, those of mode "1d", in one `Family` (the products
-family keeps its mode "1d" placement in `products_1d.py`, which only
-`products.py` imports); the contracts are in `passes/rules/family.py`, the
-helpers they share in `passes/rules/common.py`.
+family keeps its mode "1d" placement in `products_1d.py` and which rows of
+an input each rank takes in `product_rows.py`, which only `products.py`
+imports); the contracts are in `passes/rules/family.py`, the helpers they
+share in `passes/rules/common.py`.
 A new op's rules go into its family's file; a new family's file is added to
 `FAMILIES` below. No op is in two families. The families: `pointwise`,
-`reductions`, `views`, `factories`, `products` (with `products_1d`),
-`attention`, `embeddings`, `losses`, `norms`, `convolutions`,
+`reductions`, `views`, `factories`, `products` (with `products_1d` and
+`product_rows`), `attention`, `embeddings`, `losses`, `norms`, `convolutions`,
 `complex_numbers`, `experts`, `pooling`, `indexing`, `sizes`, `einsum`,
 `scans` (prefix sums and shifts along a split dim), `view_aliases`
 (`tensor_split`, `view_as`, `reshape_as`) and `fourier` (FFTs); the

@@ -9,7 +9,8 @@ whose out features do not divide by q (grouped-query key/value heads) keeps
 its output whole over col. The lowering runs `x @ W` by the algorithm its
 weight's layout calls for, in the builder's schedule (`tess_compile.passes.summa`).
 
-Mode "1d" (Megatron-LM) places its products column- or row-parallel
+Which rows of x each rank takes is `passes/rules/product_rows.py`'s. Mode "1d"
+(Megatron-LM) places its products column- or row-parallel
 (`passes/rules/products_1d.py`); a row-parallel product's partial output
 adds its bias on the rank at col 0 only, as a weight-stationary one does.
 """
@@ -22,9 +23,9 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tess_compile.core.dynamic import concrete
-from tess_compile.core.layout import Layout, Partial, Placement, Shard, split_size
+from tess_compile.core.layout import Layout, Partial, Shard
 from tess_compile.core.mesh import AXES
-from tess_compile.core.meta_keys import ARG_LAYOUTS, LAYOUT, ROLE
+from tess_compile.core.meta_keys import ARG_LAYOUTS, LAYOUT
 from tess_compile.ops import collectives as c
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
@@ -48,8 +49,8 @@ from tess_compile.passes.rules.common import (
     without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
+from tess_compile.passes.rules.product_rows import row_blocks, rows_whole, rows_whole_over_row
 from tess_compile.passes.rules.products_1d import place_parallel_linear
-from tess_compile.passes.source_lines import source_line
 from tess_compile.passes.summa import matmul
 from tess_compile.ops.fetched_product import fetched_product
 
@@ -67,101 +68,6 @@ __all__ = [
 ]
 
 
-def _row_blocks(node: Node, ctx, x: Node, layout: Layout) -> tuple[Placement, Placement] | None:
-    """x's rows (every dim but its features) split over depth and row: the splits x comes
-    with, else its batch (dim 0). A table that is no batch (leading dim 1, or made from
-    parameters alone: a relative-position table projected by attention's own weights)
-    splits the first other row dim that divides instead; None if none does."""
-    shape = list(shape_of(x))
-    if len(shape) < 2:
-        raise ValueError(
-            f"{node.target} at {source_line(node)}: {display_name(x)!r} of shape {shape} feeds it without a batch "
-            "dim; Tesseract splits rows over depth and row: give the input a batch dim"
-        )
-    table = None  # whether x is no batch, asked only where its splits do not serve
-    blocks = []
-    for axis in ("depth", "row"):
-        p, parts = layout.on(axis), ctx.mesh.size(axis)
-        on_rows = isinstance(p, Shard) and p.dim < len(shape) - 1
-        # padded rows give padded output rows, where one axis alone splits their dim unevenly
-        alone = on_rows and not any(isinstance(other, Shard) and other.dim == p.dim
-                                    for other in (*blocks, layout.on("row" if axis == "depth" else "depth")))
-        if on_rows and (shape[p.dim] % parts == 0 or (p.groups == 1 and alone)):
-            blocks.append(p)
-            shape[p.dim] = split_size(shape[p.dim], parts)
-            continue
-        dim = p.dim if on_rows else 0
-        if shape[dim] % parts:
-            if table is None:
-                table = shape[0] == 1 or not _reads_inputs(x)
-            if not table:
-                raise ValueError(
-                    f"{node.target} input {display_name(x)!r} of shape {list(shape_of(x))}: dim {dim} "
-                    f"is not divisible by d*q = {ctx.mesh.d * ctx.mesh.q} on mesh {ctx.mesh}; "
-                    f"use a batch that is a multiple of {ctx.mesh.d * ctx.mesh.q}"
-                )
-            dim = next((i for i in range(len(shape) - 1) if shape[i] % parts == 0), None)
-            if dim is None:
-                return None
-        blocks.append(Shard(dim))
-        shape[dim] //= parts
-    return blocks[0], blocks[1]
-
-
-def _reads_inputs(x: Node) -> bool:
-    """Whether a model input (not a parameter, buffer or constant) flows into `x`."""
-    seen, stack = set(), [x]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and ROLE.get(node, ("input",))[0] == "input":
-            return True
-        stack.extend(node.all_input_nodes)
-    return False
-
-
-def _rows_whole(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_out: int) -> Decision:
-    """A product whose rows no mesh axis divides (a small table: relative positions, a batch of
-    one): x whole on every rank, the weight's out features split over each axis that divides them
-    (so no rank repeats another's products), and the output's features with them; if none does,
-    the product runs whole on every rank (a warning says so)."""
-    placements, parts, whole = [], 1, _whole_groups(node, shape_of(w)[w_out])
-    for axis in AXES:
-        size = ctx.mesh.size(axis)
-        splits = size > 1 and whole % (parts * size) == 0
-        placements.append(Shard(w_out) if splits else R)
-        parts *= size if splits else 1
-    if parts == 1:
-        warnings.warn(
-            f"{node.target} of {display_name(x)!r} (shape {list(shape_of(x))}) by {display_name(w)!r}: neither a "
-            f"row dim of this table nor the weight's out features divide over the axes of mesh {ctx.mesh}, so "
-            "every rank computes it whole",
-            stacklevel=2,
-        )
-        return place_replicated(node, ctx)
-    out = Layout(*(Shard(len(shape_of(node)) - 1) if isinstance(p, Shard) else R for p in placements))
-    args = {x: WHOLE, w: Layout(*placements)}
-    if bias is not None:
-        args[bias] = Layout(*(Shard(0) if isinstance(p, Shard) else R for p in placements))
-    return Decision(args, out)
-
-
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
-
-
-def _whole_groups(node: Node, features: int) -> int:
-    """How many blocks a product's out `features` may be cut into: as many as there are features,
-    or where a view cuts them into `[n, size]` (attention heads), the `n` groups, kept whole."""
-    for user in node.users:
-        shape = shape_of(user) if user.target in _VIEWS else ()
-        if len(shape) >= 2 and all(isinstance(size, int) for size in shape[-2:]) and shape[-2] > 1 \
-                and shape[-2] * shape[-1] == features:
-            return shape[-2]
-    return features
-
-
 def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int, w_out: int) -> Decision:
     """C = x @ W by Tesseract's algorithms: x rows over depth and row, features over col.
 
@@ -176,7 +82,7 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     groups_in = col.groups if isinstance(col, Shard) and col.dim == ndim - 1 else 1
     groups_out = ctx.hints.get(node, 1)
     w_layout = ctx.layout(w)
-    stationary = _rows_whole_over_row(ctx, x, x_layout)
+    stationary = rows_whole_over_row(ctx, x, x_layout)
     if w_layout is None:  # free: rows whole over row take x's features over col as they come (A @ B^T)
         splits = shape_of(w)[w_out] % (mesh.q * groups_out) == 0
         transposed = stationary and splits and isinstance(col, Shard) and col.dim == ndim - 1
@@ -204,25 +110,15 @@ def _place_summa(node: Node, ctx, x: Node, w: Node, bias: Node | None, w_in: int
     check_divisible(node, "out features", w, out_features, mesh.q, groups_out, ctx, fix)
     if stationary:
         return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, groups_out), transposed)
-    rows = _row_blocks(node, ctx, x, x_layout)
+    rows = row_blocks(node, ctx, x, x_layout)
     if rows is None:
-        return _rows_whole(node, ctx, x, w, bias, w_out)
+        return rows_whole(node, ctx, x, w, bias, w_out)
     x_needed = Layout(*rows, Shard(ndim - 1, groups_in))
     w_needed = w_layout if transposed else Layout(R, Shard(w_in, groups_in), Shard(w_out, groups_out))
     args = {x: x_needed, w: w_needed}
     if bias is not None:
         args[bias] = Layout(R, R, Shard(0, groups_out))
     return Decision(args, Layout(*rows, Shard(ndim - 1, groups_out)))
-
-
-def _rows_whole_over_row(ctx, x: Node, x_layout: Layout) -> bool:
-    """Whether activations `x` (a model input flows into them) come with their rows whole over
-    row in a program whose rows (batch or tokens) do not split over row
-    (`tess_compile.passes.place.home_layout`). Where they do, rows an op left whole are split again
-    for SUMMA instead."""
-    row = x_layout.row
-    whole = not (isinstance(row, Shard) and row.dim < len(shape_of(x)) - 1)
-    return whole and not ctx.rows.splits_rows("row") and _reads_inputs(x)
 
 
 def _place_stationary(x: Node, w: Node, bias, w_in: int, w_out: int, x_layout: Layout, groups: tuple[int, int],
@@ -263,11 +159,11 @@ def _place_narrow_summa(node: Node, ctx, x: Node, w: Node, bias, w_in: int, w_ou
     whole output of its rows (the same SUMMA steps; the output is replicated over col)."""
     x_layout = without_partial(layout_of(ctx, x))
     ndim = len(shape_of(x))
-    if _rows_whole_over_row(ctx, x, x_layout):
+    if rows_whole_over_row(ctx, x, x_layout):
         return _place_stationary(x, w, bias, w_in, w_out, x_layout, (groups_in, None), transposed=False)
-    rows = _row_blocks(node, ctx, x, x_layout)
+    rows = row_blocks(node, ctx, x, x_layout)
     if rows is None:
-        return _rows_whole(node, ctx, x, w, bias, w_out)
+        return rows_whole(node, ctx, x, w, bias, w_out)
     x_needed = Layout(*rows, Shard(ndim - 1, groups_in))
     args = {x: x_needed, w: Layout(R, Shard(w_in, groups_in), R)}
     if bias is not None:
@@ -387,7 +283,7 @@ def _local_shapes(b: Builder, node: Node, x_index: int, w_index: int) -> tuple:
 
 def _local(node: Node, x_index: int) -> bool:
     """Whether a product takes its input's in features whole on every rank (a table by its weight's
-    out features, `_rows_whole`): no steps to take, one local kernel."""
+    out features, `rows_whole`): no steps to take, one local kernel."""
     x = node.args[x_index]
     return not any(isinstance(p, Shard) and p.dim == _last_dim(x) for p in arg_layout(node, x).placements)
 
