@@ -186,17 +186,19 @@ def _gloo_worker(rank, world_size):
     long = sharded.generate(prompt[:1].repeat(1, 4)[:, :16], max_new_tokens=4, return_dict_in_generate=True,
                             output_logits=True)
     worst = max(worst_error(model, out, 3), worst_error(model, long, 16))
-    return worst, out.sequences, len(captures), sharded.generation._long_prefills[16].rows.tokens
+    return (worst, out.sequences, len(captures), sharded.generation._long_prefills[16].rows.tokens,
+            list(sharded.generation.programs))
 
 
 @pytest.mark.slow
 def test_generation_over_gloo():
     results = run_local(_gloo_worker, 8, timeout_s=600)
-    for worst, sequences, compiles, tokens in results:
+    for worst, sequences, compiles, tokens, splits in results:
         assert worst < 1e-12
         assert torch.equal(sequences, results[0][1])
-        assert compiles == 3  # prefill and decode, and the decode of SUMMA's split, priced
+        assert compiles == 3  # prefill and decode, and the decode of the other split, timed
         assert tokens == "depth_row"  # the long prompt's prefill split its tokens
+        assert splits == results[0][4] and splits[0] in ("depth_row", "depth")  # measured, agreed by every rank
 
 
 class _Scaled(torch.nn.Module):

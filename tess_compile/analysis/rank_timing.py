@@ -84,25 +84,26 @@ def process_group_device() -> torch.device:
     return torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
 
 
-def step_seconds(step: Callable[[], object], steps: int, warmup: int, device: torch.device | None = None) -> float:
-    """The median over `steps` calls of `step` of the slowest rank's time (a barrier before and
-    after each), after `warmup` untimed calls; call on every rank."""
+def step_seconds(step: Callable[[], object], steps: int, warmup: int, device: torch.device | None = None,
+                 group: dist.ProcessGroup | None = None) -> float:
+    """The median over `steps` calls of `step` of the slowest rank's time (a barrier of `group`, None:
+    the default group, before and after each), after `warmup` untimed calls; call on every rank."""
     device = device or process_group_device()
     times = []
     for number in range(warmup + steps):
-        dist.barrier()
+        dist.barrier(group=group)
         start = device_now(device)
         step()
-        dist.barrier()
+        dist.barrier(group=group)
         if number >= warmup:
             times.append(device_now(device) - start)
     return statistics.median(times)
 
 
-def world_max(value: float) -> float:
-    """The largest of `value` over the ranks."""
+def world_max(value: float, group: dist.ProcessGroup | None = None) -> float:
+    """The largest of `value` over the ranks of `group` (None: the default group)."""
     total = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     return total.item()
 
 

@@ -43,6 +43,7 @@ from torch import nn
 
 from tess_compile.analysis.compile_entry import compile_for
 from tess_compile.analysis.cost_model import predict_time
+from tess_compile.analysis.rank_timing import step_seconds, world_max
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.layout import local_block
 from tess_compile.core.mesh import Mesh
@@ -60,6 +61,7 @@ log = logging.getLogger("tess_compile")
 _CACHED_DIM = 2  # [batch, kv heads, cached, head dim]
 _STEP_INPUTS = 3  # the new tokens, the attention mask, the position ids; then the cache
 LONG_PROMPT = 512  # tokens of a single prompt from which its prefill splits them over the mesh
+_DECODE_TIMINGS = 3  # timed decode steps of each candidate batch split over processes (after one untimed)
 
 
 class Generation:
@@ -180,7 +182,7 @@ class Generation:
         """The batch split of `batch` prompts: "one" for a single prompt (a program of one sequence, which
         a symbolic batch does not serve: see `core.dynamic`), the options' own, or where both divide the
         batch, SUMMA's ("depth_row") or the weight-stationary one ("depth", else "none"), whichever's
-        decode step the cost model prices faster on the module's cluster (at 2*d*q sequences), chosen once."""
+        decode step is faster (`_fastest`), chosen once."""
         if batch == 1:
             return "one"
         if self.options.batch_split != AUTO:
@@ -189,14 +191,23 @@ class Generation:
         splits = splits_of(batch, self.mesh)  # SUMMA's first where it divides, then the weight-stationary ones
         candidates = tuple(splits[:2] if splits[0] == "depth_row" else splits[:1])
         if candidates not in self._choices:
-            priced = {}
             for split in candidates:
                 self._decoders.setdefault(split, self._program(module, ids, split, new=1))
-                priced[split] = predict_time(self._decoders[split], self.cluster).forward_s
-            self._choices[candidates] = min(priced, key=priced.get)
-            log.info("generation: decode steps priced %s on mesh %s: batch split %s",
-                     {k: f"{v * 1e3:.3g} ms" for k, v in priced.items()}, self.mesh, self._choices[candidates])
+            self._choices[candidates] = self._fastest(module, ids, candidates)
         return self._choices[candidates]
+
+    def _fastest(self, module, ids: torch.Tensor, splits: tuple[str, ...]) -> str:
+        """The split of `splits` whose decode step is fastest: measured where `module` runs over processes
+        (`_decode_seconds`, on `ids`' batch and a cache of their length), priced by the cost model on the
+        module's cluster in one process (the simulator's lockstep runs every rank in turn, so its clock
+        is not the mesh's)."""
+        how, seconds = "priced", {s: predict_time(self._decoders[s], self.cluster).forward_s for s in splits}
+        if isinstance(module, ShardedModule):
+            how, seconds = "measured", {s: _decode_seconds(module, self._decoders[s], ids) for s in splits}
+        chosen = min(seconds, key=seconds.get)
+        log.info("generation: decode steps %s %s on mesh %s: batch split %s", how,
+                 {k: f"{v * 1e3:.3g} ms" for k, v in seconds.items()}, self.mesh, chosen)
+        return chosen
 
     def _program(self, module, ids: torch.Tensor, split: str, new: int) -> Program:
         """The step program of `new` tokens (2: prefill, any number of 2 or more; 1: decode) in batch split
@@ -288,15 +299,31 @@ def _example_past(example, batch: int, cached: int = 2) -> tuple:
     return tuple((grown(k), grown(v)) for k, v in example)
 
 
-def _empty_cache(program: Program, batch: int, device=None) -> list[torch.Tensor]:
-    """A rank's blocks of an empty cache: each carried input's layout at `batch` sequences, 0 tokens."""
+def _empty_cache(program: Program, batch: int, device=None, cached: int = 0) -> list[torch.Tensor]:
+    """A rank's blocks of a cache of zeros: each carried input's layout at `batch` sequences, `cached`
+    tokens (by default none: an empty cache)."""
     blocks = []
     for slot in program.slots:
         if slot.role == "local input":
             shape = list(slot.shape)
-            shape[0], shape[_CACHED_DIM] = batch, 0
+            shape[0], shape[_CACHED_DIM] = batch, cached
             blocks.append(torch.zeros(slot.layout.local_shape(shape, program.mesh), dtype=slot.dtype, device=device))
     return blocks
+
+
+def _decode_seconds(module: ShardedModule, program: Program, ids: torch.Tensor) -> float:
+    """The median time of `_DECODE_TIMINGS` decode steps of `program` on `ids`' batch after a cache of
+    their length (zeros: the time does not depend on the values), the slowest rank's, the same figure on
+    every rank of the module's world, so that all of them pick the same split."""
+    batch, length = ids.shape
+    inputs = [torch.zeros(batch, 1, dtype=ids.dtype, device=ids.device),
+              torch.ones(batch, length + 1, dtype=torch.long, device=ids.device),
+              torch.full((batch, 1), length, dtype=torch.long, device=ids.device)]
+    blocks = {r: _empty_cache(program, batch, module.device, cached=length) for r in module.rank_modules()}
+    with torch.no_grad():
+        seconds = step_seconds(lambda: _step(module, program, inputs, blocks), steps=_DECODE_TIMINGS, warmup=1,
+                               device=module.device, group=module.world.group)
+    return world_max(seconds, group=module.world.group)
 
 
 def _split_step(module, program: Program, inputs: list[torch.Tensor], decode: Program) -> tuple[torch.Tensor, dict]:
