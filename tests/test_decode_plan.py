@@ -7,6 +7,7 @@ a 2.5-D mesh split over depth divide it again. No test here depends on a wall-cl
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from torch import nn
 
 from tess_compile.analysis.decode_plan import format_decode_table, plan_decode
 from tess_compile.cli import main
+from tess_compile.core.layout import local_block
+from tess_compile.core.options import CompileOptions
+from tess_compile.passes.driver import compile_model
 
 E, F, BATCH = 64, 256, 8
 
@@ -57,3 +61,29 @@ def test_plan_decode_on_the_command_line(tmp_path, capsys, monkeypatch):
     rows = json.loads(capsys.readouterr().out)["decode"]
     assert [row["mode"] for row in rows][0] == "2.5d" and rows[0]["batch_split"] == "depth"
     assert format_decode_table([]).startswith("mode")
+
+
+def test_laying_the_trained_weights_out_for_serving_is_priced():
+    """Where the fastest decode lays the weights out otherwise than training (SUMMA's layout), the row
+    prices the trained layout's own decode and the conversion: each rank receives what its new block holds
+    and its old one does not (counted here element by element), paid back after a number of tokens."""
+    model, inputs = mlp()
+    (row,) = [r for r in plan_decode(mlp, 8, modes=("2.5d",))]
+    assert row.batch_split == "depth" and row.trained_step_s >= row.step_s
+    mesh = row.mesh
+    trained, serving = (compile_model(model.eval(), mesh, (inputs,), options=CompileOptions(batch_split=split))
+                        for split in ("depth_row", "depth"))
+    old = {slot.name: slot.layout for slot in trained.params}
+    received = [0] * mesh.num_ranks
+    for slot in serving.params:
+        ids = torch.arange(math.prod(slot.shape)).reshape(slot.shape)
+        for rank in range(mesh.num_ranks):
+            had = set(local_block(ids, old[slot.name], mesh, rank).flatten().tolist())
+            wanted = set(local_block(ids, slot.layout, mesh, rank).flatten().tolist())
+            received[rank] += 4 * len(wanted - had)
+    assert row.conversion.bytes == max(received) > 0
+    changed = sum(slot.layout != old[slot.name] for slot in serving.params)
+    assert row.conversion.parameters == changed > 0 and row.conversion.seconds > 0
+    saved = row.trained_step_s - row.step_s
+    assert row.pays_back_tokens() == (math.ceil(row.conversion.seconds / saved) * BATCH if saved > 0 else math.inf)
+    assert "convert MiB" in format_decode_table([row])

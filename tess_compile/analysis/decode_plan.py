@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from tess_compile.analysis.cost_model import profile_program, ring_wire_bytes, step_time
+from tess_compile.analysis.layout_conversion import Conversion, conversion_cost, pays_back_after
 from tess_compile.analysis.memory import predict_memory
 from tess_compile.analysis.planner import (
     DEFAULT_MODES,
@@ -68,11 +70,26 @@ class DecodeRow:
     wire_bytes_per_token: float = 0.0  # sent by one rank on the links (ring volume), per token
     peak_bytes: int = 0  # the most one rank holds in the step: `predict_memory(program).total`
     note: str = ""
+    # Where the fastest split lays the weights out otherwise than training (SUMMA's layout) does: the
+    # decode step of the trained layout in its faster split, and the one-time cost of laying the weights
+    # out for serving (`layout_conversion`); None and zeros where the layouts are the same.
+    trained_step_s: float | None = None
+    conversion: Conversion = field(default_factory=Conversion)
+
+    def pays_back_tokens(self) -> float | None:
+        """Tokens generated before the conversion to the serving layout pays for itself (inf: never);
+        None where there is none to pay for."""
+        if self.trained_step_s is None:
+            return None
+        return pays_back_after(self.conversion.seconds, self.trained_step_s - self.step_s,
+                               round(self.tokens_per_s * self.step_s))
 
     def to_dict(self) -> dict:
         return {"mode": self.mesh.mode, "mesh": mesh_sides(self.mesh), "batch_split": self.batch_split,
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "bytes_per_token": self.bytes_per_token,
-                "wire_bytes_per_token": self.wire_bytes_per_token, "peak_bytes": self.peak_bytes, "note": self.note}
+                "wire_bytes_per_token": self.wire_bytes_per_token, "peak_bytes": self.peak_bytes, "note": self.note,
+                "trained_step_s": self.trained_step_s, "conversion_bytes": self.conversion.bytes,
+                "conversion_s": self.conversion.seconds, "pays_back_tokens": self.pays_back_tokens()}
 
 
 def plan_decode(factory_or_model, gpus: int, *, example_inputs=None, modes: Sequence[str] = DEFAULT_MODES,
@@ -119,7 +136,28 @@ def _fastest(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, summa: str,
         log.info("plan_decode: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), errors)
         return DecodeRow(mesh, note=f"does not compile: {'; '.join(errors)}")
     row, program, _ = cheapest(results, lambda row: row.step_s)
-    return dataclasses.replace(row, peak_bytes=predict_memory(program).total)
+    row = dataclasses.replace(row, peak_bytes=predict_memory(program).total)
+    trained = next((result for options, result in zip(tried, results)
+                    if options.batch_split == "depth_row" and not isinstance(result, Exception)), None)
+    if trained is None or row.batch_split == "depth_row" or mesh.mode == "1d":
+        return row
+    options = next(options for options in tried if options.batch_split == row.batch_split)
+    return _with_conversion(row, program, trained, model, inputs, options, cluster, price)
+
+
+def _with_conversion(row: DecodeRow, program: Program, trained: tuple, model: nn.Module, inputs,
+                     options: CompileOptions, cluster: Cluster, price) -> DecodeRow:
+    """`row` (compiled with `options`, a split that lays the weights out otherwise than SUMMA's, training's,
+    `trained`) with the trained layout's decode step in its faster split (SUMMA's, or `options`' on the
+    trained weights) and the cost of laying the weights out as `program` does."""
+    trained_row, trained_program = trained
+    layouts = {slot.name: slot.layout for slot in trained_program.params}
+    mesh = program.mesh
+    with in_mode(model, False):
+        (kept,) = compile_each(model, mesh, inputs, [options], price, cluster, quiet=True, state_layouts=layouts)
+    trained_s = min(trained_row.step_s, kept[0].step_s if not isinstance(kept, Exception) else math.inf)
+    return dataclasses.replace(row, trained_step_s=trained_s,
+                               conversion=conversion_cost(trained_program, program, cluster))
 
 
 def _priced(program, mesh: Mesh, cluster: Cluster, split: str, batch: int) -> DecodeRow:
@@ -155,11 +193,21 @@ def at_shapes(program: Program, shapes: Sequence[Sequence[int]]) -> Program:
 
 
 def format_decode_table(rows: Sequence[DecodeRow]) -> str:
-    """The rows as a text table: one line per mesh."""
+    """The rows as a text table: one line per mesh. Where the fastest split lays the weights out otherwise
+    than training does, "trained s" is the decode step of the trained layout, "convert MiB" what one
+    rank receives to lay the weights out for serving, and "pays back" the tokens generated before the
+    faster steps have paid for that conversion."""
     lines = [(f"{'mode':5} {'mesh':11} {'batch split':11} {'step s':>10} {'tokens/s':>10} {'bytes/token':>12} "
-              f"{'wire B/token':>12} {'peak MiB':>9}  note")]
+              f"{'wire B/token':>12} {'peak MiB':>9} {'trained s':>10} {'convert MiB':>11} {'pays back':>10}  note")]
     for row in rows:
+        trained = ("-", "-", "-") if row.trained_step_s is None else (
+            f"{row.trained_step_s:.4g}", f"{row.conversion.bytes / MIB:.4g}", _tokens(row.pays_back_tokens()))
         lines.append(f"{row.mesh.mode:5} {mesh_label(row.mesh):11} {row.batch_split or '-':11} {row.step_s:10.4g} "
                      f"{row.tokens_per_s:10.4g} {row.bytes_per_token:12.4g} {row.wire_bytes_per_token:12.4g} "
-                     f"{row.peak_bytes / MIB:9.4g}  {row.note}".rstrip())
+                     f"{row.peak_bytes / MIB:9.4g} {trained[0]:>10} {trained[1]:>11} {trained[2]:>10}  "
+                     f"{row.note}".rstrip())
     return "\n".join(lines)
+
+
+def _tokens(count: float) -> str:
+    return "never" if math.isinf(count) else f"{count:.0f} tok"
