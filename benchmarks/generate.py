@@ -32,6 +32,7 @@ model's.
     python benchmarks/generate.py            # [2, 2, 2] and p = 8, batches 1 and 8
     python benchmarks/generate.py --quick    # smaller, for a smoke run
     python benchmarks/generate.py --batches 4 -q 2 -d 1 --out benchmarks/results/generate.json
+    python benchmarks/generate.py --batches 4 --hidden 256 --layers 2   # the decode split auto picks, timed
 """
 
 from __future__ import annotations
@@ -222,9 +223,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes, one table each")
     parser.add_argument("-q", type=int, default=2)
     parser.add_argument("-d", type=int, default=2)
+    parser.add_argument("--hidden", type=int, help="the model's hidden size (default: the size's own)")
+    parser.add_argument("--layers", type=int, help="its layers (default: the size's own)")
     parser.add_argument("--out", help="also write the results as JSON here (e.g. benchmarks/results/generate.json)")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
+    sizes = {**sizes, **{key: getattr(args, key) for key in ("hidden", "layers") if getattr(args, key)}}
     print(f"greedy generation, Llama hidden {sizes['hidden']}, {sizes['layers']} layers, vocab {sizes['vocab']}, "
           f"prompt {sizes['prompt']}, {sizes['new']} new tokens, float32, gloo, 1 thread per rank")
     record = {"sizes": sizes, "q": args.q, "d": args.d, "batches": {}}
