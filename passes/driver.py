@@ -73,6 +73,7 @@ from tess_compile.core.meta_keys import (
 )
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.row_split import RowSplit, batch_parts, resolve_row_split
+from tess_compile.passes.token_order import with_token_order
 from tess_compile.core.program import Program, Repeats, Slot, describe_schedules, input_names, split_example_inputs
 from tess_compile.ops.recompute_region import outline_regions
 
@@ -145,6 +146,7 @@ def compile_model(
     batch_factor = batch_parts(rows.batch, mesh) if options.dynamic else None
     gm = run("capture", capture, model, args, kwargs, weight_inputs=weight_inputs, batch_factor=batch_factor,
              autocast=autocast, shared=True, guarded=False)
+    rows = with_token_order(gm, rows, options, mesh)
     if local_inputs or local_outputs or carried or needs_casts(gm, autocast):
         # capture's stage, annotated in place: the observers (and the stage dumps' numbering) see it as capture
         gm = owned(gm)

@@ -16,7 +16,14 @@ from models import GPTStack, LlamaBlock
 from torch import nn
 
 import tess_compile
-from tess_compile.analysis.accounting import bytes_from_records, predict_bytes, saved_bytes
+from tess_compile.analysis.accounting import (
+    bytes_from_records,
+    predict_bytes,
+    redundant_work,
+    saved_bytes,
+    unsharded_forward_flops,
+)
+from tess_compile.core.layout import Layout, Replicate, Shard
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.row_split import RowSplit, resolve_row_split
 from tess_compile.ops import collectives as c
@@ -271,3 +278,43 @@ def test_plan_rows_say_their_token_split():
     (row,) = plan(lambda: (_stack(), _input()), 8, modes=("2.5d",), dp=1, pp=1)
     assert row.fits and row.note.startswith("tokens over depth_row"), row.note
     assert row.redundant_work <= 1.05
+
+
+def test_a_striped_order_evens_out_causal_attention():
+    """Over a token split a causal model takes a striped token order (`RowSplit.stripes`): each rank holds
+    a block of each of 8 parts of the sequence, its queries of part j attend parts 0 to j alone, so each
+    rank computes 9/16 of its rows' scores. Exact, forward and every gradient; outputs leave striped."""
+    x = _input(seq=64)
+    model = _stack()
+    runs = {order: tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), token_order=order)
+            for order in ("contiguous", "auto")}
+    striped = runs["auto"]
+    assert striped.program.rows.stripes == 8 and runs["contiguous"].program.rows.stripes == 1
+    assert str(striped.program.rows) == "batch over none, tokens over depth_row in 8 stripes"
+    assert striped.program.output_layouts[0] == Layout(Shard(1, 8), Shard(1, 8), Shard(2))
+    assert_matches_model(striped, model, x, rtol=1e-12)
+    unsharded = unsharded_forward_flops(model, (x,))
+    attention = 2 * 4 * HEADS * 64 * 64 * (HIDDEN // HEADS)  # two layers' scores and weighted values, unsharded
+    work = {order: redundant_work(sim.program, unsharded) * unsharded for order, sim in runs.items()}
+    assert work["contiguous"] - work["auto"] == pytest.approx(attention * 7 / 16, rel=1e-12)
+    with pytest.raises(ValueError, match="token_order='striped' on mesh .*: context='ring' visits contiguous"):
+        tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), token_order="striped", context="ring")
+
+
+def test_a_striped_order_is_not_taken_where_it_cannot_pay():
+    """"auto" keeps one block a rank where an op reads neighbouring tokens of an activation (a prefix sum)
+    or nothing is causal; "striped" then says why."""
+    x = _input(seq=64)
+
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = GPTStack(HIDDEN, HEADS, 1)
+
+        def forward(self, x):
+            return self.block(x.cumsum(1))
+
+    sim = tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(x,))
+    assert sim.program.rows.tokens == "depth_row" and sim.program.rows.stripes == 1
+    with pytest.raises(ValueError, match=r"aten.cumsum.default at .* reads neighbouring tokens of an activation"):
+        tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(x,), token_order="striped")

@@ -78,20 +78,22 @@ def _split_queries_by_tokens(ctx, node: Node, required: dict, out: list) -> None
     q_layout = without_partial(layout_of(ctx, query))
     q_seq, n_out = len(shape_of(query)) - 2, len(shape_of(node))
     for index, axis in enumerate(AXES):
-        if ctx.mesh.size(axis) == 1 or q_layout.on(axis) != Shard(q_seq):
+        split = q_layout.on(axis)
+        if ctx.mesh.size(axis) == 1 or not isinstance(split, Shard) or split.dim != q_seq:
             continue
-        if dropout and any(shape_of(t)[-2] % ctx.mesh.size(axis) for t in (query, key)):
+        groups = split.groups  # stripes of a load-balanced token order (`RowSplit.stripes`), else 1
+        if dropout and (groups > 1 or any(shape_of(t)[-2] % ctx.mesh.size(axis) for t in (query, key))):
             continue
-        required[query] = required[query].with_axis(axis, Shard(q_seq))
+        required[query] = required[query].with_axis(axis, split)
         # keys and values alike (the lowering gathers both along the keys' split): split where the keys come so
-        split = without_partial(layout_of(ctx, key)).on(axis) == Shard(len(shape_of(key)) - 2)
+        kv_split = without_partial(layout_of(ctx, key)).on(axis) == Shard(len(shape_of(key)) - 2, groups)
         for kv in (key, value):
-            required[kv] = required[kv].with_axis(axis, Shard(len(shape_of(kv)) - 2) if split else R)
+            required[kv] = required[kv].with_axis(axis, Shard(len(shape_of(kv)) - 2, groups) if kv_split else R)
         if isinstance(mask, Node):
             rows = len(shape_of(mask)) - 2
             by_rows = rows >= 0 and shape_of(mask)[rows] == shape_of(node)[n_out - 2]
-            required[mask] = required[mask].with_axis(axis, Shard(rows) if by_rows else R)
-        out[index] = Shard(n_out - 2)
+            required[mask] = required[mask].with_axis(axis, Shard(rows, groups) if by_rows else R)
+        out[index] = Shard(n_out - 2, groups)
 
 
 def _split_whole_heads(ctx, node: Node, required: dict, out: list) -> None:
@@ -141,7 +143,8 @@ def lower_attention(b: Builder, node: Node, args, kwargs):
         return args[index] if len(args) > index else kwargs.get(name, default)
 
     n_out = len(shape_of(node))
-    if any(p == Shard(n_out - 2) and b.mesh.size(axis) > 1 for axis, p in zip(AXES, LAYOUT.of(node).placements)):
+    if any(isinstance(p, Shard) and p.dim == n_out - 2 and b.mesh.size(axis) > 1
+           for axis, p in zip(AXES, LAYOUT.of(node).placements)):
         return _lower_context_attention(b, node, local)
     dropout_p = get_arg(node, 4, "dropout_p", 0.0)
     if not dropout_p:
@@ -163,8 +166,8 @@ def _lower_context_attention(b: Builder, node: Node, local) -> Node:
     query, key = node.args[:2]
     q_layout, k_layout = arg_layout(node, query), arg_layout(node, key)
     q_seq, k_seq = len(shape_of(query)) - 2, len(shape_of(key)) - 2
-    fetch = tuple(("all_gather", axis, b.mesh.size(axis), k_seq, 1) for axis in reversed(AXES)
-                  if k_layout.on(axis) == Shard(k_seq) and b.mesh.size(axis) > 1)
+    fetch = tuple(("all_gather", axis, b.mesh.size(axis), k_seq, k_layout.on(axis).groups) for axis in reversed(AXES)
+                  if _splits(k_layout.on(axis), k_seq) and b.mesh.size(axis) > 1)
     k_own, v_own = local(1, "key"), local(2, "value")
     if b.context == "ring" and fetch and not get_arg(node, 4, "dropout_p", 0.0):
         return _lower_ring_attention(b, node, local, fetch)
@@ -189,7 +192,22 @@ def _lower_context_attention(b: Builder, node: Node, local) -> Node:
                       get_arg(node, 7, "enable_gqa", False), weights_shape,
                       *block_spec(LAYOUT.of(node), weights_shape, b.mesh), source_line(node))
     return b.call(context_attention, local(0, "query"), k_used, v_used, k_own, v_own, local(3, "attn_mask"),
-                  positions, fetch, key_length, is_causal, scale)
+                  positions, fetch, key_length, is_causal, scale, _stripes(b, q_layout, query, key, is_causal, padded))
+
+
+def _stripes(b: Builder, q_layout: Layout, query: Node, key: Node, is_causal: bool, padded: bool) -> int:
+    """The stripes of the queries' striped token order (`RowSplit.stripes`: the groups of their token
+    split, alike on every axis) where a causal self-attention may run each stripe against the keys it
+    sees alone (`context_attention`); 1 otherwise."""
+    q_seq = len(shape_of(query)) - 2
+    groups = {p.groups for axis, p in zip(AXES, q_layout.placements) if _splits(p, q_seq) and b.mesh.size(axis) > 1}
+    if not is_causal or padded or len(groups) != 1 or shape_of(query)[q_seq] != shape_of(key)[-2]:
+        return 1
+    return groups.pop()
+
+
+def _splits(placement, dim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim == dim
 
 
 def _lower_ring_attention(b: Builder, node: Node, local, fetch: tuple) -> Node:

@@ -310,13 +310,13 @@ def align(ctx, node: Node, tensors: list[Node], out_shape, frozen=(),
 def _token_split(ctx, axis: str, out_shape, frozen) -> Shard | None:
     """Where partial sums over an axis that splits the tokens (`tess_compile.core.row_split`) meet an op
     that cannot take them: the split of the output's token dim (the first dim but the last of the
-    inputs' token count), so that they are reduce-scattered over the tokens rather than all-reduced
-    (Megatron-LM's sequence parallelism); None if there is none."""
+    inputs' token count, in the stripes of a striped order), so that they are reduce-scattered over the
+    tokens rather than all-reduced (Megatron-LM's sequence parallelism); None if there is none."""
     rows = getattr(ctx, "rows", None)
     if rows is None or axis not in rows.token_axes():
         return None
     dims = [d for d in range(len(out_shape) - 1) if d not in frozen and out_shape[d] == rows.length]
-    return Shard(dims[0]) if dims else None
+    return Shard(dims[0], rows.stripes) if dims else None
 
 
 def aligned(chosen, shape, out_shape) -> Placement:

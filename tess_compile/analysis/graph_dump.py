@@ -37,6 +37,7 @@ from torch.fx import GraphModule
 from tess_compile.passes.capture import capture
 from tess_compile.passes.capture_reuse import captures_reused
 from tess_compile.passes.driver import row_split_for
+from tess_compile.passes.token_order import with_token_order
 from tess_compile.passes.observers import PassResult, add_pass_observer
 from tess_compile.passes.place import place
 from tess_compile.analysis.accounting import redundant_work, unsharded_forward_flops
@@ -100,7 +101,8 @@ def dump(
     args, kwargs = split_example_inputs(example_inputs)
     gm = capture(model, args, kwargs)
     if stage == "placed":
-        gm = place(gm, mesh, strict=options.strict, rows=row_split_for(options, mesh, args, kwargs))
+        rows = with_token_order(gm, row_split_for(options, mesh, args, kwargs), options, mesh)
+        gm = place(gm, mesh, strict=options.strict, rows=rows)
     return dump_graph(gm, mesh, stage=stage, rank=rank, format=format)
 
 

@@ -34,7 +34,7 @@ import torch
 from tess_compile.core.mesh import MODES, Mesh, check_mode
 
 __all__ = ["AUTO", "BATCH_SPLITS", "CONTEXT_SCHEDULES", "CompileOptions", "RECOMPUTE", "RENAMED", "SCHEDULES",
-           "TOKEN_SPLITS", "renamed", "takes_compile_options"]
+           "TOKEN_ORDERS", "TOKEN_SPLITS", "renamed", "takes_compile_options"]
 
 # How the q steps of a matrix product run: "broadcast" one after another (the papers'
 # algorithms); "overlap": step t+1's broadcasts in flight while step t multiplies;
@@ -59,6 +59,11 @@ TOKEN_SPLITS = ("none", "row", "depth_row", "col")
 # `tess_compile.ops.ring_attention`): all of them at once (all-gathered, Llama 3's context parallelism), or
 # one block at a time, partial softmaxes merged by their log-sum-exp (the ring schedule).
 CONTEXT_SCHEDULES = ("gather", "ring")
+# Which tokens of a split sequence each rank holds (`tess_compile.core.row_split`): one contiguous block, or
+# stripes (a block from each of several equal parts of the sequence, so that causal attention's work is
+# even over the ranks); "auto" (the default): striped where it pays (causal attention, no op that reads
+# neighbouring tokens of activations, the gather schedule).
+TOKEN_ORDERS = ("contiguous", "striped")
 # Old keyword -> the option it names now (accepted with a FutureWarning).
 RENAMED = {"checkpoint": "recompute"}
 
@@ -99,6 +104,12 @@ class CompileOptions:
                 "context-parallel attention), over col (1-D: sequence parallelism), none, or auto (the default: the "
                 "widest the batch leaves and the example's tokens divide; none in a dynamic compile) "
                 "(docs/modes.md)"})
+    token_order: str = field(default=AUTO, metadata={
+        "choices": (*TOKEN_ORDERS, AUTO), "what": "a token order",
+        "help": "which tokens of a split sequence a rank holds: contiguous (one block) or striped (a block of each "
+                "of several equal parts of the sequence: causal attention's work even over the ranks, which then "
+                "skip the keys no query of a part can see); auto (the default): striped where the model has causal "
+                "attention and no op that reads neighbouring tokens of its activations (docs/modes.md)"})
     context: str = field(default="gather", metadata={
         "choices": CONTEXT_SCHEDULES, "what": "a context schedule",
         "help": "attention over a token split: gather (the default: the keys and values of the token axes "

@@ -23,8 +23,8 @@ import torch
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, BATCH_SPLITS, TOKEN_SPLITS
 
-__all__ = ["RowSplit", "batch_parts", "resolve_batch_split", "resolve_row_split", "splits_of", "token_dim",
-           "token_parts"]
+__all__ = ["RowSplit", "batch_parts", "resolve_batch_split", "resolve_row_split", "splits_of", "stripe_count",
+           "token_dim", "token_parts"]
 
 _AXES_OF = {"depth_row": ("depth", "row"), "depth": ("depth",), "row": ("row",), "col": ("col",), "none": ()}
 
@@ -32,11 +32,20 @@ _AXES_OF = {"depth_row": ("depth", "row"), "depth": ("depth",), "row": ("row",),
 @dataclass(frozen=True)
 class RowSplit:
     """The axes that split the batch (`batch`, a `BATCH_SPLITS` name) and the tokens (`tokens`, a
-    `TOKEN_SPLITS` name) of the inputs, and the example's token count (`length`, None: no token dim)."""
+    `TOKEN_SPLITS` name) of the inputs, the example's token count (`length`, None: no token dim), and
+    the stripes of a striped token order (`stripes`, 1: each rank holds one contiguous block).
+
+    In `stripes` g > 1 the sequence is g equal parts, each split over the n ranks of the token axes
+    as a contiguous order splits the whole: rank m holds block m of every part, blocks m, n + m,
+    2n + m, ... of g*n (the grouped split `S(dim, groups=g)` of `tess_compile.core.layout`). A causal
+    attention's queries of part j see the keys of parts 0 to j alone, on every rank alike: each rank
+    computes (g + 1) / (2g) of its queries' scores against every key, where a contiguous order leaves
+    the last rank all of them."""
 
     batch: str = "depth_row"
     tokens: str = "none"
     length: int | None = None
+    stripes: int = 1
 
     def batch_axes(self) -> tuple[str, ...]:
         return _AXES_OF[self.batch]
@@ -49,7 +58,19 @@ class RowSplit:
         return axis in self.batch_axes() or axis in self.token_axes()
 
     def __str__(self) -> str:
-        return f"batch over {self.batch}, tokens over {self.tokens}"
+        stripes = f" in {self.stripes} stripes" if self.stripes > 1 else ""
+        return f"batch over {self.batch}, tokens over {self.tokens}{stripes}"
+
+
+def stripe_count(length: int | None, parts: int) -> int:
+    """The stripes of a striped order of `length` tokens over `parts` ranks: the most of 8, 4 and 2 that
+    splits them evenly (blocks of one token at least); 1 where none does."""
+    if length is None or parts < 2:
+        return 1
+    return next((g for g in _STRIPES if length % (g * parts) == 0), 1)
+
+
+_STRIPES = (8, 4, 2)  # past 8 stripes a rank's share of the scores gains little: (g + 1) / (2g)
 
 
 def batch_parts(batch_split: str, mesh: Mesh) -> int:

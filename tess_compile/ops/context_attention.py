@@ -37,20 +37,24 @@ class _ContextAttention(torch.autograd.Function):
     """Per rank r: attention of `q[r]` over the fetched `k_used[r]`, `v_used[r]`; saves the own blocks.
 
     Flat inputs, each n tensors (None where absent): q, k_used, v_used, k_own, v_own, mask, q_positions.
-    `fetch` lists the steps `(op, axis, *args)` that made the used blocks from the own ones.
+    `fetch` lists the steps `(op, axis, *args)` that made the used blocks from the own ones; `stripes`
+    the stripes of the queries (`_stripe_runs`).
     """
 
     @staticmethod
-    def forward(ctx, comm, fetch, key_length, is_causal, scale, n, *tensors):
+    def forward(ctx, comm, fetch, key_length, is_causal, scale, stripes, n, *tensors):
         qs, k_used, v_used, k_own, v_own, masks, positions = (tensors[i * n:(i + 1) * n] for i in range(7))
         ctx.comm, ctx.fetch, ctx.key_length, ctx.is_causal, ctx.scale, ctx.n = comm, fetch, key_length, is_causal, scale, n
+        ctx.stripes = stripes
         outs, lses = [], []
         for r in range(n):
             heads = qs[r].shape[-3]
             bias = _bias(ctx, positions[r], k_used[r], masks[r], qs[r].dtype)
-            out, lse = attend(qs[r], grouped(k_used[r], heads), grouped(v_used[r], heads), bias, scale)
-            outs.append(out)
-            lses.append(lse)
+            k, v = grouped(k_used[r], heads), grouped(v_used[r], heads)
+            parts = [attend(qs[r][..., rows, :], k[..., :keys, :], v[..., :keys, :], _scores_of(bias, rows, keys), scale)
+                     for rows, keys in _stripe_runs(qs[r].shape[-2], k.shape[-2], stripes)]
+            outs.append(torch.cat([out for out, _ in parts], dim=-2))
+            lses.append(torch.cat([lse for _, lse in parts], dim=-1))
         save_blocks(ctx, qs, k_own, v_own, outs, lses, masks, positions)
         return tuple(outs)
 
@@ -60,18 +64,54 @@ class _ContextAttention(torch.autograd.Function):
         qs, k_own, v_own, outs, lses, masks, positions = saved_blocks(ctx, n)
         comm = ctx.comm or current_comm()
         k_used, v_used = _refetch(comm, k_own, ctx.fetch), _refetch(comm, v_own, ctx.fetch)
-        mask_grad = any(ctx.needs_input_grad[6 + 5 * n:6 + 6 * n])  # a learned additive mask (a bias table)
+        mask_grad = any(ctx.needs_input_grad[7 + 5 * n:7 + 6 * n])  # a learned additive mask (a bias table)
         grad_q, grad_k, grad_v, grad_mask = [], [], [], []
         for r in range(n):
             heads, kv_heads = qs[r].shape[-3], k_used[r].shape[-3]
             bias = _bias(ctx, positions[r], k_used[r], masks[r], qs[r].dtype)
-            dq, dk, dv, ds = attend_backward(grads[r], qs[r], grouped(k_used[r], heads), grouped(v_used[r], heads),
-                                             bias, outs[r], lses[r], ctx.scale, bias_grad=mask_grad)
+            dq, dk, dv, ds = _striped_backward(ctx, grads[r], qs[r], grouped(k_used[r], heads),
+                                               grouped(v_used[r], heads), bias, outs[r], lses[r], mask_grad)
             grad_q.append(dq)
             grad_k.append(ungrouped(dk, kv_heads))
             grad_v.append(ungrouped(dv, kv_heads))
             grad_mask.append(None if ds is None else ds.sum_to_size(masks[r].shape).to(masks[r].dtype))
-        return (None,) * 6 + (*grad_q, *grad_k, *grad_v) + (None,) * (2 * n) + (*grad_mask,) + (None,) * n
+        return (None,) * 7 + (*grad_q, *grad_k, *grad_v) + (None,) * (2 * n) + (*grad_mask,) + (None,) * n
+
+
+def _stripe_runs(queries: int, keys: int, stripes: int) -> list[tuple[slice, int]]:
+    """(the rows of a rank's queries, the keys they may see) of each stripe of a striped token order
+    under a causal mask (`tess_compile.core.row_split.RowSplit`): stripe j's queries lie in part j
+    of the sequence and see the keys of parts 0 to j; one run of every query and key otherwise."""
+    rows, part = queries // stripes, keys // stripes
+    return [(slice(j * rows, (j + 1) * rows), (j + 1) * part) for j in range(stripes)]
+
+
+def _scores_of(bias: torch.Tensor | None, rows: slice, keys: int) -> torch.Tensor | None:
+    """The additive mask of the queries `rows` against the first `keys` keys (a mask that broadcasts
+    over the queries keeps its one row)."""
+    if bias is None:
+        return None
+    return (bias if bias.shape[-2] == 1 else bias[..., rows, :])[..., :keys]
+
+
+def _striped_backward(ctx, grad, q, k, v, bias, out, lse, mask_grad: bool) -> tuple:
+    """`attend_backward` stripe by stripe (`_stripe_runs`): the query gradient's stripes joined, the key and
+    value gradients of each stripe's keys summed, the mask's gradient (`mask_grad`) in place."""
+    runs = _stripe_runs(q.shape[-2], k.shape[-2], ctx.stripes)
+    if len(runs) == 1:
+        return attend_backward(grad, q, k, v, bias, out, lse, ctx.scale, bias_grad=mask_grad)
+    grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
+    grad_scores = None if not mask_grad else q.new_zeros(*bias.shape[:-2], q.shape[-2], k.shape[-2])
+    for rows, keys in runs:
+        dq, dk, dv, ds = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., :keys, :], v[..., :keys, :],
+                                         _scores_of(bias, rows, keys), out[..., rows, :], lse[..., rows], ctx.scale,
+                                         bias_grad=mask_grad)
+        grad_q.append(dq)
+        grad_k[..., :keys, :] += dk
+        grad_v[..., :keys, :] += dv
+        if ds is not None:
+            grad_scores[..., rows, :keys] += ds.sum_to_size(grad_scores[..., rows, :keys].shape)
+    return torch.cat(grad_q, dim=-2), grad_k, grad_v, grad_scores
 
 
 def _bias(ctx, q_positions, k_used, mask, dtype) -> torch.Tensor | None:
@@ -88,25 +128,27 @@ def _refetch(comm: Comm, own: list[torch.Tensor], fetch: tuple) -> list[torch.Te
 
 
 def lockstep_context_attention(comm: Comm, q, k_used, v_used, k_own, v_own, mask, q_positions, fetch, key_length: int,
-                       is_causal: bool, scale: float) -> list[torch.Tensor]:
+                               is_causal: bool, scale: float, stripes: int = 1) -> list[torch.Tensor]:
     """`context_attention` over lists of per-rank tensors (the simulator's lockstep); `mask` and
     `q_positions` may be None."""
     n = len(q)
     mask, q_positions = ([None] * n if v is None else v for v in (mask, q_positions))
-    return list(_ContextAttention.apply(comm, tuple(tuple(step) for step in fetch), key_length, is_causal, scale, n,
-                                        *q, *k_used, *v_used, *k_own, *v_own, *mask, *q_positions))
+    return list(_ContextAttention.apply(comm, tuple(tuple(step) for step in fetch), key_length, is_causal, scale,
+                                        stripes, n, *q, *k_used, *v_used, *k_own, *v_own, *mask, *q_positions))
 
 
 def context_attention(q, k_used, v_used, k_own, v_own, mask, q_positions, fetch, key_length: int, is_causal: bool,
-                      scale: float) -> torch.Tensor:
+                      scale: float, stripes: int = 1) -> torch.Tensor:
     """This rank's attention output over every key (a graph target; see the module docstring):
     `k_used`, `v_used` are the keys and values fetched from the own blocks `k_own`, `v_own` by the
     steps `fetch` (`(op, axis, *args)` each), in global token order; `q_positions` the global
     positions of the rank's queries (None: not causal and no key padding); `mask` the rank's rows of
-    the attention mask (None: none); keys at `key_length` and after are padding."""
+    the attention mask (None: none); keys at `key_length` and after are padding. `stripes` > 1: the
+    queries are the stripes of a striped token order under a causal mask, each run against the keys
+    it may see alone (`_stripe_runs`)."""
     wrap = (lambda t: None if t is None else [t])
-    return lockstep_context_attention(active_comm(), [q], [k_used], [v_used], [k_own], [v_own], wrap(mask), wrap(q_positions),
-                              fetch, key_length, is_causal, scale)[0]
+    return lockstep_context_attention(active_comm(), [q], [k_used], [v_used], [k_own], [v_own], wrap(mask),
+                                      wrap(q_positions), fetch, key_length, is_causal, scale, stripes)[0]
 
 
 context_attention._opname = "context_attention"
