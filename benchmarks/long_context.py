@@ -15,6 +15,9 @@ Rows, each on 8 gloo processes of one launch:
   the tokens split over depth and row (`token_split="auto"`), each rank's
   queries attend over every key (context parallelism, the keys and values
   all-gathered along the token axes: `tess_compile.ops.context_attention`).
+- "tess 2.5d [2,2,2] contiguous": the same with `token_order="contiguous"`,
+  one block of tokens a rank (the default stripes them: docs/modes.md), so
+  every rank computes all its queries' causal scores.
 - "tess 2.5d [2,2,2] whole tokens": the same with `token_split="none"`, the
   layout before the token split (the sequence whole over depth and row,
   every depth slab repeating the step): the reference the issue measured.
@@ -165,6 +168,8 @@ def _dtensor(model, ids, q, d):
 # name -> (build(model, ids, q, d), the mesh [q, q, d] it runs on, runs under loss_parallel)
 CONFIGS = {
     "tess 2.5d [2,2,2]": (lambda m, ids, q, d: _tess(m, ids, q, d), (2, 2), False),
+    "tess 2.5d [2,2,2] contiguous": (lambda m, ids, q, d: _tess(m, ids, q, d, token_order="contiguous"), (2, 2),
+                                     False),
     "tess 2.5d [2,2,2] whole tokens": (lambda m, ids, q, d: _tess(m, ids, q, d, token_split="none"), (2, 2), False),
     "tess 1d p=8": (lambda m, ids, q, d: _tess(m, ids, q, d, mode="1d"), (2, 2), False),
     "DTensor TP+SP": (_dtensor, (2, 2), True),

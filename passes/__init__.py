@@ -10,7 +10,8 @@ file each: `capture` (with `view_mutations`, `data_dependent`,
 `checkpoint_regions`, `model_errors`, `causal_masks` (a causal mask built from sizes alone
 given to attention as `is_causal`), `meta_device` for a model on the meta device,
 `capture_reuse`, one export shared by several compiles, and `dynamic_capture`, the
-symbolic dims of a dynamic capture), `repeated_blocks` (a model's alike
+symbolic dims of a dynamic capture), `token_order` (the stripes a captured graph's token split takes),
+`repeated_blocks` (a model's alike
 layers found and the graph shortened to four of them) and `expand_blocks` (block 2's per-rank
 nodes copied for the blocks it stands for), `boundary`, `autocast_casts`, `place`, `verify`,
 `recompute_blocks`, `rewrite` (emitting through `builder`, converting layouts

@@ -45,7 +45,7 @@ from tess_compile.passes.rules.family import Decision
 from tess_compile.passes.rules.uneven import check_uneven
 from tess_compile.passes.source_lines import source_line
 from tess_compile.core.layout import Layout, Replicate, Shard
-from tess_compile.core.mesh import AXES, Mesh
+from tess_compile.core.mesh import Mesh
 from tess_compile.core.row_split import RowSplit, token_dim
 from tess_compile.core.product_table import product_kernel
 from tess_compile.core.meta_keys import (
@@ -251,8 +251,7 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
 
 
 def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decision:
-    """Outputs leave as DTensor-expressible layouts (no partials, no groups but a striped token order's),
-    or whole;
+    """Outputs leave as DTensor-expressible layouts (no partials, no groups), or whole;
     with `LOCAL_OUTPUTS` (a pipeline stage's), in the home layout of their shape;
     a carried output (`CARRIED_OUTPUTS`) in the layout of the input it is fed back to
     (its own, once `_carry_layouts` has run)."""
@@ -261,18 +260,13 @@ def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decis
         layout = ctx.layouts.get(out) or Layout.replicated()
         if LOCAL_OUTPUTS.has(node):
             layout = home_layout(out, ctx.mesh, ctx.rows) or Layout.replicated()
-        args[out] = Layout.replicated() if replicate else Layout(*(
-            _plain(p, ctx.rows.stripes if axis in ctx.rows.token_axes() else 1)
-            for axis, p in zip(AXES, layout.placements)))
+        args[out] = Layout.replicated() if replicate else Layout(*(_plain(p) for p in layout.placements))
     leaves = pytree.tree_leaves(node.args[0])
     for index, source in CARRIED_OUTPUTS.get(node, {}).items():
         args[leaves[index]] = ctx.layouts.get(source) or Layout.replicated()
     return Decision(args, None)
 
 
-def _plain(placement, stripes: int = 1):
-    """Partial sums become replicated; grouped splits become plain splits, but for the stripes of a
-    striped token order (`stripes` > 1), which leave as they are (DTensor's `_StridedShard`)."""
-    if not isinstance(placement, Shard):
-        return Replicate()
-    return placement if stripes > 1 and placement.groups == stripes else Shard(placement.dim)
+def _plain(placement):
+    """Partial sums become replicated; grouped splits (a striped token order's too) become plain splits."""
+    return Shard(placement.dim) if isinstance(placement, Shard) else Replicate()

@@ -13,10 +13,12 @@ input whole first (`tess_compile.passes.rules.scans`), where a contiguous split 
 self-attention
 (`is_causal`, which capture gives a causal mask built from sizes: `passes.causal_masks`), the
 attention gathers its keys (`context="gather"`: the ring schedule visits contiguous blocks), the
-sequence splits into stripes (`row_split.stripe_count`), and no op reads neighbouring tokens of an
+sequence splits into stripes (`row_split.stripe_count`), no op reads neighbouring tokens of an
 activation (a float tensor of three or more dims: a causal LM's label shift reads integer labels,
-cheap to make whole). "striped" asks for it, a ValueError where it cannot be had; "contiguous" keeps
-one block a rank.
+cheap to make whole), and no output holds the tokens (outputs leave in one block a rank, so an LM's
+logits would be gathered: a training step that returns its loss alone takes stripes). "striped" asks
+for it, a ValueError where it cannot be had (outputs that hold tokens are then gathered and cut into
+blocks); "contiguous" keeps one block a rank.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import logging
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
 
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, CompileOptions
-from tess_compile.core.row_split import RowSplit, stripe_count, token_parts
+from tess_compile.core.row_split import RowSplit, stripe_count, token_dim, token_parts
 from tess_compile.passes.source_lines import source_line
 
 __all__ = ["with_token_order"]
@@ -72,12 +75,24 @@ def _reasons(gm: GraphModule, options: CompileOptions, stripes: int, rows: RowSp
     if options.token_order == AUTO and not any(_causal_self_attention(n) for n in gm.graph.find_nodes(
             op="call_function", target=_SDPA)):
         reasons.append("no causal self-attention to balance")
+    if options.token_order == AUTO:
+        reasons += _token_outputs(gm, rows.length)
     neighbours = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _NEIGHBOURS
                   and _reads_activation_tokens(n)]
     if neighbours:
         reasons.append(f"{neighbours[0].target} at {source_line(neighbours[0])} reads neighbouring tokens of an "
                        "activation")
     return reasons
+
+
+def _token_outputs(gm: GraphModule, length: int) -> list[str]:
+    """Why stripes would not pay for the outputs: an output that holds the tokens leaves in one block a
+    rank (DTensor's `Shard`; its `_StridedShard` over two mesh dims does not redistribute), which from
+    stripes gathers it whole first (an LM's logits)."""
+    (output,) = gm.graph.find_nodes(op="output")
+    leaves = [leaf for leaf in pytree.tree_leaves(output.args[0]) if isinstance(leaf, Node)]
+    held = [index for index, leaf in enumerate(leaves) if token_dim(leaf.meta.get("val"), length) is not None]
+    return [f"output {held[0]} holds the tokens (it leaves in one block a rank)"] if held else []
 
 
 def _causal_self_attention(node: Node) -> bool:

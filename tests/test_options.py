@@ -47,10 +47,12 @@ def test_the_command_line_takes_the_same_options(command):
     assert {name: getattr(args, name) for name in FIELDS} == FIELDS
     args = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--mode", "2d", "--summa", "gather",
                               "--keep-blocks", "--recompute", "blocks", "--batch-split", "depth", "--token-split",
-                              "row", "--context", "ring", "--dynamic", "--strict", "--verify"])
+                              "row", "--token-order", "contiguous", "--context", "ring", "--dynamic", "--strict",
+                              "--verify"])
     assert {name: getattr(args, name) for name in FIELDS} == dict(mode="2d", summa="gather", keep_blocks=True,
                                                                    recompute="blocks", batch_split="depth",
-                                                                   token_split="row", context="ring", dynamic=True,
+                                                                   token_split="row", token_order="contiguous",
+                                                                   context="ring", dynamic=True,
                                                                    strict=True, verify=True)
     old = parser.parse_args([command, "model.py:make", "--q", "2", "--d", "1", "--checkpoint", "selective"])
     assert old.recompute == "selective"

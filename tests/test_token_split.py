@@ -281,24 +281,43 @@ def test_plan_rows_say_their_token_split():
 
 
 def test_a_striped_order_evens_out_causal_attention():
-    """Over a token split a causal model takes a striped token order (`RowSplit.stripes`): each rank holds
-    a block of each of 8 parts of the sequence, its queries of part j attend parts 0 to j alone, so each
-    rank computes 9/16 of its rows' scores. Exact, forward and every gradient; outputs leave striped."""
+    """Over a token split a causal model that returns its loss takes a striped token order
+    (`RowSplit.stripes`): each rank holds a block of each of 8 parts of the sequence, its queries of part
+    j attend parts 0 to j alone, so each rank computes 9/16 of its rows' scores. Exact, forward and every
+    gradient. A model whose output holds the tokens keeps one block a rank unless asked."""
     x = _input(seq=64)
-    model = _stack()
+    model = _Loss(_stack())
     runs = {order: tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), token_order=order)
             for order in ("contiguous", "auto")}
     striped = runs["auto"]
     assert striped.program.rows.stripes == 8 and runs["contiguous"].program.rows.stripes == 1
     assert str(striped.program.rows) == "batch over none, tokens over depth_row in 8 stripes"
-    assert striped.program.output_layouts[0] == Layout(Shard(1, 8), Shard(1, 8), Shard(2))
     assert_matches_model(striped, model, x, rtol=1e-12)
     unsharded = unsharded_forward_flops(model, (x,))
     attention = 2 * 4 * HEADS * 64 * 64 * (HIDDEN // HEADS)  # two layers' scores and weighted values, unsharded
     work = {order: redundant_work(sim.program, unsharded) * unsharded for order, sim in runs.items()}
     assert work["contiguous"] - work["auto"] == pytest.approx(attention * 7 / 16, rel=1e-12)
+    states = _stack()  # its output [1, 64, h] holds the tokens: auto keeps blocks, striped gathers it to leave
+    assert tess_compile.simulate(copy.deepcopy(states), 2, 2, example_inputs=(x,)).program.rows.stripes == 1
+    asked = tess_compile.simulate(copy.deepcopy(states), 2, 2, example_inputs=(x,), token_order="striped")
+    assert asked.program.rows.stripes == 8 and asked.program.output_layouts[0] == Layout(Shard(1), Shard(1), Shard(2))
+    assert_matches_model(asked, states, x, rtol=1e-12)
     with pytest.raises(ValueError, match="token_order='striped' on mesh .*: context='ring' visits contiguous"):
         tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), token_order="striped", context="ring")
+
+
+class _Loss(nn.Module):
+    """A model's output reduced to a scalar by a fixed random projection (a training step that returns its
+    loss alone)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.register_buffer("target", torch.randn(HIDDEN, dtype=torch.float64,
+                                                   generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, x):
+        return (self.model(x) * self.target).sum()
 
 
 def test_a_striped_order_is_not_taken_where_it_cannot_pay():
@@ -312,7 +331,7 @@ def test_a_striped_order_is_not_taken_where_it_cannot_pay():
             self.block = GPTStack(HIDDEN, HEADS, 1)
 
         def forward(self, x):
-            return self.block(x.cumsum(1))
+            return self.block(x.cumsum(1)).sum()
 
     sim = tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(x,))
     assert sim.program.rows.tokens == "depth_row" and sim.program.rows.stripes == 1

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import tensor as dt
 
 from tess_compile.core.mesh import AXES, Mesh
 
@@ -159,18 +158,6 @@ class Layout:
                 block = split_size(size, parts)
                 local[placement.dim] = max(0, min(block, size - index * block))
         return local
-
-    def to_dtensor(self) -> tuple:
-        """The DTensor placements of a layout without groups."""
-
-        def convert(p):
-            if isinstance(p, Shard):
-                if p.groups != 1:
-                    raise ValueError(f"layout {self} has a grouped split, which DTensor cannot express")
-                return dt.Shard(p.dim)
-            return dt.Partial() if isinstance(p, Partial) else dt.Replicate()
-
-        return tuple(convert(p) for p in self.placements)
 
     def __str__(self) -> str:
         return "".join(str(p) for p in self.placements)

@@ -62,7 +62,7 @@ CONTEXT_SCHEDULES = ("gather", "ring")
 # Which tokens of a split sequence each rank holds (`tess_compile.core.row_split`): one contiguous block, or
 # stripes (a block from each of several equal parts of the sequence, so that causal attention's work is
 # even over the ranks); "auto" (the default): striped where it pays (causal attention, no op that reads
-# neighbouring tokens of activations, the gather schedule).
+# neighbouring tokens of activations, no output that holds the tokens, the gather schedule).
 TOKEN_ORDERS = ("contiguous", "striped")
 # Old keyword -> the option it names now (accepted with a FutureWarning).
 RENAMED = {"checkpoint": "recompute"}
@@ -109,7 +109,8 @@ class CompileOptions:
         "help": "which tokens of a split sequence a rank holds: contiguous (one block) or striped (a block of each "
                 "of several equal parts of the sequence: causal attention's work even over the ranks, which then "
                 "skip the keys no query of a part can see); auto (the default): striped where the model has causal "
-                "attention and no op that reads neighbouring tokens of its activations (docs/modes.md)"})
+                "attention, no op that reads neighbouring tokens of its activations and no output that holds "
+                "the tokens (docs/modes.md)"})
     context: str = field(default="gather", metadata={
         "choices": CONTEXT_SCHEDULES, "what": "a context schedule",
         "help": "attention over a token split: gather (the default: the keys and values of the token axes "

@@ -199,7 +199,7 @@ class ShardedModule(ModeModule):
             if len(self._output_specs) >= _MAX_OUTPUT_SPECS:
                 self._output_specs.clear()
             true = layout.chunk_shape(shape, self.mesh, self.world.rank)
-            spec = output_spec(self.device_mesh, layout.to_dtensor(), shape, out.dtype)
+            spec = output_spec(self.device_mesh, placements_of(layout), shape, out.dtype)
             known = self._output_specs[key] = (true, spec)
         true, spec = known
         if list(out.shape) != true:
