@@ -10,10 +10,8 @@ input whole first (`tess_compile.passes.rules.scans`), where a contiguous split 
 
 "auto" takes the striped order where the tokens split over the axes of context-parallel attention
 (not mode 1d, which gathers the tokens for attention and splits its heads), the model has a causal
-self-attention
-(`is_causal`, which capture gives a causal mask built from sizes: `passes.causal_masks`), the
-attention gathers its keys (`context="gather"`: the ring schedule visits contiguous blocks), the
-sequence splits into stripes (`row_split.stripe_count`), no op reads neighbouring tokens of an
+self-attention (`is_causal`, which capture gives a causal mask built from sizes:
+`passes.causal_masks`; either schedule, `context="gather"` or `"ring"`), the sequence splits into stripes (`row_split.stripe_count`), no op reads neighbouring tokens of an
 activation (a float tensor of three or more dims: a causal LM's label shift reads integer labels,
 cheap to make whole), and no output holds the tokens (outputs leave in one block a rank, so an LM's
 logits would be gathered: a training step that returns its loss alone takes stripes). "striped" asks
@@ -70,8 +68,6 @@ def _reasons(gm: GraphModule, options: CompileOptions, stripes: int, rows: RowSp
         reasons.append(f"{rows.length} tokens are not a multiple of 2 x the {parts} ranks that split them")
     if mesh.mode == "1d":
         reasons.append("mode 1d gathers the tokens for attention, whose heads split")
-    if options.context != "gather":
-        reasons.append(f"context={options.context!r} visits contiguous blocks (use context='gather')")
     if options.token_order == AUTO and not any(_causal_self_attention(n) for n in gm.graph.find_nodes(
             op="call_function", target=_SDPA)):
         reasons.append("no causal self-attention to balance")

@@ -211,22 +211,26 @@ def test_every_sequence_mixing_op_is_exact_across_the_split(batch, q, d, mode):
     simulate_exact(lambda: SequenceMixer(tokens=tokens), inputs, q, d, mode, gathers=True, strict=False)
 
 
-@pytest.mark.parametrize(("kind", "q", "d"), [("gqa", 2, 2), ("bias", 2, 2), ("mask", 4, 1)],
-                         ids=["causal-gqa-q2d2", "learned-bias-q2d2", "mask-q4d1"])
-def test_ring_schedule_visits_one_key_block_at_a_time(kind, q, d):
+@pytest.mark.parametrize(("kind", "q", "d", "order"), [("gqa", 2, 2, "auto"), ("bias", 2, 2, "auto"),
+                                                       ("bias", 2, 2, "striped"), ("mask", 4, 1, "auto")],
+                         ids=["causal-gqa-q2d2", "learned-bias-q2d2", "learned-bias-striped-q2d2", "mask-q4d1"])
+def test_ring_schedule_visits_one_key_block_at_a_time(kind, q, d, order):
     """context="ring": each rank's queries attend over one block of keys and values at a time, broadcast
     from its owner along the token axes and merged by log-sum-exp; exact, its bytes as predicted, and no
-    all-gather of keys (only each block broadcast)."""
+    all-gather of keys (only each block broadcast). In a striped order a block holds a run of each part
+    of the sequence (a learned bias's columns picked and its gradient added at their positions)."""
     x = _input()
     torch.manual_seed(0)
     model = _Attention(kind).double()
-    sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=(x,), context="ring")
+    sim = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=(x,), context="ring", token_order=order)
+    assert sim.program.rows.stripes == (4 if order == "striped" else 1)
     assert any(n.target is ring_attention for n in sim.program.graph.graph.nodes)
     assert_matches_model(sim, model, x, rtol=1e-12)
     sim.comm.records.clear()
     (sim(x) * 1.0).sum().backward()
     assert bytes_from_records(sim.comm.records) == predict_bytes(sim.program)
-    gather = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=(x,), context="gather")
+    gather = tess_compile.simulate(copy.deepcopy(model), q, d, example_inputs=(x,), context="gather",
+                                   token_order=order)
     (fetch,) = [n.args[7] for n in gather.program.graph.graph.nodes if n.target is context_attention]
     assert _token_gathers(gather) - _token_gathers(sim) == 2 * len(fetch)  # the keys' and values' all-gathers
 
@@ -302,8 +306,11 @@ def test_a_striped_order_evens_out_causal_attention():
     asked = tess_compile.simulate(copy.deepcopy(states), 2, 2, example_inputs=(x,), token_order="striped")
     assert asked.program.rows.stripes == 8 and asked.program.output_layouts[0] == Layout(Shard(1), Shard(1), Shard(2))
     assert_matches_model(asked, states, x, rtol=1e-12)
-    with pytest.raises(ValueError, match="token_order='striped' on mesh .*: context='ring' visits contiguous"):
-        tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), token_order="striped", context="ring")
+    ring = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(x,), context="ring")
+    assert ring.program.rows.stripes == 8 and any(n.target is ring_attention for n in ring.program.graph.graph.nodes)
+    model.zero_grad(set_to_none=True)
+    assert_matches_model(ring, model, x, rtol=1e-12)
+    assert redundant_work(ring.program, unsharded) * unsharded == pytest.approx(work["auto"], rel=1e-12)
 
 
 class _Loss(nn.Module):

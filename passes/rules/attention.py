@@ -222,8 +222,9 @@ def _lower_ring_attention(b: Builder, node: Node, local, fetch: tuple) -> Node:
     if is_causal or block * math.prod(size for _, size in axes) != key_length:
         positions = block_indices(b, local(0, "query"), shape_of(query)[q_seq], arg_layout(node, query), q_seq)
     scale = get_arg(node, 6, "scale") or 1.0 / math.sqrt(shape_of(query)[-1])
+    stripes = max(arg_layout(node, key).on(axis).groups for _, axis, *_ in fetch)  # the keys' token order
     return b.call(ring_attention, local(0, "query"), local(1, "key"), local(2, "value"), local(3, "attn_mask"),
-                  positions, axes, block, key_length, is_causal, scale)
+                  positions, axes, block, key_length, is_causal, scale, stripes)
 
 
 PLACEMENT = {

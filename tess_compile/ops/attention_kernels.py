@@ -5,7 +5,9 @@ log-sum-exp that merges such blocks, and its backward, for `tess_compile.ops.con
 The kernel is torch's CPU flash attention (`_scaled_dot_product_flash_attention_for_cpu`,
 which returns the log-sum-exp) on the CPU where it applies, and the same algebra written out
 elsewhere. A query row that every key of a block is masked from gives zeros and a log-sum-exp of
--inf (so that blocks merge exactly), as `scaled_dot_product_attention` gives zeros.
+-inf (so that blocks merge exactly), as `scaled_dot_product_attention` gives zeros. In a striped token
+order under a causal mask (`tess_compile.core.row_split.RowSplit.stripes`) each stripe of queries runs
+against the stripes of keys it may see alone (`stripe_runs`), the same shapes on every rank.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import torch
 
 __all__ = ["attend", "attend_backward", "grouped", "merge", "position_bias", "save_blocks", "saved_blocks",
-           "ungrouped"]
+           "scores_of", "stripe_runs", "striped_backward", "ungrouped"]
 
 aten = torch.ops.aten
 
@@ -117,6 +119,42 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     out = out * torch.exp(lse - finite).unsqueeze(-1).to(out.dtype) \
         + block_out * torch.exp(block_lse - finite).unsqueeze(-1).to(out.dtype)
     return out, total
+
+
+def stripe_runs(queries: int, keys: int, stripes: int) -> list[tuple[slice, int]]:
+    """(the rows of a rank's queries, the keys they may see) of each stripe of a striped token order
+    under a causal mask (`tess_compile.core.row_split.RowSplit`): stripe j's queries lie in part j
+    of the sequence and see the keys of parts 0 to j; one run of every query and key otherwise."""
+    rows, part = queries // stripes, keys // stripes
+    return [(slice(j * rows, (j + 1) * rows), (j + 1) * part) for j in range(stripes)]
+
+
+def scores_of(bias: torch.Tensor | None, rows: slice, keys: int) -> torch.Tensor | None:
+    """The additive mask of the queries `rows` against the first `keys` keys (a mask that broadcasts
+    over the queries keeps its one row)."""
+    if bias is None:
+        return None
+    return (bias if bias.shape[-2] == 1 else bias[..., rows, :])[..., :keys]
+
+
+def striped_backward(grad, q, k, v, bias, out, lse, scale: float, stripes: int, mask_grad: bool) -> tuple:
+    """`attend_backward` stripe by stripe (`stripe_runs`): the query gradient's stripes joined, the key and
+    value gradients of each stripe's keys summed, the scores' gradient (`mask_grad`) in place."""
+    runs = stripe_runs(q.shape[-2], k.shape[-2], stripes)
+    if len(runs) == 1:
+        return attend_backward(grad, q, k, v, bias, out, lse, scale, bias_grad=mask_grad)
+    grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
+    grad_scores = None if not mask_grad else q.new_zeros(*bias.shape[:-2], q.shape[-2], k.shape[-2])
+    for rows, keys in runs:
+        dq, dk, dv, ds = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., :keys, :], v[..., :keys, :],
+                                         scores_of(bias, rows, keys), out[..., rows, :], lse[..., rows], scale,
+                                         bias_grad=mask_grad)
+        grad_q.append(dq)
+        grad_k[..., :keys, :] += dk
+        grad_v[..., :keys, :] += dv
+        if ds is not None:
+            grad_scores[..., rows, :keys] += ds.sum_to_size(grad_scores[..., rows, :keys].shape)
+    return torch.cat(grad_q, dim=-2), grad_k, grad_v, grad_scores
 
 
 def save_blocks(ctx, qs, ks, vs, outs, lses, masks, positions) -> None:

@@ -21,11 +21,13 @@ import torch
 
 from tess_compile.ops.attention_kernels import (
     attend,
-    attend_backward,
     grouped,
     position_bias,
     save_blocks,
     saved_blocks,
+    scores_of,
+    stripe_runs,
+    striped_backward,
     ungrouped,
 )
 from tess_compile.ops.collectives import Comm, active_comm, current_comm, use_comm
@@ -38,7 +40,7 @@ class _ContextAttention(torch.autograd.Function):
 
     Flat inputs, each n tensors (None where absent): q, k_used, v_used, k_own, v_own, mask, q_positions.
     `fetch` lists the steps `(op, axis, *args)` that made the used blocks from the own ones; `stripes`
-    the stripes of the queries (`_stripe_runs`).
+    the stripes of the queries (`attention_kernels.stripe_runs`).
     """
 
     @staticmethod
@@ -51,8 +53,8 @@ class _ContextAttention(torch.autograd.Function):
             heads = qs[r].shape[-3]
             bias = _bias(ctx, positions[r], k_used[r], masks[r], qs[r].dtype)
             k, v = grouped(k_used[r], heads), grouped(v_used[r], heads)
-            parts = [attend(qs[r][..., rows, :], k[..., :keys, :], v[..., :keys, :], _scores_of(bias, rows, keys), scale)
-                     for rows, keys in _stripe_runs(qs[r].shape[-2], k.shape[-2], stripes)]
+            parts = [attend(qs[r][..., rows, :], k[..., :keys, :], v[..., :keys, :], scores_of(bias, rows, keys), scale)
+                     for rows, keys in stripe_runs(qs[r].shape[-2], k.shape[-2], stripes)]
             outs.append(torch.cat([out for out, _ in parts], dim=-2))
             lses.append(torch.cat([lse for _, lse in parts], dim=-1))
         save_blocks(ctx, qs, k_own, v_own, outs, lses, masks, positions)
@@ -69,49 +71,13 @@ class _ContextAttention(torch.autograd.Function):
         for r in range(n):
             heads, kv_heads = qs[r].shape[-3], k_used[r].shape[-3]
             bias = _bias(ctx, positions[r], k_used[r], masks[r], qs[r].dtype)
-            dq, dk, dv, ds = _striped_backward(ctx, grads[r], qs[r], grouped(k_used[r], heads),
-                                               grouped(v_used[r], heads), bias, outs[r], lses[r], mask_grad)
+            dq, dk, dv, ds = striped_backward(grads[r], qs[r], grouped(k_used[r], heads), grouped(v_used[r], heads),
+                                              bias, outs[r], lses[r], ctx.scale, ctx.stripes, mask_grad)
             grad_q.append(dq)
             grad_k.append(ungrouped(dk, kv_heads))
             grad_v.append(ungrouped(dv, kv_heads))
             grad_mask.append(None if ds is None else ds.sum_to_size(masks[r].shape).to(masks[r].dtype))
         return (None,) * 7 + (*grad_q, *grad_k, *grad_v) + (None,) * (2 * n) + (*grad_mask,) + (None,) * n
-
-
-def _stripe_runs(queries: int, keys: int, stripes: int) -> list[tuple[slice, int]]:
-    """(the rows of a rank's queries, the keys they may see) of each stripe of a striped token order
-    under a causal mask (`tess_compile.core.row_split.RowSplit`): stripe j's queries lie in part j
-    of the sequence and see the keys of parts 0 to j; one run of every query and key otherwise."""
-    rows, part = queries // stripes, keys // stripes
-    return [(slice(j * rows, (j + 1) * rows), (j + 1) * part) for j in range(stripes)]
-
-
-def _scores_of(bias: torch.Tensor | None, rows: slice, keys: int) -> torch.Tensor | None:
-    """The additive mask of the queries `rows` against the first `keys` keys (a mask that broadcasts
-    over the queries keeps its one row)."""
-    if bias is None:
-        return None
-    return (bias if bias.shape[-2] == 1 else bias[..., rows, :])[..., :keys]
-
-
-def _striped_backward(ctx, grad, q, k, v, bias, out, lse, mask_grad: bool) -> tuple:
-    """`attend_backward` stripe by stripe (`_stripe_runs`): the query gradient's stripes joined, the key and
-    value gradients of each stripe's keys summed, the mask's gradient (`mask_grad`) in place."""
-    runs = _stripe_runs(q.shape[-2], k.shape[-2], ctx.stripes)
-    if len(runs) == 1:
-        return attend_backward(grad, q, k, v, bias, out, lse, ctx.scale, bias_grad=mask_grad)
-    grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
-    grad_scores = None if not mask_grad else q.new_zeros(*bias.shape[:-2], q.shape[-2], k.shape[-2])
-    for rows, keys in runs:
-        dq, dk, dv, ds = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., :keys, :], v[..., :keys, :],
-                                         _scores_of(bias, rows, keys), out[..., rows, :], lse[..., rows], ctx.scale,
-                                         bias_grad=mask_grad)
-        grad_q.append(dq)
-        grad_k[..., :keys, :] += dk
-        grad_v[..., :keys, :] += dv
-        if ds is not None:
-            grad_scores[..., rows, :keys] += ds.sum_to_size(grad_scores[..., rows, :keys].shape)
-    return torch.cat(grad_q, dim=-2), grad_k, grad_v, grad_scores
 
 
 def _bias(ctx, q_positions, k_used, mask, dtype) -> torch.Tensor | None:
@@ -145,7 +111,7 @@ def context_attention(q, k_used, v_used, k_own, v_own, mask, q_positions, fetch,
     positions of the rank's queries (None: not causal and no key padding); `mask` the rank's rows of
     the attention mask (None: none); keys at `key_length` and after are padding. `stripes` > 1: the
     queries are the stripes of a striped token order under a causal mask, each run against the keys
-    it may see alone (`_stripe_runs`)."""
+    it may see alone (`attention_kernels.stripe_runs`)."""
     wrap = (lambda t: None if t is None else [t])
     return lockstep_context_attention(active_comm(), [q], [k_used], [v_used], [k_own], [v_own], wrap(mask),
                                       wrap(q_positions), fetch, key_length, is_causal, scale, stripes)[0]

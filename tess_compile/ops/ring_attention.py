@@ -24,12 +24,14 @@ import torch
 
 from tess_compile.ops.attention_kernels import (
     attend,
-    attend_backward,
     grouped,
     merge,
     position_bias,
     save_blocks,
     saved_blocks,
+    scores_of,
+    stripe_runs,
+    striped_backward,
     ungrouped,
 )
 from tess_compile.ops.collectives import Comm, ShapeComm, active_comm, current_comm, use_comm
@@ -91,18 +93,23 @@ class _RingAttention(torch.autograd.Function):
     q_positions."""
 
     @staticmethod
-    def forward(ctx, comm, axes, block, key_length, is_causal, scale, n, *tensors):
+    def forward(ctx, comm, axes, block, key_length, is_causal, scale, stripes, n, *tensors):
         qs, ks, vs, masks, positions = (list(tensors[i * n:(i + 1) * n]) for i in range(5))
-        ctx.comm, ctx.axes, ctx.block, ctx.key_length, ctx.is_causal, ctx.scale, ctx.n = (
-            comm, axes, block, key_length, is_causal, scale, n)
+        ctx.comm, ctx.axes, ctx.block, ctx.key_length, ctx.is_causal, ctx.scale, ctx.stripes, ctx.n = (
+            comm, axes, block, key_length, is_causal, scale, stripes, n)
         outs = [torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device) for q, v in zip(qs, vs)]
         lses = [torch.full(q.shape[:-1], -math.inf, dtype=_lse_dtype(q), device=q.device) for q in qs]
+        ctx.runs = _causal_runs(ctx, qs[0])
         for index, _, k_block, v_block in _visits(comm, ks, vs, axes, "forward"):
             for r in range(n):
                 heads = qs[r].shape[-3]
                 bias = _block_bias(ctx, positions[r], masks[r], index, qs[r])
-                out, lse = attend(qs[r], grouped(k_block[r], heads), grouped(v_block[r], heads), bias, scale)
-                outs[r], lses[r] = merge(outs[r], lses[r], out, lse.to(lses[r].dtype))
+                k, v = grouped(k_block[r], heads), grouped(v_block[r], heads)
+                for rows, keys in stripe_runs(qs[r].shape[-2], k.shape[-2], ctx.runs):
+                    out, lse = attend(qs[r][..., rows, :], k[..., :keys, :], v[..., :keys, :],
+                                      scores_of(bias, rows, keys), scale)
+                    outs[r][..., rows, :], lses[r][..., rows] = merge(outs[r][..., rows, :], lses[r][..., rows], out,
+                                                                      lse.to(lses[r].dtype))
         save_blocks(ctx, qs, ks, vs, outs, lses, masks, positions)
         return tuple(outs)
 
@@ -111,7 +118,7 @@ class _RingAttention(torch.autograd.Function):
         n = ctx.n
         qs, ks, vs, outs, lses, masks, positions = saved_blocks(ctx, n)
         comm = ctx.comm or current_comm()
-        mask_grad = any(ctx.needs_input_grad[7 + 3 * n:7 + 4 * n])  # a learned additive mask (a bias table)
+        mask_grad = any(ctx.needs_input_grad[8 + 3 * n:8 + 4 * n])  # a learned additive mask (a bias table)
         grad_q = [torch.zeros_like(q) for q in qs]
         grad_k, grad_v = [torch.zeros_like(k) for k in ks], [torch.zeros_like(v) for v in vs]
         grad_mask = [torch.zeros_like(m) if mask_grad else None for m in masks]
@@ -120,17 +127,17 @@ class _RingAttention(torch.autograd.Function):
             for r in range(n):
                 heads, kv_heads = qs[r].shape[-3], ks[r].shape[-3]
                 bias = _block_bias(ctx, positions[r], masks[r], index, qs[r])
-                dq, dk, dv, ds = attend_backward(grads[r], qs[r], grouped(k_block[r], heads),
-                                                 grouped(v_block[r], heads), bias, outs[r], lses[r].to(qs[r].dtype),
-                                                 ctx.scale, bias_grad=mask_grad)
+                dq, dk, dv, ds = striped_backward(grads[r], qs[r], grouped(k_block[r], heads),
+                                                  grouped(v_block[r], heads), bias, outs[r], lses[r].to(qs[r].dtype),
+                                                  ctx.scale, ctx.runs, mask_grad)
                 grad_q[r] += dq
                 dks.append(ungrouped(dk, kv_heads))
                 dvs.append(ungrouped(dv, kv_heads))
                 if mask_grad:
-                    _add_columns(grad_mask[r], ds, index * ctx.block)
+                    _add_columns(ctx, grad_mask[r], ds, index, _key_positions(ctx, index, qs[r].device))
             grad_k = [g + d for g, d in zip(grad_k, _reduce_home(comm, dks, sources))]
             grad_v = [g + d for g, d in zip(grad_v, _reduce_home(comm, dvs, sources))]
-        return (None,) * 7 + (*grad_q, *grad_k, *grad_v, *grad_mask) + (None,) * n
+        return (None,) * 8 + (*grad_q, *grad_k, *grad_v, *grad_mask) + (None,) * n
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -138,18 +145,39 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+def _causal_runs(ctx, q: torch.Tensor) -> int:
+    """The stripes each query stripe meets a block in (`attention_kernels.stripe_runs`): the order's
+    stripes under a causal self-attention (as many queries as keys), else 1 (every query every key)."""
+    blocks = math.prod(size for _, size in ctx.axes)
+    return ctx.stripes if ctx.is_causal and q.shape[-2] * blocks == ctx.key_length else 1
+
+
+def _key_positions(ctx, index: int, device) -> torch.Tensor:
+    """The global positions of the keys of block `index`: a contiguous run of `block`, or in a striped
+    token order (`ctx.stripes` > 1) the block's run of each part of the sequence."""
+    if ctx.stripes == 1:
+        return torch.arange(index * ctx.block, (index + 1) * ctx.block, device=device)
+    run = ctx.block // ctx.stripes
+    part = run * math.prod(size for _, size in ctx.axes)
+    starts = torch.arange(ctx.stripes, device=device) * part + index * run
+    return (starts[:, None] + torch.arange(run, device=device)[None, :]).flatten()
+
+
 def _block_bias(ctx, q_positions, mask, index: int, q: torch.Tensor) -> torch.Tensor | None:
-    """The additive mask of one rank's queries against block `index` (global keys `index * block` on)."""
-    start = index * ctx.block
-    keys = torch.arange(start, start + ctx.block, device=q.device)
-    columns = None if mask is None else _columns(mask, start, ctx.block, ctx.key_length)
+    """The additive mask of one rank's queries against the keys of block `index`."""
+    keys = _key_positions(ctx, index, q.device)
+    columns = None if mask is None else _columns(ctx, mask, index, keys)
     return position_bias(q_positions, keys, ctx.key_length, ctx.is_causal, columns, q.dtype)
 
 
-def _columns(mask: torch.Tensor, start: int, count: int, key_length: int) -> torch.Tensor:
-    """Columns `start` to `start + count` of a mask over `key_length` keys; past its end (key padding)
-    masked: False of a bool mask, -inf of a float one."""
-    present = max(0, min(count, key_length - start))
+def _columns(ctx, mask: torch.Tensor, index: int, keys: torch.Tensor) -> torch.Tensor:
+    """The columns of a mask over `key_length` keys that block `index` holds (at positions `keys`): a
+    striped order's (which splits evenly) picked; a contiguous block's cut, past the mask's end (key
+    padding) masked: False of a bool mask, -inf of a float one."""
+    if ctx.stripes > 1:
+        return mask.index_select(-1, keys)
+    start, count = index * ctx.block, ctx.block
+    present = max(0, min(count, ctx.key_length - start))
     taken = mask.narrow(-1, start, present)
     if present == count:
         return taken
@@ -159,33 +187,40 @@ def _columns(mask: torch.Tensor, start: int, count: int, key_length: int) -> tor
     return torch.cat([taken, fill], dim=-1)
 
 
-def _add_columns(total: torch.Tensor, scores_grad: torch.Tensor, start: int) -> None:
-    """Add a block's score gradient to its columns of a learned mask's gradient (summed to its shape)."""
+def _add_columns(ctx, total: torch.Tensor, scores_grad: torch.Tensor, index: int, keys: torch.Tensor) -> None:
+    """Add block `index`'s score gradient to its columns (at positions `keys`) of a learned mask's gradient
+    (summed to its shape); the columns of key padding dropped."""
+    if ctx.stripes > 1:
+        total.index_add_(-1, keys, scores_grad.sum_to_size(*total.shape[:-1], keys.numel()).to(total.dtype))
+        return
+    start = index * ctx.block
     present = max(0, min(scores_grad.shape[-1], total.shape[-1] - start))
     columns = total.narrow(-1, start, present)
     columns += scores_grad.narrow(-1, 0, present).sum_to_size(columns.shape).to(total.dtype)
 
 
 def lockstep_ring_attention(comm: Comm, q, k_own, v_own, mask, q_positions, axes, block: int, key_length: int,
-                            is_causal: bool, scale: float) -> list[torch.Tensor]:
+                            is_causal: bool, scale: float, stripes: int = 1) -> list[torch.Tensor]:
     """`ring_attention` over lists of per-rank tensors (the simulator's lockstep); `mask` and
     `q_positions` may be None."""
     n = len(q)
     mask, q_positions = ([None] * n if v is None else v for v in (mask, q_positions))
     return list(_RingAttention.apply(comm, tuple(tuple(axis) for axis in axes), block, key_length, is_causal, scale,
-                                     n, *q, *k_own, *v_own, *mask, *q_positions))
+                                     stripes, n, *q, *k_own, *v_own, *mask, *q_positions))
 
 
 def ring_attention(q, k_own, v_own, mask, q_positions, axes, block: int, key_length: int, is_causal: bool,
-                   scale: float) -> torch.Tensor:
+                   scale: float, stripes: int = 1) -> torch.Tensor:
     """This rank's attention output over every key, one block of `block` keys at a time (a graph target;
     see the module docstring): `axes` are the token axes as `(name, size)`, outer first; `q_positions`
     the global positions of the rank's queries (None: not causal and no key padding); `mask` the rank's
-    rows of the attention mask over all `key_length` keys (None: none)."""
+    rows of the attention mask over all `key_length` keys (None: none); `stripes` > 1: queries and keys
+    in a striped token order (a block holds a run of each part of the sequence), under a causal mask
+    each stripe of queries against the stripes of a block it may see alone."""
     wrap = (lambda t: None if t is None else [t])
     comm = active_comm() or ShapeComm()  # a fake run (no module running) fetches blocks of the right shape
     return lockstep_ring_attention(comm, [q], [k_own], [v_own], wrap(mask), wrap(q_positions), axes, block,
-                                   key_length, is_causal, scale)[0]
+                                   key_length, is_causal, scale, stripes)[0]
 
 
 ring_attention._opname = "ring_attention"
