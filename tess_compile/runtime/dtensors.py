@@ -32,6 +32,7 @@ __all__ = [
     "claim_output_gradient",
     "contiguous_stride",
     "full_tensor",
+    "gradient_dtensor",
     "layout_of",
     "local_tensors",
     "output_dtensor",
@@ -290,6 +291,12 @@ def _as_gradient(grad: torch.Tensor, spec: DTensorSpec, make=None) -> DTensor:
     if make is not None:
         return make(grad, _gradient_spec(spec, grad), requires_grad=grad.requires_grad)
     return _new_dtensor(DTensor, grad, _gradient_spec(spec, grad), requires_grad=grad.requires_grad)
+
+
+def gradient_dtensor(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """`grad`, a gradient of the local tensor of a DTensor of `spec`, as that DTensor's gradient
+    (`grad` itself its local tensor; placed as `to_local()`'s backward places it)."""
+    return _as_gradient(grad, spec)
 
 
 def _grad_spec(spec: DTensorSpec, grad: torch.Tensor) -> DTensorSpec:
