@@ -26,9 +26,10 @@ __all__ = ["GradBuffers", "replicas"]
 
 def replicas(param: DTensor) -> int:
     """How many ranks of the parameter's mesh hold the same block of it: the sizes of the mesh
-    dims it is not split over (a gradient's Partial placements are Replicate)."""
+    dims it is replicated over (a gradient's Partial placements are Replicate; a grouped split,
+    `_StridedShard`, is a split)."""
     return math.prod(size for size, placement in zip(param.device_mesh.shape, param.placements)
-                     if not placement.is_shard())
+                     if placement.is_replicate() or placement.is_partial())
 
 
 class GradBuffers:

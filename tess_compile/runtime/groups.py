@@ -108,7 +108,7 @@ class World:
 
     def all_reduce(self, x: torch.Tensor, op: str, reduce_op=dist.ReduceOp.SUM) -> torch.Tensor:
         total = x.contiguous().clone()
-        self._guard(op, dist.all_reduce, total, op=reduce_op, group=self.group)
+        self._guard(op, dist.all_reduce, total, reduce_op, group=self.group)
         return total
 
     def _guard(self, op: str, call, *args, **kwargs):
