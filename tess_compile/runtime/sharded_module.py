@@ -34,7 +34,6 @@ from tess_compile.ops.recompute_region import RecomputeRegion
 from tess_compile.runtime import state
 from tess_compile.runtime.consistency import check_same_inputs, check_same_model
 from tess_compile.runtime.dist_comm import DistComm
-from tess_compile.runtime.grad_buffers import GradBuffers
 from tess_compile.runtime.dtensors import (
     claim_output_gradient,
     contiguous_stride,
@@ -43,6 +42,7 @@ from tess_compile.runtime.dtensors import (
     output_spec,
     placements_of,
 )
+from tess_compile.runtime.grad_buffers import GradBuffers
 from tess_compile.runtime.groups import (
     DEFAULT_TIMEOUT,
     check_device_mesh,
