@@ -31,6 +31,7 @@ from tess_compile.runtime.groups import world_of
 __all__ = [
     "claim_output_gradient",
     "contiguous_stride",
+    "full_from_local",
     "full_tensor",
     "gradient_dtensor",
     "layout_of",
@@ -362,6 +363,15 @@ def full_tensor(x):
     if world is None:
         return x.full_tensor()
     return _GatherFull.apply(x.to_local(), world, layout_of(x.placements), tuple(x.shape))
+
+
+def full_from_local(local: torch.Tensor, world, layout: Layout, shape) -> torch.Tensor:
+    """The global value of `shape` from this rank's true block `local` of an output laid out by
+    `layout` over `world`, differentiable as `full_tensor` (which this is, without the DTensor);
+    `local` itself on a world of one."""
+    if world.size == 1:
+        return local
+    return _GatherFull.apply(local, world, layout, tuple(shape))
 
 
 class _GatherFull(torch.autograd.Function):

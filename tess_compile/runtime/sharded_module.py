@@ -37,6 +37,7 @@ from tess_compile.runtime.dist_comm import DistComm
 from tess_compile.runtime.dtensors import (
     claim_output_gradient,
     contiguous_stride,
+    full_from_local,
     gather_blocks,
     output_dtensor,
     output_spec,
@@ -154,6 +155,23 @@ class ShardedModule(ModeModule):
             self._leaf_of = None
 
     def forward(self, *args, **kwargs):
+        program, outs, shapes = self._local_outputs(args, kwargs)
+        wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
+                   zip(outs, program.output_layouts, shapes)]
+        return pytree.tree_unflatten(wrapped, program.out_spec)
+
+    def full_outputs(self, *args, **kwargs):
+        """The outputs as full tensors, the same on every rank: `tess_compile.full_tensor` of each
+        output of `forward`, without making their DTensors (a whole step's loss takes them)."""
+        program, outs, shapes = self._local_outputs(args, kwargs)
+        rank = self.world.rank
+        full = [out if layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0 else
+                full_from_local(unpad_block(out, layout, shape, self.mesh, rank), self.world, layout, shape)
+                for out, layout, shape in zip(outs, program.output_layouts, shapes)]
+        return pytree.tree_unflatten(full, program.out_spec)
+
+    def _local_outputs(self, args: tuple, kwargs: dict) -> tuple[Program, list, list]:
+        """The program this call runs, this rank's outputs of its per-rank graph, their global shapes."""
         program = self.program
         flat = program.flatten_inputs(args, kwargs)
         shapes = program.call_output_shapes(flat)
@@ -170,10 +188,7 @@ class ShardedModule(ModeModule):
         inputs = state.graph_inputs(program, self, flat, self._leaf_of)
         if self.groups.dp is not None:
             inputs = self.groups.mean_grads_over_dp(self, program, inputs)
-        outs = self._run(program, inputs)
-        wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
-                   zip(outs, program.output_layouts, shapes)]
-        return pytree.tree_unflatten(wrapped, program.out_spec)
+        return program, self._run(program, inputs), shapes
 
     def rank_modules(self) -> dict[int, nn.Module]:
         """This rank's module of shards: itself."""

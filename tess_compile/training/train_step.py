@@ -22,9 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
-from torch.utils import _pytree as pytree
 
-from tess_compile.runtime.dtensors import full_tensor
 from tess_compile.runtime.grad_buffers import GradBuffers
 from tess_compile.training.step_graphs import StepGraphs
 
@@ -89,8 +87,8 @@ class TrainStep:
         module = self.module
         with module.feeding_leaves() as buffers:
             buffers.zero_()
-            output = module(*args, **kwargs)
-        loss = self.loss_fn(pytree.tree_map(full_tensor, output), target)
+            output = module.full_outputs(*args, **kwargs)
+        loss = self.loss_fn(output, target)
         if id(module.program) not in self._walked:
             buffers.keep_reached(loss)
             self._walked.add(id(module.program))
