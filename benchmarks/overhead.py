@@ -152,6 +152,30 @@ class Runner:
         return (clock() - start) / steps
 
 
+def _square_loss(output, target) -> torch.Tensor:
+    return output.square().mean()
+
+
+class StepRunner(Runner):
+    """A whole training step of the unsharded model (`sharded=None`) or of a sharded one: zero the
+    gradients, forward, the loss of `Runner`, backward, `clip_grad_norm_(1.0)` and fused AdamW;
+    the sharded one as one call (`tess_compile.train_step`)."""
+
+    def __init__(self, module: nn.Module, x: torch.Tensor, sharded: bool):
+        super().__init__(module, x)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=True)
+        self.train = tess_compile.train_step(module, self.opt, _square_loss, clip=1.0) if sharded else None
+
+    def step(self) -> None:
+        if self.train is not None:
+            self.train(self.x)
+            return
+        self.opt.zero_grad()
+        self.module(self.x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
+        self.opt.step()
+
+
 class GraphRunner(Runner):
     """The reference row "per-rank graph alone": a sharded module's per-rank graph called on plain leaf
     tensors (copies of its parameters' local tensors), without the runtime around it."""
@@ -221,8 +245,17 @@ def _world_of_one(rank: int, world_size: int, sizes: dict, repeats: dict, compil
                                                        timeout=600, compile=True)
     runners = [Runner(module, x) for module in rows.values()] + [GraphRunner(tess, x)]
     rows["per-rank graph alone"] = None
-    times = _time_rows(runners, repeats["rounds"], repeats["steps"], repeats["warmup"], barrier=False)
-    result = {"rows": list(rows), "times": times, "ops": _num_ops(tess), "collectives": _num_collectives(tess)}
+    steps = {"unsharded eager": StepRunner(copy.deepcopy(model), x, sharded=False),
+             "tess train_step": StepRunner(tess_compile.shard(copy.deepcopy(model), 1, 1, example_inputs=(x,),
+                                                              timeout=600), x, sharded=True)}
+    if compiled:
+        steps["unsharded torch.compile"] = StepRunner(torch.compile(copy.deepcopy(model)), x, sharded=False)
+        steps["tess compile=True train_step"] = StepRunner(tess_compile.shard(
+            copy.deepcopy(model), 1, 1, example_inputs=(x,), timeout=600, compile=True), x, sharded=True)
+    times = _time_rows(runners + list(steps.values()), repeats["rounds"], repeats["steps"], repeats["warmup"],
+                       barrier=False)
+    result = {"rows": list(rows), "times": times[:len(runners)], "ops": _num_ops(tess),
+              "collectives": _num_collectives(tess), "step_rows": list(steps), "step_times": times[len(runners):]}
     node, plain = _time_rows([NodeRunner(tess, plain=False), NodeRunner(tess, plain=True)], repeats["rounds"],
                              repeats["steps"], repeats["warmup"], barrier=False)
     result["num_params"] = len(list(tess.parameters()))
@@ -280,6 +313,25 @@ def print_world_of_one(result: dict, sizes: dict, repeats: dict) -> list[dict]:
     if "profile" in result:
         print("\ncProfile of the tess eager step (own time):\n")
         print(result["profile"])
+    return rows
+
+
+def print_whole_steps(result: dict, repeats: dict) -> list[dict]:
+    """Section 1's second table: whole training steps (`StepRunner`), each against the unsharded model's."""
+    medians = {name: statistics.median(times) for name, times in zip(result["step_rows"], result["step_times"])}
+    print(f"\nWhole training steps (zero the gradients, forward, backward, clip_grad_norm_(1.0), fused AdamW), "
+          f"the same model and batch, median over {repeats['rounds']} rounds:\n")
+    print("| configuration | ms/step | vs the unsharded step |")
+    print("|---|---:|---:|")
+    pairs = [("unsharded eager", "unsharded eager"), ("tess train_step", "unsharded eager"),
+             ("unsharded torch.compile", "unsharded torch.compile"),
+             ("tess compile=True train_step", "unsharded torch.compile")]
+    rows = []
+    for name, versus in pairs:
+        if name in medians:
+            print(f"| {name} | {medians[name] * 1e3:.3f} | {medians[name] / medians[versus]:.2f} |")
+            rows.append({"configuration": name, "ms_per_step": medians[name] * 1e3,
+                         "vs_unsharded": medians[name] / medians[versus]})
     return rows
 
 
@@ -515,6 +567,7 @@ def main(argv=None) -> int:
         one = run_local(_world_of_one, 1, args=(sizes, repeats, compiled, args.profile), timeout_s=3600,
                         collective_timeout_s=600)[0]
         record["world_of_one"] = print_world_of_one(one, sizes, repeats)
+        record["world_of_one_whole_steps"] = print_whole_steps(one, repeats)
         record["parameters_node_us_per_param"] = one["node_us_per_param"]
     if "collectives" in sections:
         per_rank = run_local(_collectives, 8, args=(sizes, repeats["calls"]), timeout_s=1800,

@@ -59,6 +59,7 @@ from tess_compile.scale_out.rank_run import RankRun, parallelize, stage_modules
 from tess_compile.scale_out.simulated_pipeline import simulate_pipeline
 from tess_compile.training.clip import clip_grad_norm_
 from tess_compile.training.shard_loading import for_dcp, load_pretrained_shards, load_shards_from
+from tess_compile.training.train_step import TrainStep, train_step
 from tess_compile.validation import check
 
 __all__ = [
@@ -84,6 +85,7 @@ __all__ = [
     "shard_program",
     "simulate",
     "simulate_pipeline",
+    "train_step",
 ]
 
 

@@ -102,7 +102,9 @@ def test_overhead_benchmark_runs(capsys, tmp_path):
     one, rank0 = record["host_time_fake_pg"]  # a world of one; rank 0 of [2,2,2] on the fake process group
     assert one["collectives_per_step"] == 0 and one["us_per_collective"] is None
     assert rank0["collectives_per_step"] > 0 and rank0["us_per_collective"] > rank0["c10d_us_per_collective"] > 0
-    assert "runtime us/parameter" in table
+    assert "runtime us/parameter" in table and "train_step us/parameter" in table
+    assert [row["configuration"] for row in record["world_of_one_whole_steps"]] == ["unsharded eager",
+                                                                                    "tess train_step"]
 
 
 def test_gpu_check_skips_without_cuda_and_dry_runs_on_cpu(capsys, tmp_path):

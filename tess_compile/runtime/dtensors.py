@@ -31,7 +31,9 @@ from tess_compile.runtime.groups import world_of
 __all__ = [
     "claim_output_gradient",
     "contiguous_stride",
+    "full_from_local",
     "full_tensor",
+    "gradient_dtensor",
     "layout_of",
     "local_tensors",
     "output_dtensor",
@@ -292,6 +294,12 @@ def _as_gradient(grad: torch.Tensor, spec: DTensorSpec, make=None) -> DTensor:
     return _new_dtensor(DTensor, grad, _gradient_spec(spec, grad), requires_grad=grad.requires_grad)
 
 
+def gradient_dtensor(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """`grad`, a gradient of the local tensor of a DTensor of `spec`, as that DTensor's gradient
+    (`grad` itself its local tensor; placed as `to_local()`'s backward places it)."""
+    return _as_gradient(grad, spec)
+
+
 def _grad_spec(spec: DTensorSpec, grad: torch.Tensor) -> DTensorSpec:
     """The spec of a DTensor's gradient as `to_local()`'s backward gives it (through `from_local`):
     the DTensor's shape, the stride of `grad` scaled to it, Partial placements made Replicate."""
@@ -355,6 +363,15 @@ def full_tensor(x):
     if world is None:
         return x.full_tensor()
     return _GatherFull.apply(x.to_local(), world, layout_of(x.placements), tuple(x.shape))
+
+
+def full_from_local(local: torch.Tensor, world, layout: Layout, shape) -> torch.Tensor:
+    """The global value of `shape` from this rank's true block `local` of an output laid out by
+    `layout` over `world`, differentiable as `full_tensor` (which this is, without the DTensor);
+    `local` itself on a world of one."""
+    if world.size == 1:
+        return local
+    return _GatherFull.apply(local, world, layout, tuple(shape))
 
 
 class _GatherFull(torch.autograd.Function):

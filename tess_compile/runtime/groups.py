@@ -106,9 +106,9 @@ class World:
         self._guard(op, dist.all_gather_object, values, value, group=self.group)
         return self._in_order(values)
 
-    def all_reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: str, reduce_op=dist.ReduceOp.SUM) -> torch.Tensor:
         total = x.contiguous().clone()
-        self._guard(op, dist.all_reduce, total, group=self.group)
+        self._guard(op, dist.all_reduce, total, reduce_op, group=self.group)
         return total
 
     def _guard(self, op: str, call, *args, **kwargs):

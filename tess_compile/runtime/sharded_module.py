@@ -13,12 +13,14 @@ every call's inputs. `shard_program` builds one from a compiled `Program`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.fx import GraphModule
@@ -35,11 +37,13 @@ from tess_compile.runtime.dist_comm import DistComm
 from tess_compile.runtime.dtensors import (
     claim_output_gradient,
     contiguous_stride,
+    full_from_local,
     gather_blocks,
     output_dtensor,
     output_spec,
     placements_of,
 )
+from tess_compile.runtime.grad_buffers import GradBuffers
 from tess_compile.runtime.groups import (
     DEFAULT_TIMEOUT,
     check_device_mesh,
@@ -129,9 +133,45 @@ class ShardedModule(ModeModule):
         self._output_specs: dict[tuple, tuple] = {}  # (layout, shape, dtype) -> (true block shape, spec)
         self._eager_graphs: dict[int, tuple] = {}  # id(program) -> (program, its eager_graph)
         state.add_local_tensors(self, self.program, self.world.rank, device=self.device, wrap_param=self._as_dtensor)
+        self.grad_buffers: GradBuffers | None = None  # made by `feeding_leaves`, for a whole training step
+        self._leaf_of: dict | None = None  # while `feeding_leaves`: the program takes these leaves
         self.train(program.training)
 
+    @contextlib.contextmanager
+    def feeding_leaves(self):
+        """Within it, the program takes the parameters' leaves (`tess_compile.runtime.grad_buffers`),
+        whose gradients autograd adds into one flat buffer per dtype, viewed by the parameters' `.grad`;
+        yields the module's `GradBuffers`, made on first use (`tess_compile.training.train_step`)."""
+        if isinstance(self, FSDPModule):
+            raise ValueError(f"tess_compile.train_step of a zero=True module (mesh {self.mesh}; FSDP shards its "
+                             "gradients itself) is not supported: step it with your own loop (forward, backward, "
+                             "optimizer), or shard with zero=False")
+        if self.grad_buffers is None:
+            self.grad_buffers = GradBuffers([p for p in self.parameters() if p.requires_grad])
+        self._leaf_of = self.grad_buffers.leaf_of
+        try:
+            yield self.grad_buffers
+        finally:
+            self._leaf_of = None
+
     def forward(self, *args, **kwargs):
+        program, outs, shapes = self._local_outputs(args, kwargs)
+        wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
+                   zip(outs, program.output_layouts, shapes)]
+        return pytree.tree_unflatten(wrapped, program.out_spec)
+
+    def full_outputs(self, *args, **kwargs):
+        """The outputs as full tensors, the same on every rank: `tess_compile.full_tensor` of each
+        output of `forward`, without making their DTensors (a whole step's loss takes them)."""
+        program, outs, shapes = self._local_outputs(args, kwargs)
+        rank = self.world.rank
+        full = [out if layout is None or not isinstance(out, torch.Tensor) or out.dim() == 0 else
+                full_from_local(unpad_block(out, layout, shape, self.mesh, rank), self.world, layout, shape)
+                for out, layout, shape in zip(outs, program.output_layouts, shapes)]
+        return pytree.tree_unflatten(full, program.out_spec)
+
+    def _local_outputs(self, args: tuple, kwargs: dict) -> tuple[Program, list, list]:
+        """The program this call runs, this rank's outputs of its per-rank graph, their global shapes."""
         program = self.program
         flat = program.flatten_inputs(args, kwargs)
         shapes = program.call_output_shapes(flat)
@@ -145,13 +185,10 @@ class ShardedModule(ModeModule):
             # requires grad) gets each rank's share of its gradient; their sum is its gradient.
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 flat[index] = reduced_grad(value, self.world, "gradient sum of an input")
-        inputs = state.graph_inputs(program, self, flat)
+        inputs = state.graph_inputs(program, self, flat, self._leaf_of)
         if self.groups.dp is not None:
             inputs = self.groups.mean_grads_over_dp(self, program, inputs)
-        outs = self._run(program, inputs)
-        wrapped = [self._wrap(out, layout, shape) for out, layout, shape in
-                   zip(outs, program.output_layouts, shapes)]
-        return pytree.tree_unflatten(wrapped, program.out_spec)
+        return program, self._run(program, inputs), shapes
 
     def rank_modules(self) -> dict[int, nn.Module]:
         """This rank's module of shards: itself."""

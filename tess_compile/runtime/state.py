@@ -141,16 +141,25 @@ def get_tensor(module: nn.Module, slot: Slot | str) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence) -> list:
+def graph_inputs(program: Program, module: nn.Module, flat_inputs: Sequence, leaf_of: dict | None = None) -> list:
     """The per-rank graph's placeholder values, in order: DTensor parameters as their
     local tensors, whose gradients arrive on the parameters as DTensors of the same placements
     (`local_tensors`: one autograd node for all); the true chunks of uneven splits padded with
-    zeros to the program's block size (`pad_block`); inputs as they are.
+    zeros to the program's block size (`pad_block`); inputs as they are. `leaf_of`
+    (id(parameter) -> leaf, `tess_compile.runtime.grad_buffers`): those parameters as their
+    leaves instead, whose gradients autograd accumulates into the leaves' `.grad`.
 
     Runs on every call, so what it can know once is resolved once per (module, program)
     (`_Feed`): where each tensor is registered, which slots are inputs, which need padding."""
     feed = _feed(module, program)
-    held = local_tensors(feed.tensors())
+    tensors = feed.tensors()
+    if leaf_of is not None:
+        tensors = [leaf_of.get(id(tensor), tensor) for tensor in tensors]
+        if any(isinstance(tensor, DTensor) and tensor.requires_grad for tensor in tensors):
+            raise ValueError("a parameter of the sharded module was replaced after its gradient buffers were made "
+                             "(tess_compile.runtime.grad_buffers): build the train step again "
+                             "(tess_compile.train_step) after replacing parameters")
+    held = local_tensors(tensors)
     for index, slot in feed.uneven:
         held[index] = pad_block(held[index], slot.layout, slot.shape, program.mesh)
     values = [None] * feed.num_slots
