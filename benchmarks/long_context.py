@@ -58,6 +58,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -300,7 +301,8 @@ def main(argv=None) -> int:
     sizes = dict(QUICK_SIZES if args.quick else SIZES, kv_heads=args.kv_heads)
     seqs = [64] if args.quick else [int(s) for s in args.seqs.split(",")]
     rounds, steps, warmup = (1, 1, 1) if args.quick else (args.rounds, args.steps, args.warmup)
-    names = [n.strip() for n in args.configs.split(",")] if args.configs else [n for n in CONFIGS if n not in SIXTEEN]
+    names = [n.strip() for n in re.split(r",(?![^\[]*\])", args.configs)] if args.configs else \
+        [n for n in CONFIGS if n not in SIXTEEN]  # commas inside a mesh's brackets belong to the name
     if args.with_16 and not args.configs:
         names += SIXTEEN
     unknown = [n for n in names if n not in CONFIGS]
