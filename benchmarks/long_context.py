@@ -38,7 +38,9 @@ runs on CUDA's attention kernels only; its row is priced by accounting
 values of a layer all-gathered (8 ways) forward and reduce-scattered
 backward, the weights whole on every rank (no tensor parallelism).
 
-Columns: ms/step (the median over rounds of the slowest rank); the bytes
+Columns: ms/step (the median over rounds of the slowest rank); CPU ms/step (the
+median over rounds of the busiest rank's process CPU time: its work, steadier than
+the wall time where other work shares the cores); the bytes
 autograd saves in one forward on the rank that saves most
 (`tess_compile.analysis.accounting.saved_bytes`); the peak bytes of tensors
 alive over two training steps on rank 0 (torch's `MemTracker`,
@@ -221,13 +223,16 @@ class Trainer:
     def peak(self) -> int:
         return tracked_peak(self.step, self.module, self.optimizer, self.ids)
 
-    def timed(self, steps: int) -> float:
+    def timed(self, steps: int) -> tuple[float, float]:
+        """Seconds a step between barriers, and this process's CPU seconds a step (its work, whatever
+        else shares the cores)."""
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.step()
+        cpu = time.process_time() - cpu
         dist.barrier()
-        return (time.perf_counter() - start) / steps
+        return (time.perf_counter() - start) / steps, cpu / steps
 
 
 def _worker(rank: int, world: int, names: list, sizes: dict, seq: int, rounds: int, steps: int, warmup: int) -> list:
@@ -268,7 +273,10 @@ def make_rows(names: list, results: list) -> list[dict]:
         rows.append({
             "configuration": name,
             "ranks": len(results),
-            "ms_per_step": round(statistics.median(max(t) for t in zip(*(r["times"] for r in per_rank))) * 1e3, 1),
+            "ms_per_step": round(statistics.median(max(t[0] for t in ts) for ts in zip(*(r["times"] for r in per_rank)))
+                                 * 1e3, 1),
+            "cpu_ms_per_step": round(statistics.median(max(t[1] for t in ts)
+                                                       for ts in zip(*(r["times"] for r in per_rank))) * 1e3, 1),
             "saved_bytes": max(r["saved"] for r in per_rank),
             "peak_bytes": per_rank[0]["peak"],
             "loss_first": per_rank[0]["loss_first"],
@@ -277,11 +285,11 @@ def make_rows(names: list, results: list) -> list[dict]:
 
 
 def print_rows(rows: list, priced: dict) -> None:
-    print(f"{'configuration':<32} {'ranks':>5} {'ms/step':>9} {'saved B/rank':>14} {'peak B/rank':>14} "
-          f"{'loss first':>11}")
+    print(f"{'configuration':<32} {'ranks':>5} {'ms/step':>9} {'CPU ms/step':>11} {'saved B/rank':>14} "
+          f"{'peak B/rank':>14} {'loss first':>11}")
     for row in rows:
-        print(f"{row['configuration']:<32} {row['ranks']:>5} {row['ms_per_step']:9.1f} {row['saved_bytes']:>14,} "
-              f"{row['peak_bytes']:>14,} {row['loss_first']:11.6f}")
+        print(f"{row['configuration']:<32} {row['ranks']:>5} {row['ms_per_step']:9.1f} {row['cpu_ms_per_step']:11.1f} "
+              f"{row['saved_bytes']:>14,} {row['peak_bytes']:>14,} {row['loss_first']:11.6f}")
     print(f"{priced['configuration']:<32} {8:>5} {'-':>9} (moves {priced['moved_bytes']:,} B a rank a step; holds "
           f"{priced['state_bytes']:,} B of weights, gradients and AdamW state a rank, the activations a 1/8 block)")
 
