@@ -16,8 +16,8 @@ import math
 
 import torch
 
-__all__ = ["attend", "attend_backward", "grouped", "merge", "position_bias", "save_blocks", "saved_blocks",
-           "scores_of", "stripe_runs", "striped_backward", "ungrouped"]
+__all__ = ["attend", "attend_backward", "attend_parts", "attend_parts_backward", "grouped", "key_parts", "mask_part",
+           "merge", "position_bias", "save_blocks", "saved_blocks", "stripe_runs", "ungrouped"]
 
 aten = torch.ops.aten
 
@@ -129,32 +129,51 @@ def stripe_runs(queries: int, keys: int, stripes: int) -> list[tuple[slice, int]
     return [(slice(j * rows, (j + 1) * rows), (j + 1) * part) for j in range(stripes)]
 
 
-def scores_of(bias: torch.Tensor | None, rows: slice, keys: int) -> torch.Tensor | None:
-    """The additive mask of the queries `rows` against the first `keys` keys (a mask that broadcasts
-    over the queries keeps its one row)."""
-    if bias is None:
-        return None
-    return (bias if bias.shape[-2] == 1 else bias[..., rows, :])[..., :keys]
+def key_parts(keys: int, stripes: int, stripe: int, causal_only: bool) -> list[tuple[int, int, bool]]:
+    """The runs `(start, stop, masked)` of the keys the queries of `stripe` (of `stripes`, `stripe_runs`)
+    may see: where the causal mask is the only one (`causal_only`), the parts before the stripe's own
+    are seen whole by every query (no mask to make) and only its own part is masked; else one masked run."""
+    part = keys // stripes
+    if causal_only and stripe > 0:
+        return [(0, stripe * part, False), (stripe * part, (stripe + 1) * part, True)]
+    return [(0, (stripe + 1) * part, True)]
 
 
-def striped_backward(grad, q, k, v, bias, out, lse, scale: float, stripes: int, mask_grad: bool) -> tuple:
-    """`attend_backward` stripe by stripe (`stripe_runs`): the query gradient's stripes joined, the key and
-    value gradients of each stripe's keys summed, the scores' gradient (`mask_grad`) in place."""
-    runs = stripe_runs(q.shape[-2], k.shape[-2], stripes)
-    if len(runs) == 1:
-        return attend_backward(grad, q, k, v, bias, out, lse, scale, bias_grad=mask_grad)
-    grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
-    grad_scores = None if not mask_grad else q.new_zeros(*bias.shape[:-2], q.shape[-2], k.shape[-2])
-    for rows, keys in runs:
-        dq, dk, dv, ds = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., :keys, :], v[..., :keys, :],
-                                         scores_of(bias, rows, keys), out[..., rows, :], lse[..., rows], scale,
-                                         bias_grad=mask_grad)
-        grad_q.append(dq)
-        grad_k[..., :keys, :] += dk
-        grad_v[..., :keys, :] += dv
+def attend_parts(q, k, v, parts, bias_of, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` of `q` over the key runs `parts` (`key_parts`), merged by their log-sum-exp; `bias_of(start,
+    stop)` makes a masked run's additive mask."""
+    out, lse = None, None
+    for start, stop, masked in parts:
+        bias = bias_of(start, stop) if masked else None
+        part_out, part_lse = attend(q, k[..., start:stop, :], v[..., start:stop, :], bias, scale)
+        out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
+    return out, lse
+
+
+def attend_parts_backward(grad, q, k, v, parts, bias_of, out, lse, scale: float, bias_grad: bool = False):
+    """The gradients of `attend_parts`: each run's from the whole attention's output and log-sum-exp,
+    the queries' summed, the keys' and values' at their run (zeros past the last); with `bias_grad` a
+    list of each masked run's score gradient `(start, stop, gradient)`."""
+    grad_q, grad_k, grad_v, scores = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), []
+    for start, stop, masked in parts:
+        dq, dk, dv, ds = attend_backward(grad, q, k[..., start:stop, :], v[..., start:stop, :],
+                                         bias_of(start, stop) if masked else None, out, lse, scale,
+                                         bias_grad=bias_grad and masked)
+        grad_q += dq
+        grad_k[..., start:stop, :] += dk
+        grad_v[..., start:stop, :] += dv
         if ds is not None:
-            grad_scores[..., rows, :keys] += ds.sum_to_size(grad_scores[..., rows, :keys].shape)
-    return torch.cat(grad_q, dim=-2), grad_k, grad_v, grad_scores
+            scores.append((start, stop, ds))
+    return grad_q, grad_k, grad_v, scores
+
+
+def mask_part(mask: torch.Tensor | None, rows: slice, start: int, stop: int) -> torch.Tensor | None:
+    """A mask's entries of the queries `rows` and the keys `start` to `stop` (a dim it broadcasts along
+    kept)."""
+    if mask is None:
+        return None
+    mask = mask if mask.shape[-2] == 1 else mask[..., rows, :]
+    return mask if mask.shape[-1] == 1 else mask[..., start:stop]
 
 
 def save_blocks(ctx, qs, ks, vs, outs, lses, masks, positions) -> None:

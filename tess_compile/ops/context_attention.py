@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 
 from tess_compile.ops.attention_kernels import (
-    attend,
+    attend_parts,
+    attend_parts_backward,
     grouped,
+    key_parts,
+    mask_part,
     position_bias,
     save_blocks,
     saved_blocks,
-    scores_of,
     stripe_runs,
-    striped_backward,
     ungrouped,
 )
 from tess_compile.ops.collectives import Comm, active_comm, current_comm, use_comm
@@ -51,10 +52,9 @@ class _ContextAttention(torch.autograd.Function):
         outs, lses = [], []
         for r in range(n):
             heads = qs[r].shape[-3]
-            bias = _bias(ctx, positions[r], k_used[r], masks[r], qs[r].dtype)
             k, v = grouped(k_used[r], heads), grouped(v_used[r], heads)
-            parts = [attend(qs[r][..., rows, :], k[..., :keys, :], v[..., :keys, :], scores_of(bias, rows, keys), scale)
-                     for rows, keys in stripe_runs(qs[r].shape[-2], k.shape[-2], stripes)]
+            parts = [attend_parts(qs[r][..., rows, :], k, v, keys, _bias_of(ctx, positions[r], masks[r], rows, qs[r]),
+                                  scale) for rows, keys in _runs(ctx, qs[r], k, masks[r])]
             outs.append(torch.cat([out for out, _ in parts], dim=-2))
             lses.append(torch.cat([lse for _, lse in parts], dim=-1))
         save_blocks(ctx, qs, k_own, v_own, outs, lses, masks, positions)
@@ -70,20 +70,45 @@ class _ContextAttention(torch.autograd.Function):
         grad_q, grad_k, grad_v, grad_mask = [], [], [], []
         for r in range(n):
             heads, kv_heads = qs[r].shape[-3], k_used[r].shape[-3]
-            bias = _bias(ctx, positions[r], k_used[r], masks[r], qs[r].dtype)
-            dq, dk, dv, ds = striped_backward(grads[r], qs[r], grouped(k_used[r], heads), grouped(v_used[r], heads),
-                                              bias, outs[r], lses[r], ctx.scale, ctx.stripes, mask_grad)
-            grad_q.append(dq)
+            k, v = grouped(k_used[r], heads), grouped(v_used[r], heads)
+            dqs, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+            scores = qs[r].new_zeros(*qs[r].shape[:-1], k.shape[-2]) if mask_grad else None
+            for rows, keys in _runs(ctx, qs[r], k, masks[r]):
+                dq, dk_rows, dv_rows, parts = attend_parts_backward(
+                    grads[r][..., rows, :], qs[r][..., rows, :], k, v, keys,
+                    _bias_of(ctx, positions[r], masks[r], rows, qs[r]), outs[r][..., rows, :], lses[r][..., rows],
+                    ctx.scale, bias_grad=mask_grad)
+                dqs.append(dq)
+                dk += dk_rows
+                dv += dv_rows
+                for start, stop, ds in parts:
+                    scores[..., rows, start:stop] += ds
+            grad_q.append(torch.cat(dqs, dim=-2))
             grad_k.append(ungrouped(dk, kv_heads))
             grad_v.append(ungrouped(dv, kv_heads))
-            grad_mask.append(None if ds is None else ds.sum_to_size(masks[r].shape).to(masks[r].dtype))
+            grad_mask.append(None if scores is None else scores.sum_to_size(masks[r].shape).to(masks[r].dtype))
         return (None,) * 7 + (*grad_q, *grad_k, *grad_v) + (None,) * (2 * n) + (*grad_mask,) + (None,) * n
 
 
-def _bias(ctx, q_positions, k_used, mask, dtype) -> torch.Tensor | None:
-    """The additive mask of one rank's queries against the fetched keys (in global order)."""
-    keys = torch.arange(k_used.shape[-2], device=k_used.device)
-    return position_bias(q_positions, keys, ctx.key_length, ctx.is_causal, mask, dtype)
+def _runs(ctx, q: torch.Tensor, k: torch.Tensor, mask) -> list[tuple[slice, list]]:
+    """(the rows, the key runs they see: `attention_kernels.key_parts`) of each stripe of the queries; runs
+    seen whole where the causal mask is the only one (no mask, no key padding)."""
+    causal_only = ctx.is_causal and mask is None and k.shape[-2] == ctx.key_length
+    return [(rows, key_parts(k.shape[-2], ctx.stripes, j, causal_only))
+            for j, (rows, _) in enumerate(stripe_runs(q.shape[-2], k.shape[-2], ctx.stripes))]
+
+
+def _bias_of(ctx, q_positions, mask, rows: slice, q: torch.Tensor):
+    """The additive mask of the queries `rows` against the fetched keys `start` to `stop` (global order),
+    as a function of the run."""
+    positions = None if q_positions is None else q_positions[rows]
+
+    def bias(start: int, stop: int) -> torch.Tensor | None:
+        keys = torch.arange(start, stop, device=q.device)
+        return position_bias(positions, keys, ctx.key_length, ctx.is_causal, mask_part(mask, rows, start, stop),
+                             q.dtype)
+
+    return bias
 
 
 def _refetch(comm: Comm, own: list[torch.Tensor], fetch: tuple) -> list[torch.Tensor]:

@@ -23,15 +23,16 @@ import math
 import torch
 
 from tess_compile.ops.attention_kernels import (
-    attend,
+    attend_parts,
+    attend_parts_backward,
     grouped,
+    key_parts,
+    mask_part,
     merge,
     position_bias,
     save_blocks,
     saved_blocks,
-    scores_of,
     stripe_runs,
-    striped_backward,
     ungrouped,
 )
 from tess_compile.ops.collectives import Comm, ShapeComm, active_comm, current_comm, use_comm
@@ -105,9 +106,8 @@ class _RingAttention(torch.autograd.Function):
                 heads = qs[r].shape[-3]
                 bias = _block_bias(ctx, positions[r], masks[r], index, qs[r])
                 k, v = grouped(k_block[r], heads), grouped(v_block[r], heads)
-                for rows, keys in stripe_runs(qs[r].shape[-2], k.shape[-2], ctx.runs):
-                    out, lse = attend(qs[r][..., rows, :], k[..., :keys, :], v[..., :keys, :],
-                                      scores_of(bias, rows, keys), scale)
+                for rows, keys in _runs(ctx, qs[r], masks[r]):
+                    out, lse = attend_parts(qs[r][..., rows, :], k, v, keys, _sliced(bias, rows), scale)
                     outs[r][..., rows, :], lses[r][..., rows] = merge(outs[r][..., rows, :], lses[r][..., rows], out,
                                                                       lse.to(lses[r].dtype))
         save_blocks(ctx, qs, ks, vs, outs, lses, masks, positions)
@@ -127,14 +127,22 @@ class _RingAttention(torch.autograd.Function):
             for r in range(n):
                 heads, kv_heads = qs[r].shape[-3], ks[r].shape[-3]
                 bias = _block_bias(ctx, positions[r], masks[r], index, qs[r])
-                dq, dk, dv, ds = striped_backward(grads[r], qs[r], grouped(k_block[r], heads),
-                                                  grouped(v_block[r], heads), bias, outs[r], lses[r].to(qs[r].dtype),
-                                                  ctx.scale, ctx.runs, mask_grad)
-                grad_q[r] += dq
+                k, v = grouped(k_block[r], heads), grouped(v_block[r], heads)
+                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+                scores = qs[r].new_zeros(*qs[r].shape[:-1], k.shape[-2]) if mask_grad else None
+                for rows, keys in _runs(ctx, qs[r], masks[r]):
+                    dq, dk_rows, dv_rows, parts = attend_parts_backward(
+                        grads[r][..., rows, :], qs[r][..., rows, :], k, v, keys, _sliced(bias, rows),
+                        outs[r][..., rows, :], lses[r][..., rows].to(qs[r].dtype), ctx.scale, bias_grad=mask_grad)
+                    grad_q[r][..., rows, :] += dq
+                    dk += dk_rows
+                    dv += dv_rows
+                    for start, stop, ds in parts:
+                        scores[..., rows, start:stop] += ds
                 dks.append(ungrouped(dk, kv_heads))
                 dvs.append(ungrouped(dv, kv_heads))
                 if mask_grad:
-                    _add_columns(ctx, grad_mask[r], ds, index, _key_positions(ctx, index, qs[r].device))
+                    _add_columns(ctx, grad_mask[r], scores, index, _key_positions(ctx, index, qs[r].device))
             grad_k = [g + d for g, d in zip(grad_k, _reduce_home(comm, dks, sources))]
             grad_v = [g + d for g, d in zip(grad_v, _reduce_home(comm, dvs, sources))]
         return (None,) * 8 + (*grad_q, *grad_k, *grad_v, *grad_mask) + (None,) * n
@@ -150,6 +158,21 @@ def _causal_runs(ctx, q: torch.Tensor) -> int:
     stripes under a causal self-attention (as many queries as keys), else 1 (every query every key)."""
     blocks = math.prod(size for _, size in ctx.axes)
     return ctx.stripes if ctx.is_causal and q.shape[-2] * blocks == ctx.key_length else 1
+
+
+def _runs(ctx, q: torch.Tensor, mask) -> list[tuple[slice, list]]:
+    """(the rows, the runs of a block's keys they see: `attention_kernels.key_parts`) of each stripe of
+    the queries; the block's stripes before a query stripe's own seen whole where the causal mask is the
+    only one (no mask, no key padding)."""
+    causal_only = ctx.runs > 1 and mask is None and ctx.block * math.prod(s for _, s in ctx.axes) == ctx.key_length
+    return [(rows, key_parts(ctx.block, ctx.runs, j, causal_only))
+            for j, (rows, _) in enumerate(stripe_runs(q.shape[-2], ctx.block, ctx.runs))]
+
+
+def _sliced(bias: torch.Tensor | None, rows: slice):
+    """A block's additive mask of the queries `rows` against the block's keys `start` to `stop`, as a
+    function of the run."""
+    return lambda start, stop: mask_part(bias, rows, start, stop)
 
 
 def _key_positions(ctx, index: int, device) -> torch.Tensor:
