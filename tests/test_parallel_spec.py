@@ -45,6 +45,8 @@ def tiny_gpt() -> TinyGPT:
     ({"dp": True}, "dp is a count"),
     ({"d": 3}, "d=3 > q=2"),
     ({"schedule": "zb"}, "use one of 1f1b, gpipe"),
+    ({"dp": 4, "zero_shard": 2}, "HSDP shards ZeRO-3 over groups of zero_shard replicas"),
+    ({"dp": 4, "zero": 3, "zero_shard": 4}, r"a divisor of dp between 1 and dp: pass zero=3"),
 ])
 def test_a_spec_checks_its_fields(fields, words):
     with pytest.raises(ValueError, match=words):
@@ -59,6 +61,9 @@ def test_a_spec_round_trips_through_json(tmp_path):
     assert ParallelSpec.load(tmp_path / "spec.json") == spec == ParallelSpec.from_dict(spec.to_dict())
     with pytest.raises(ValueError, match=r"unknown keys \['tp'\] in a parallel spec"):
         ParallelSpec.from_dict({"q": 2, "tp": 4})
+    hsdp = ParallelSpec(2, 1, dp=8, zero=3, zero_shard=4)
+    assert hsdp.describe() == "dp 8 x pp 1 x 2.5d [q=2, q=2, d=1], HSDP (2 replicas of ZeRO-3 over 4)"
+    assert ParallelSpec.from_dict(hsdp.to_dict()) == hsdp
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"bad.json. is not a parallel spec \(a parallel spec is a JSON object"):
         ParallelSpec.load(tmp_path / "bad.json")
@@ -182,3 +187,44 @@ def test_generation_on_replicas_with_zero():
     expected = gpt2().generate(prompts(), max_new_tokens=4, do_sample=False)
     for tokens in run_local(_generate_on_zero, 8, timeout_s=900, collective_timeout_s=300):
         assert torch.equal(tokens, expected)
+
+
+def _train_block_units_and_hsdp(rank, world_size):
+    """Three AdamW steps of HSDP (dp 4 = 2 replicas x 2 shards, x 1-D 2), one FSDP2 unit per block: its
+    losses and its weights after the steps."""
+    from tess_compile.scale_out.block_units import BlockUnits
+
+    ids, targets = _batch()
+    out = {}
+    for name, spec in [("hsdp", ParallelSpec(1, 2, dp=4, zero=3, zero_shard=2, options=CompileOptions(mode="1d")))]:
+        run = tess_compile.parallelize(tiny_gpt(), spec, example_inputs=(ids,), loss_fn=_loss, timeout=300)
+        assert isinstance(run.module, BlockUnits) and len(run.module.parts) == LAYERS
+        opt = torch.optim.AdamW(run.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            losses.append(run.step(ids, target=targets).item())
+            opt.step()
+            opt.zero_grad()
+        placements = str(run.module.parts[1].get_parameter("blocks.1.qkv.weight").placements)
+        out[name] = (losses, run.module.full_state_dict(), placements)
+    return out
+
+
+@pytest.mark.slow
+def test_zero_units_per_block_and_hsdp_train_as_the_unsharded_model():
+    results = run_local(_train_block_units_and_hsdp, 8, timeout_s=900, collective_timeout_s=300)
+    model, (ids, targets) = tiny_gpt(), _batch()
+    opt, expected = torch.optim.AdamW(model.parameters(), lr=1e-2), []
+    for _ in range(3):
+        loss = _loss(model(ids), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    for rank, result in enumerate(results):
+        for name, (losses, weights, placements) in result.items():
+            assert max(abs(a - b) / b for a, b in zip(losses, expected)) <= 1e-12, (rank, name, losses, expected)
+            for key, value in model.state_dict().items():  # not the key bias: AdamW amplifies its zero gradient's noise
+                keep = slice(None) if not key.endswith("qkv.bias") else torch.arange(3 * HIDDEN) // HIDDEN != 1
+                assert_close_rel(weights[key][keep], value[keep], 1e-12, f"{rank} {name} {key}")
+        assert result["hsdp"][2].startswith("(Replicate(), _StridedShard(dim=0"), result["hsdp"][2]

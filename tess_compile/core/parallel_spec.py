@@ -5,7 +5,8 @@ parameters, gradients and optimizer state (ZeRO-3, by FSDP2), how many pipeline 
 which schedule and over how many microbatches, the tensor-parallel mesh `[q, q, d]` and its
 mode, and the compile options. Ranks fill a tensor-parallel group first, then the pipeline
 stages, then the replicas (the Tesseract paper's Figure 6): the world is the DeviceMesh
-`(dp, pp, depth, row, col)` of `dp * pp * q*q*d` ranks.
+`(dp, pp, depth, row, col)` of `dp * pp * q*q*d` ranks. With `zero_shard` FSDP2 shards over groups
+of that many neighbouring replicas and replicates over the groups (HSDP: `dp = replicas x shards`).
 
 `tess_compile.plan` gives one per row (`PlanRow.spec`), `tess-compile plan --json` writes them and
 `--pick FILE` the fastest; `tess_compile.parallelize(model, spec, ...)` gives what a rank runs,
@@ -48,6 +49,7 @@ class ParallelSpec:
     schedule: str = "1f1b"
     microbatches: int = 1
     options: CompileOptions = field(default_factory=CompileOptions)
+    zero_shard: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.options, CompileOptions):
@@ -63,6 +65,11 @@ class ParallelSpec:
         if self.zero and self.dp == 1:
             raise ValueError("ParallelSpec(zero=3, dp=1): ZeRO shards over the data-parallel replicas: pass dp > 1, "
                              "or zero=0")
+        if self.zero_shard and not (self.zero and isinstance(self.zero_shard, int) and 1 < self.zero_shard < self.dp
+                                    and self.dp % self.zero_shard == 0):
+            raise ValueError(f"ParallelSpec(dp={self.dp}, zero={self.zero}, zero_shard={self.zero_shard!r}): HSDP shards "
+                             "ZeRO-3 over groups of zero_shard replicas, a divisor of dp between 1 and dp: pass zero=3 "
+                             "and such a zero_shard, or zero_shard=0 (shard over all dp)")
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"ParallelSpec(schedule={self.schedule!r}): use one of {', '.join(PIPELINE_SCHEDULES)}")
         if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < self.pp:
@@ -93,6 +100,8 @@ class ParallelSpec:
         text = f"dp {self.dp} x pp {self.pp} x {tensor}"
         if self.pp > 1 or self.microbatches > 1:
             text += f" ({self.schedule + ', ' if self.pp > 1 else ''}{self.microbatches} microbatches)"
+        if self.zero_shard:
+            return text + f", HSDP ({self.dp // self.zero_shard} replicas of ZeRO-3 over {self.zero_shard})"
         return text + (f", ZeRO-{self.zero}" if self.zero else "")
 
     def to_dict(self) -> dict:

@@ -6,6 +6,11 @@ SPMD-mesh path: parameters are DTensors on the whole mesh, Replicate on the
 data-parallel dims, which FSDP shards as `_StridedShard`); FSDP then averages
 the gradients (reduce-scatter) and the module does not. Full state dicts are
 gathered and loaded through FSDP's own view of each parameter.
+
+A data-parallel dim named `dp_replicate` (torchtitan's name) is replicated rather than
+sharded: FSDP2's HSDP, which shards over the other data-parallel dims (a node's GPUs, say)
+and all-reduces the reduce-scattered gradients over this one (`DataParallelMeshDims(shard=...,
+replicate="dp_replicate")`).
 """
 
 from __future__ import annotations
@@ -23,22 +28,38 @@ from tess_compile.runtime import state
 from tess_compile.runtime.dtensors import contiguous_stride, placements_of
 from tess_compile.runtime.groups import check_zero
 
-__all__ = ["fully_shard_over_dp", "load_full_over_dp", "refuse_zero", "unsharded_over_dp"]
+__all__ = [
+    "REPLICATE",
+    "fully_shard_over_dp",
+    "load_full_over_dp",
+    "params_over_whole_mesh",
+    "refuse_zero",
+    "shard_over_dp",
+    "unsharded_over_dp",
+]
+
+REPLICATE = "dp_replicate"  # a data-parallel dim FSDP replicates over (HSDP), not shards over
 
 
 def fully_shard_over_dp(module: nn.Module, **fsdp_options) -> nn.Module:
     """ZeRO over the data-parallel dims with FSDP2: each parameter becomes a DTensor on the
-    user's whole mesh (Replicate on the data-parallel dims, its layout on depth, row, col), then
-    `fully_shard(module, mesh=root, dp_mesh_dims=DataParallelMeshDims(shard=dp dims))` shards it,
-    its gradient and (through the optimizer) its state over the data-parallel dims.
+    user's whole mesh (`params_over_whole_mesh`), then `fully_shard(module, mesh=root,
+    dp_mesh_dims=...)` shards it, its gradient and (through the optimizer) its state over the
+    data-parallel dims (`shard_over_dp`; HSDP where one is named `dp_replicate`).
 
     Call before making the optimizer. `fsdp_options` go to `fully_shard` (e.g.
     `reshard_after_forward`). Returns `module`, now also an `FSDPModule`.
     """
 
-    groups = module.groups
-    check_zero(True, groups.root, groups.dp_dims, module.mesh)
-    root = groups.root
+    check_zero(True, module.groups.root, module.groups.dp_dims, module.mesh)
+    params_over_whole_mesh(module)
+    return shard_over_dp(module, module.groups.root, module.groups.dp_dims, **fsdp_options)
+
+
+def params_over_whole_mesh(module: nn.Module) -> None:
+    """Make each parameter of a sharded module a DTensor on the user's whole mesh: Replicate on the
+    data-parallel dims, its layout on depth, row, col (FSDP2's SPMD-mesh path takes these)."""
+    root = module.groups.root
     names = tuple(root.mesh_dim_names)
     program = module.program
     roles = {s.name: s.role for s in program.slots}
@@ -55,11 +76,22 @@ def fully_shard_over_dp(module: nn.Module, **fsdp_options) -> nn.Module:
     for slot in program.slots:
         if slot.role == "alias" and roles.get(slot.alias_of) == "param":
             state._set_tensor(module, slot.name, state.get_attribute(module, slot.alias_of), "param")
+
+
+def shard_over_dp(module: nn.Module, root, dp_dims: tuple[str, ...], **fsdp_options) -> nn.Module:
+    """`fully_shard(module, mesh=root)` over the data-parallel dims `dp_dims` of `root`: sharded over
+    all of them, or replicated over one named `dp_replicate` and sharded over the others (HSDP).
+    `module`'s parameters are DTensors on `root` (`params_over_whole_mesh`) or in FSDP modules below it."""
     # New in torch 2.13: imported here, so that this module (and shard, without ZeRO) loads on older torch.
     from torch.distributed.fsdp import DataParallelMeshDims
 
-    shard = groups.dp_dims[0] if len(groups.dp_dims) == 1 else groups.dp_dims
-    fully_shard(module, mesh=root, dp_mesh_dims=DataParallelMeshDims(shard=shard), **fsdp_options)
+    sharded = tuple(name for name in dp_dims if name != REPLICATE)
+    if not sharded:
+        raise ValueError(f"mesh {tuple(root.mesh_dim_names)}: its only data-parallel dim is {REPLICATE!r}, which "
+                         "FSDP replicates over: name a dim 'dp_shard' to shard over (HSDP), or 'dp' for plain ZeRO")
+    dims = DataParallelMeshDims(shard=sharded[0] if len(sharded) == 1 else sharded,
+                                replicate=REPLICATE if REPLICATE in dp_dims else None)
+    fully_shard(module, mesh=root, dp_mesh_dims=dims, **fsdp_options)
     return module
 
 

@@ -30,7 +30,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.utils import _pytree as pytree
 
 from tess_compile.analysis.compile_entry import compile_for
-from tess_compile.analysis.parallel_plan import repeated_blocks
+from tess_compile.analysis.parallel_plan import num_blocks, repeated_blocks
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.mesh import AXES
 from tess_compile.core.parallel_spec import ParallelSpec
@@ -39,6 +39,8 @@ from tess_compile.generation.cache_step import is_causal_lm
 from tess_compile.generation.generate import Generation
 from tess_compile.runtime.dtensors import full_tensor
 from tess_compile.runtime.sharded_module import shard_program
+from tess_compile.runtime.zero import REPLICATE
+from tess_compile.scale_out.block_units import shard_block_units
 from tess_compile.scale_out.data_parallel import check_batch, split_batch
 from tess_compile.scale_out.pipeline import PP, pipeline_stage
 
@@ -218,19 +220,41 @@ def parallelize(model: nn.Module, spec: ParallelSpec, *, example_inputs, loss_fn
     part = split_batch(tuple(args), dict(kwargs), spec.dp * spec.microbatches)[0]  # one microbatch of a replica
     example = part[1] if part[1] else tuple(part[0])
     stage_index = device_mesh.get_local_rank(PP)
+    module_mesh = _hsdp_mesh(spec, device_mesh) if spec.zero_shard else device_mesh
     if spec.pp > 1:
         stages = stage_modules(model, spec.pp, example)
         stage = pipeline_stage(stages[stage_index], spec.q, spec.d, stage_index, spec.pp,
                                example_inputs=_stage_example(stages, stage_index, example), options=spec.options,
-                               mesh=device_mesh, device=device, timeout=timeout, cluster=cluster, zero=bool(spec.zero))
+                               mesh=module_mesh, device=device, timeout=timeout, cluster=cluster, zero=bool(spec.zero))
         return RankRun(spec, stage.submod, device_mesh, loss_fn, stage)
+    dp_dims = tuple(name for name in module_mesh.mesh_dim_names if name not in (PP, *AXES)) if spec.dp > 1 else ()
+    tp_mesh = module_mesh[(*dp_dims, *AXES)]
+    if _block_units(model, spec):
+        stages = stage_modules(model, num_blocks(model), example)
+        examples = [_stage_example(stages, index, example) for index in range(len(stages))]
+        module = shard_block_units(stages, examples, spec, tp_mesh, device=device, timeout=timeout, cluster=cluster,
+                                   compile=compile)
+        return RankRun(spec, module, device_mesh, loss_fn)
     compiled = compile_for(model, spec.mesh, example, spec.options, cluster)
-    tp_mesh = device_mesh[(DP, *AXES)] if spec.dp > 1 else device_mesh[AXES]
     module = shard_program(compiled.program, device=device, timeout=timeout, recompile=compiled.recompile,
                            mesh=tp_mesh, zero=bool(spec.zero), compile=compile)
     if compiled.options.dynamic and is_causal_lm(model):
         module.generation = Generation(model, spec.mesh, compiled.options, compiled.cluster)
     return RankRun(spec, module, device_mesh, loss_fn)
+
+
+def _block_units(model: nn.Module, spec: ParallelSpec) -> bool:
+    """Whether ZeRO-3 runs one FSDP2 unit per repeated block (`block_units`): without a pipeline, on a
+    model of more than one repeated block, compiled for fixed shapes (a dynamic program, which
+    generation needs, is one unit)."""
+    return bool(spec.zero) and spec.pp == 1 and not spec.options.dynamic and num_blocks(model) > 1
+
+
+def _hsdp_mesh(spec: ParallelSpec, device_mesh):
+    """`device_mesh` (`spec_mesh`) with its dp dim cut into (dp_replicate, dp_shard): groups of
+    `spec.zero_shard` neighbouring replicas that FSDP2 shards over, and the groups it replicates over."""
+    shape = (spec.dp // spec.zero_shard, spec.zero_shard, spec.pp, *spec.mesh.shape)
+    return init_device_mesh(device_mesh.device_type, shape, mesh_dim_names=(REPLICATE, "dp_shard", PP, *AXES))
 
 
 def _stage_example(stages: list[nn.Module], index: int, example) -> tuple:
