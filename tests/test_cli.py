@@ -320,7 +320,7 @@ def test_plan_defaults_are_the_calibrated_cluster():
 
 JSON_KEYS = {"schema", "tess_compile", "target", "gpus", "options", "model", "cluster", "memory_budget_bytes", "pick",
              "rows"}
-ROW_KEYS = {"mode", "mesh", "tp_ranks", "dp", "pp", "microbatches", "zero", "compiled", "fits", "step_s", "time_s",
+ROW_KEYS = {"mode", "mesh", "tp_ranks", "dp", "pp", "microbatches", "zero", "zero_shard", "compiled", "fits", "step_s", "time_s",
             "comm_bytes", "memory_bytes", "redundant_work", "summa", "keep_blocks", "schedules", "note", "error", "tie",
             "spec", "pick"}
 TIME_KEYS = {"forward", "backward", "optimizer", "calls", "forward_compute", "forward_comm", "backward_compute", "backward_comm"}
@@ -348,7 +348,7 @@ def test_version_from_a_source_tree_that_is_not_installed(monkeypatch):
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """`plan --json FILE --plot FILE --pick FILE` of make_mlp on 8 GPUs (dp, pp and zero auto: 10 configurations), run
+    """`plan --json FILE --plot FILE --pick FILE` of make_mlp on 8 GPUs (dp, pp and zero auto: 12 configurations), run
     once in this process: (exit code, stdout, stderr, the JSON document, the SVG text, the picked spec)."""
     folder = tmp_path_factory.mktemp("plan_outputs")
     (folder / "plan_model.py").write_text(PLAN_MODEL_PY)
@@ -370,7 +370,7 @@ def test_plan_json_has_the_documented_keys_and_a_row_per_configuration(planned):
     table = plan_rows(out)  # the table still goes to stdout beside --json FILE
     assert set(document) == JSON_KEYS and document["schema"] == 1
     rows = document["rows"]
-    assert len(rows) == len(table) == 10, out
+    assert len(rows) == len(table) == 12, out
     for row, line in zip(rows, table):
         assert set(row) == ROW_KEYS and set(row["time_s"]) == TIME_KEYS and set(row["memory_bytes"]) == MEMORY_KEYS
         assert (row["mode"], str(row["mesh"]), f"{row['step_s']:.4g}") == (line[0], line[1], line[4]), (row, line)
@@ -379,7 +379,7 @@ def test_plan_json_has_the_documented_keys_and_a_row_per_configuration(planned):
         assert row["compiled"] and row["fits"] and memory["at_backward"] == sum(memory[key] for key in parts)
         assert memory["total"] > memory["at_backward"]  # the step's peak: gradients and backward's work on top
     assert {(row["dp"], row["pp"]) for row in rows} == {(1, 1), (2, 1), (4, 1), (8, 1)}
-    assert document["pick"] == 0 and [row["pick"] for row in rows] == [True] + [False] * 9
+    assert document["pick"] == 0 and [row["pick"] for row in rows] == [True] + [False] * 11
     # each row's whole layout as a parallel spec of the 8 GPUs; --pick wrote the pick's
     specs = [ParallelSpec.from_dict(row["spec"]) for row in rows]
     assert [(s.dp, s.pp, s.mode, s.world_size) for s in specs] == [(r["dp"], r["pp"], r["mode"], 8) for r in rows]
@@ -408,7 +408,7 @@ def test_plan_plot_draws_a_point_per_configuration_and_marks_the_pick(planned):
     assert sorted(g.get("data-mode") for g in points) == sorted(row["mode"] for row in document["rows"])
     picks = [g for g in root.iter(f"{SVG}g") if g.get("class") == "pick"]
     assert len(picks) == 1
-    assert "".join(picks[0].itertext()) == "pick: 1d [8], dp 1, pp 1"
+    assert "".join(picks[0].itertext()) == "pick: 1d [1], dp 8, pp 1"  # HSDP 2 x 4
     assert [line.get("class") for line in root.iter(f"{SVG}line")].count("budget") == 1
     texts = [" ".join(text.itertext()) for text in root.iter(f"{SVG}text")]
     assert "memory per rank (GB, log scale)" in texts and "predicted step time (ms)" in texts, texts

@@ -278,7 +278,7 @@ def test_zero_rows_enter_the_search_by_default():
     rows = plan(make_mlp, 8, modes=("1d",), dp=2, keep_blocks=False)
     assert sorted(row.outer.zero for row in rows) == [False, True]
     sharded, plain = sorted(rows, key=lambda row: not row.outer.zero)
-    assert sharded.memory.optimizer == plain.memory.optimizer // 2 and "(ZeRO)" in sharded.note
+    assert sharded.memory.optimizer == plain.memory.optimizer // 2 and "(ZeRO-3, 1 unit: " in sharded.note
     assert sharded.spec.zero == 3 and plain.spec.zero == 0
     assert [row.outer.zero for row in plan(make_mlp, 8, modes=("1d",), keep_blocks=False)] == [False]
     with pytest.raises(ValueError, match="zero='yes': use True, False or 'auto'"):

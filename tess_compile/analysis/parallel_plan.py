@@ -67,6 +67,7 @@ from torch.utils import _pytree as pytree
 
 from tess_compile.analysis.cost_model import StepTime
 from tess_compile.analysis.memory import MemoryEstimate
+from tess_compile.analysis.zero_units import ZeroComm, zero_comm
 from tess_compile.core.cluster import Cluster
 from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
 from tess_compile.core.program import split_example_inputs
@@ -77,11 +78,14 @@ __all__ = [
     "boundary_bytes",
     "default_microbatches",
     "dp_link_is_intra",
+    "fsdp_comm",
     "microbatch_inputs",
     "num_blocks",
     "outer_options",
     "price",
     "repeated_blocks",
+    "replicas_per_node",
+    "zero_note",
 ]
 
 log = logging.getLogger("tess_compile")
@@ -91,17 +95,25 @@ log = logging.getLogger("tess_compile")
 class Outer:
     """The parallelism around a tensor-parallel group: data-parallel replicas, pipeline
     stages, microbatches per step, whether the optimizer state is sharded (ZeRO), and the
-    pipeline's schedule, "1f1b" or "gpipe" (the microbatches a stage holds; the same time)."""
+    pipeline's schedule, "1f1b" or "gpipe" (the microbatches a stage holds; the same time);
+    `zero_shard` (ZeRO only; 0: all dp): HSDP, sharded over groups of that many neighbouring
+    replicas, replicated over the groups."""
 
     dp: int = 1
     pp: int = 1
     microbatches: int = 1
     zero: bool = False
     schedule: str = "1f1b"
+    zero_shard: int = 0
 
     def __post_init__(self):
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule={self.schedule!r}: use '1f1b' or 'gpipe'")
+
+    @property
+    def shards(self) -> int:
+        """The replicas a parameter is sharded over: 1 without ZeRO, `zero_shard` with HSDP, else dp."""
+        return (self.zero_shard or self.dp) if self.zero else 1
 
 
 def repeated_blocks(model: nn.Module) -> nn.Module | None:
@@ -211,59 +223,106 @@ def _sends_seconds(cluster: Cluster, outer: Outer, tp: int, block_bytes: int) ->
 
 
 def price(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster,
-          block_bytes: int = 0, input_bytes: int = 0) -> tuple[StepTime, MemoryEstimate]:
+          block_bytes: int = 0, input_bytes: int = 0, units: int = 1) -> tuple[StepTime, MemoryEstimate]:
     """The step time and per-rank memory of `outer` around a tensor-parallel program whose one
     microbatch costs `time` and `memory` (see the module docstring); `block_bytes`: this rank's
     block of the activation at a stage boundary, for one microbatch; `input_bytes`: the inputs of
-    one microbatch, as the program takes them (a pipeline's first stage holds the step's)."""
+    one microbatch, as the program takes them (a pipeline's first stage holds the step's); `units`:
+    the model's repeated blocks, ZeRO-3's FSDP2 units without a pipeline (`zero_units`)."""
     slots = (outer.microbatches + outer.pp - 1) / outer.pp  # stage slots, each 1/pp of the program
     sends = _sends_seconds(cluster, outer, tp, block_bytes)
     grad_bytes = memory.grads // outer.pp
-    reduce_s = _dp_sync_seconds(cluster, outer, tp, grad_bytes, max(1, time.grad_tensors // outer.pp))
-    dp_bytes = grad_bytes if outer.dp > 1 else 0
+    zero = fsdp_comm(time, memory, outer, tp, cluster, units)
+    if zero is None:
+        forward_dp_s, forward_dp_bytes = 0.0, 0
+        reduce_s = _dp_sync_seconds(cluster, outer, tp, grad_bytes, max(1, time.grad_tensors // outer.pp))
+        dp_bytes = grad_bytes if outer.dp > 1 else 0
+    else:  # per microbatch: the gathers of every unit (again in backward, unless one unit), the reductions
+        forward_dp_s, reduce_s = zero.forward_s * outer.microbatches, zero.backward_s * outer.microbatches
+        forward_dp_bytes = zero.units * zero.gather_bytes * outer.microbatches
+        dp_bytes = (grad_bytes + (forward_dp_bytes if zero.units > 1 else 0)
+                    + (forward_dp_bytes if outer.zero_shard else 0)) * outer.microbatches
     step = StepTime(
         forward_compute_s=time.forward_compute_s * slots,
-        forward_comm_s=time.forward_comm_s * slots + sends / 2,
+        forward_comm_s=time.forward_comm_s * slots + sends / 2 + forward_dp_s,
         backward_compute_s=time.backward_compute_s * slots,
         backward_comm_s=time.backward_comm_s * slots + sends / 2 + reduce_s,
-        forward_bytes=int(time.forward_bytes * outer.microbatches / outer.pp),
+        forward_bytes=int(time.forward_bytes * outer.microbatches / outer.pp) + forward_dp_bytes,
         backward_bytes=int(time.backward_bytes * outer.microbatches / outer.pp) + dp_bytes,
         overlap=time.overlap,
-        optimizer_s=time.optimizer_s / (outer.pp * (outer.dp if outer.zero else 1)),
+        optimizer_s=time.optimizer_s / (outer.pp * outer.shards),
         grad_tensors=time.grad_tensors // outer.pp,
         forward_ahead_s=time.forward_ahead_s * slots,
         call_s=time.call_s * (outer.microbatches + outer.pp - 1),  # a stage's program, called once a slot
     )
-    return step, _held(memory, outer, block_bytes, input_bytes)
+    return step, _held(memory, outer, block_bytes, input_bytes, units if zero is not None else 1)
 
 
-def _held(memory: MemoryEstimate, outer: Outer, block_bytes: int, input_bytes: int = 0) -> MemoryEstimate:
+def fsdp_comm(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster,
+              units: int) -> ZeroComm | None:
+    """ZeRO-3's communication per microbatch as FSDP2 runs it without a pipeline (`zero_units`): the
+    shards on neighbouring replicas (intra-node if they fit in one), HSDP's replicas across them;
+    None without ZeRO or with a pipeline (one unit a stage, priced as one gradient all-reduce)."""
+    if not outer.zero or outer.pp > 1:
+        return None
+    shard_intra = outer.shards * tp <= cluster.gpus_per_node
+    return zero_comm(cluster, param_bytes=memory.params, units=units, shards=outer.shards,
+                     replicas=outer.dp // outer.shards, shard_intra=shard_intra,
+                     replica_intra=dp_link_is_intra(cluster, outer, tp), forward_compute_s=time.forward_compute_s,
+                     backward_compute_s=time.backward_compute_s)
+
+
+def _held(memory: MemoryEstimate, outer: Outer, block_bytes: int, input_bytes: int = 0,
+          units: int = 1) -> MemoryEstimate:
     """What the worst rank of `outer` holds at the start of a backward, by kind, and its step's
     peak, from one microbatch's `memory` (see the module docstring)."""
-    shards = outer.dp if outer.zero else 1
+    shards = outer.shards
     in_flight = outer.microbatches if outer.schedule == "gpipe" else min(outer.pp, outer.microbatches)
     buffers = 0 if outer.pp == 1 else ((2 if outer.pp > 2 else 1) * outer.microbatches + in_flight) * block_bytes
     if outer.pp > 1:  # the first stage: the step's inputs, of which the program counts one microbatch's
         buffers += (outer.microbatches - 1) * input_bytes
-    params = memory.params // outer.pp
+    params, grads = memory.params // outer.pp, memory.grads // outer.pp
+    if units > 1:  # ZeRO per unit: the shards, and two units whole (the one running, the one prefetched)
+        params, grads = params // shards + min(params, 2 * params // units), grads // shards + min(grads, 2 * grads // units)
+    elif outer.zero:  # one unit: gathered, and the shards; the gradients whole until the reduce-scatter
+        params += params // shards
     held = MemoryEstimate(
-        params=params + (params // outer.dp if outer.zero else 0),  # ZeRO: gathered, and the shards
-        grads=memory.grads // outer.pp,  # ZeRO: whole until the reduce-scatter
+        params=params,
+        grads=grads,
         optimizer=memory.optimizer // (outer.pp * shards),
         activations=memory.activations * in_flight // outer.pp + buffers,
         transient=memory.transient,
     )
-    return held if memory.peak is None else replace(held, peak=_peak(memory, held, outer, in_flight))
+    return held if memory.peak is None else replace(held, peak=_peak(memory, held, outer, in_flight, units))
 
 
-def _peak(memory: MemoryEstimate, held: MemoryEstimate, outer: Outer, in_flight: int) -> int:
+def _peak(memory: MemoryEstimate, held: MemoryEstimate, outer: Outer, in_flight: int, units: int = 1) -> int:
     """The peak of a rank that holds `held`: the program's, which comes in backward before its
     gradients are complete, moved by what the other parts move, plus the gradients a backward
-    after the first runs over; ZeRO: at least the end of forward (see the module docstring)."""
-    accumulated = 0 if outer.microbatches == 1 else memory.grads // (outer.pp * (outer.dp if outer.zero else 1))
+    after the first runs over; ZeRO per unit: moved by the gradients too; ZeRO in one unit: at least
+    the end of forward (see the module docstring)."""
+    accumulated = 0 if outer.microbatches == 1 else memory.grads // (outer.pp * outer.shards)
     if in_flight == outer.microbatches:  # every microbatch in flight at the first backward: one fewer at the next
         accumulated = max(0, accumulated - memory.activations // outer.pp)
+    if units > 1:
+        return memory.peak + held.at_backward - memory.at_backward + accumulated
     peak = memory.peak + held.at_backward - held.grads - (memory.at_backward - memory.grads) + accumulated
     if outer.zero:  # FSDP keeps its all-gather's output beside the parameters copied out of it
         peak = max(peak, held.at_backward - held.grads + accumulated + memory.params // outer.pp)
     return peak
+
+
+def zero_note(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster, units: int) -> str:
+    """`" (ZeRO-3, 32 units: 0.012 s of gathers exposed)"`: how ZeRO runs around a program of one
+    microbatch's `time` and `memory`, and the step's forward gathers priced exposed (`fsdp_comm`)."""
+    kind = f"HSDP {outer.dp // outer.zero_shard} x {outer.zero_shard}" if outer.zero_shard else "ZeRO-3"
+    zero = fsdp_comm(time, memory, outer, tp, cluster, units)
+    if zero is None:
+        return f" ({kind})"
+    units = f"{zero.units} units" if zero.units > 1 else "1 unit"
+    return f" ({kind}, {units}: {zero.forward_s * outer.microbatches:.3g} s of gathers exposed)"
+
+
+def replicas_per_node(cluster: Cluster, tp: int, pp: int) -> int:
+    """The data-parallel replicas of `tp` x `pp` ranks one node holds; 0 with a pipeline (no HSDP rows)."""
+    return cluster.gpus_per_node // (tp * pp) if pp == 1 else 0

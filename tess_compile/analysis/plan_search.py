@@ -18,7 +18,8 @@ parallelism around it are then priced as for a compiled row. So the search compi
 mesh, its largest microbatch first (`search_order`), then the others by their bound.
 
 With `zero="auto"` every configuration of more than one data-parallel replica is searched with
-and without ZeRO (`zero_options`): both share the compile of their mesh.
+and without ZeRO, and as HSDP where its replicas span nodes (`zero_options`): all share the
+compile of their mesh.
 """
 
 from __future__ import annotations
@@ -53,11 +54,17 @@ def bound_time(cheapest: StepTime, rows: int, larger: int) -> StepTime:
     return dataclasses.replace(cheapest, **{name: getattr(cheapest, name) * share for name in _GROWING})
 
 
-def zero_options(zero: bool | str, dp: int) -> tuple[bool, ...]:
-    """Whether to shard over `dp` replicas (ZeRO) in each configuration to price: `zero`, or both
-    ("auto"); never over one replica."""
+def zero_options(zero: bool | str, dp: int, per_node: int = 0) -> tuple[tuple[bool, int], ...]:
+    """(ZeRO, HSDP's shard degree or 0) of each configuration of `dp` replicas to price: without and
+    with ZeRO ("auto"), or as `zero` says; never ZeRO over one replica. Where the replicas span
+    nodes and `per_node` of them share one, ZeRO also as HSDP: sharded over the most replicas within
+    a node (a divisor of dp, more than one), replicated across (`per_node` 0: no HSDP)."""
     if zero not in ("auto", True, False):
         raise ValueError(f"zero={zero!r}: use True, False or 'auto' (both, for dp > 1)")
     if dp == 1:
-        return (False,)
-    return (False, True) if zero == "auto" else (zero,)
+        return ((False, 0),)
+    options = [(False, 0), (True, 0)] if zero == "auto" else [(zero, 0)]
+    within = [k for k in range(2, min(dp, per_node + 1)) if dp % k == 0] if dp > per_node else []
+    if zero is not False and within:
+        options.append((True, within[-1]))
+    return tuple(options)

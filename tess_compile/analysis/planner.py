@@ -45,6 +45,8 @@ from tess_compile.analysis.parallel_plan import (
     num_blocks,
     outer_options,
     price,
+    replicas_per_node,
+    zero_note,
 )
 from tess_compile.analysis.plan_search import bound_time, search_order, zero_options
 from tess_compile.analysis.schedule_choice import ScheduleChoice, choose_schedule
@@ -112,7 +114,8 @@ class PlanRow:
         outer, options = self.outer, self.options or CompileOptions(mode=self.mode)
         schedule = outer.schedule if outer.microbatches >= outer.pp else "gpipe"
         return ParallelSpec(self.mesh.q, self.mesh.d, dp=outer.dp, zero=3 if outer.zero else 0, pp=outer.pp,
-                            schedule=schedule, microbatches=outer.microbatches, options=options)
+                            schedule=schedule, microbatches=outer.microbatches, options=options,
+                            zero_shard=outer.zero_shard)
 
     def to_dict(self) -> dict:
         """The row as JSON values, the same keys on every row (None where it did not compile):
@@ -126,6 +129,7 @@ class PlanRow:
             "pp": self.outer.pp,
             "microbatches": self.outer.microbatches,
             "zero": self.outer.zero,
+            "zero_shard": self.outer.zero_shard,
             "compiled": time is not None,
             "fits": self.fits,
             "step_s": None if time is None else time.step_s,
@@ -300,21 +304,24 @@ def plan(
             raise ValueError(f"microbatches={m} does not divide the batch of {rows_per_group} rows per "
                              f"data-parallel replica (batch {batch}, dp={dp_}): use a divisor of {rows_per_group}")
         micro = None if batch is None else rows_per_group // m
-        configs += [(Outer(dp_, pp_, m, sharded), mesh, micro)
-                    for sharded in zero_options(zero, dp_) for mesh in meshes]
+        configs += [(Outer(dp_, pp_, m, sharded, zero_shard=shard), mesh, micro) for mesh in meshes
+                    for sharded, shard in zero_options(zero, dp_, replicas_per_node(cluster, mesh.num_ranks, pp_))]
     if not configs:
         raise ValueError(f"no (dp, pp, mesh) of {gpus} GPUs in modes {', '.join(modes)} with dp={dp!r}, pp={pp!r}: "
                          "pick other modes or GPU counts, or let dp and pp be 'auto'")
     with captures_reused():  # one export per microbatch size serves every mesh
         rows = _rows(model, inputs, configs, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
-                     keep_blocks=keep_blocks, recompute=recompute, progress=progress or _no_progress)
+                     keep_blocks=keep_blocks, recompute=recompute, progress=progress or _no_progress,
+                     units=num_blocks(model))
     return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
 
 
-def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress: Progress, **options) -> list[PlanRow]:
+def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress: Progress, units: int,
+          **options) -> list[PlanRow]:
     """The row of each configuration (Outer, mesh, microbatch rows) of `plan`: each (mesh, microbatch)
     compiled once (`_evaluate` with `options`), the largest microbatch of each mesh first, the others
-    skipped where a bound from it shows they cannot win (`tess_compile.analysis.plan_search`)."""
+    skipped where a bound from it shows they cannot win (`tess_compile.analysis.plan_search`); ZeRO
+    in `units` FSDP2 units (the model's repeated blocks)."""
     batch, budget = batch_size(inputs), options["budget"]
     unsharded_flops = functools.cache(lambda rows: unsharded_forward_flops(  # once per microbatch size compiled
         model, inputs if rows in (None, batch) else microbatch_inputs(inputs, batch, rows)))
@@ -329,7 +336,7 @@ def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress
         micro_inputs = inputs if micro in (None, batch) else microbatch_inputs(inputs, batch, micro)
         block = _stage_block(boundary, mesh, micro, batch) if outer.pp > 1 else 0
         held_inputs = sum(map(tensor_bytes, tensor_leaves(micro_inputs))) if outer.pp > 1 else 0
-        bound = _bound(evaluated, outer, mesh, micro, cluster, budget, block, held_inputs)
+        bound = _bound(evaluated, outer, mesh, micro, cluster, budget, block, held_inputs, units)
         if bound is not None and bound.time.step_s > best * (1 + (cluster.time_error or 0)):
             rows[number] = replace(bound, time=None, memory=None, fits=False, note=(
                 f"not compiled: a step takes at least {bound.time.step_s:.4g} s here (priced from a larger "
@@ -339,7 +346,7 @@ def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress
         if (mesh, micro) not in evaluated:
             evaluated[(mesh, micro)] = _evaluate(model, micro_inputs, mesh, cluster,
                                                  unsharded_flops=functools.partial(unsharded_flops, micro), **options)
-        rows[number] = _around(evaluated[(mesh, micro)][0], outer, cluster, budget, block, held_inputs)
+        rows[number] = _around(evaluated[(mesh, micro)][0], outer, cluster, budget, block, held_inputs, units)
         if rows[number].fits:
             best = min(best, rows[number].time.step_s)
     progress(len(configs), len(configs), "")
@@ -347,7 +354,7 @@ def _rows(model: nn.Module, inputs, configs: list, cluster: Cluster, *, progress
 
 
 def _bound(evaluated: dict, outer: Outer, mesh: Mesh, micro: int | None, cluster: Cluster, budget: float,
-           block: int, held_inputs: int) -> PlanRow | None:
+           block: int, held_inputs: int, units: int) -> PlanRow | None:
     """A row whose step is a lower bound of (outer, mesh, micro)'s, from the smallest larger microbatch of
     the mesh priced (`plan_search.bound_time`); None where there is none."""
     larger = [rows for (other, rows), (_, cheapest) in evaluated.items()
@@ -356,7 +363,8 @@ def _bound(evaluated: dict, outer: Outer, mesh: Mesh, micro: int | None, cluster
         return None
     rows = min(larger)
     row, cheapest = evaluated[(mesh, rows)]
-    return _around(replace(row, time=bound_time(cheapest, micro, rows)), outer, cluster, budget, block, held_inputs)
+    return _around(replace(row, time=bound_time(cheapest, micro, rows)), outer, cluster, budget, block, held_inputs,
+                   units)
 
 
 def _no_progress(done: int, total: int, what: str) -> None:
@@ -396,12 +404,13 @@ def _stage_block(boundary: Callable[[], int], mesh: Mesh, micro: int | None, bat
 
 
 def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float, block_bytes: int = 0,
-            input_bytes: int = 0) -> PlanRow:
+            input_bytes: int = 0, units: int = 1) -> PlanRow:
     """`row` (one microbatch on its mesh) priced with `outer` around it (`block_bytes`: this rank's
-    block of the activation a pipeline stage sends; `input_bytes`: one microbatch's inputs)."""
+    block of the activation a pipeline stage sends; `input_bytes`: one microbatch's inputs; `units`:
+    ZeRO's FSDP2 units)."""
     if row.time is None or outer == Outer():
         return replace(row, outer=outer)
-    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster, block_bytes, input_bytes)
+    time, memory = price(row.time, row.memory, outer, row.mesh.num_ranks, cluster, block_bytes, input_bytes, units)
     fits = memory.total <= budget
     if not fits:
         note = f"needs {memory.total / GB:.3g} GB per GPU, over the budget of {budget / GB:.3g} GB"
@@ -410,7 +419,7 @@ def _around(row: PlanRow, outer: Outer, cluster: Cluster, budget: float, block_b
         link = "intra" if dp_link_is_intra(cluster, outer, row.mesh.num_ranks) else "inter"
         note += f"; {outer.microbatches} microbatches" if outer.pp > 1 else ""
         note += f"; dp {link}-node" if outer.dp > 1 else ""
-        note += " (ZeRO)" if outer.zero else ""
+        note += zero_note(row.time, row.memory, outer, row.mesh.num_ranks, cluster, units) if outer.zero else ""
     return replace(row, time=time, memory=memory, fits=fits, note=note, outer=outer)
 
 

@@ -7,8 +7,8 @@ overlap them with. Here the model is cut at the boundaries of its repeated block
 cut, `rank_run.stage_modules`, one block a part), each part compiled as a pipeline stage on the
 same ranks (local blocks in and out, `pipeline.compile_stage`) and sharded over the data-parallel
 dims by its own `fully_shard`, then the root over them. FSDP2's own hooks then gather a block's
-parameters as it starts (the next block's gather issued while this block computes, where the
-device runs ahead of the host, and prefetched explicitly in backward) and reduce-scatter its
+parameters before it starts (the next block's gather issued as this block starts, each way:
+`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) and reduce-scatter its
 gradients as its backward ends, while the block before it runs its backward.
 """
 
@@ -71,4 +71,7 @@ def shard_block_units(stages: list[nn.Module], examples: list, spec: ParallelSpe
                              wrap_outputs=index == len(stages) - 1, recompile=compiled.recompile, compile=compile)
         params_over_whole_mesh(part)
         parts.append(shard_over_dp(part, part.groups.root, part.groups.dp_dims))
+    for before, after in zip(parts, parts[1:]):  # FSDP2's explicit prefetch: the next unit's gather, each way
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
     return shard_over_dp(BlockUnits(parts), parts[0].groups.root, parts[0].groups.dp_dims)
