@@ -190,24 +190,23 @@ def test_generation_on_replicas_with_zero():
 
 
 def _train_block_units_and_hsdp(rank, world_size):
-    """Three AdamW steps of HSDP (dp 4 = 2 replicas x 2 shards, x 1-D 2), one FSDP2 unit per block: its
-    losses and its weights after the steps."""
+    """Three AdamW steps with clipping of HSDP (dp 4 = 2 replicas x 2 shards, x 1-D 2), one FSDP2 unit per
+    block: its losses and gradient norms, its weights after the steps, and a block's placements."""
     from tess_compile.scale_out.block_units import BlockUnits
 
     ids, targets = _batch()
-    out = {}
-    for name, spec in [("hsdp", ParallelSpec(1, 2, dp=4, zero=3, zero_shard=2, options=CompileOptions(mode="1d")))]:
-        run = tess_compile.parallelize(tiny_gpt(), spec, example_inputs=(ids,), loss_fn=_loss, timeout=300)
-        assert isinstance(run.module, BlockUnits) and len(run.module.parts) == LAYERS
-        opt = torch.optim.AdamW(run.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(3):
-            losses.append(run.step(ids, target=targets).item())
-            opt.step()
-            opt.zero_grad()
-        placements = str(run.module.parts[1].get_parameter("blocks.1.qkv.weight").placements)
-        out[name] = (losses, run.module.full_state_dict(), placements)
-    return out
+    spec = ParallelSpec(1, 2, dp=4, zero=3, zero_shard=2, options=CompileOptions(mode="1d"))
+    run = tess_compile.parallelize(tiny_gpt(), spec, example_inputs=(ids,), loss_fn=_loss, timeout=300)
+    assert isinstance(run.module, BlockUnits) and len(run.module.parts) == LAYERS
+    opt = torch.optim.AdamW(run.parameters(), lr=1e-2)
+    values = []
+    for _ in range(3):
+        values.append(run.step(ids, target=targets).item())
+        values.append(run.module.clip_grad_norm_(0.5).item())
+        opt.step()
+        opt.zero_grad()
+    placements = str(run.module.parts[1].get_parameter("blocks.1.qkv.weight").placements)
+    return values, run.module.full_state_dict(), placements
 
 
 @pytest.mark.slow
@@ -218,13 +217,12 @@ def test_zero_units_per_block_and_hsdp_train_as_the_unsharded_model():
     for _ in range(3):
         loss = _loss(model(ids), targets)
         loss.backward()
+        expected += [loss.item(), torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()]
         opt.step()
         opt.zero_grad()
-        expected.append(loss.item())
-    for rank, result in enumerate(results):
-        for name, (losses, weights, placements) in result.items():
-            assert max(abs(a - b) / b for a, b in zip(losses, expected)) <= 1e-12, (rank, name, losses, expected)
-            for key, value in model.state_dict().items():  # not the key bias: AdamW amplifies its zero gradient's noise
-                keep = slice(None) if not key.endswith("qkv.bias") else torch.arange(3 * HIDDEN) // HIDDEN != 1
-                assert_close_rel(weights[key][keep], value[keep], 1e-12, f"{rank} {name} {key}")
-        assert result["hsdp"][2].startswith("(Replicate(), _StridedShard(dim=0"), result["hsdp"][2]
+    for rank, (values, weights, placements) in enumerate(results):
+        assert max(abs(a - b) / b for a, b in zip(values, expected)) <= 1e-12, (rank, values, expected)
+        for key, value in model.state_dict().items():  # not the key bias: AdamW amplifies its zero gradient's noise
+            keep = slice(None) if not key.endswith("qkv.bias") else torch.arange(3 * HIDDEN) // HIDDEN != 1
+            assert_close_rel(weights[key][keep], value[keep], 1e-12, f"rank {rank} {key}")
+        assert placements.startswith("(Replicate(), _StridedShard(dim=0"), placements  # replicated, sharded

@@ -47,6 +47,15 @@ class BlockUnits(nn.Module):
             out = part(*(out if isinstance(out, tuple) else (out,)))
         return out
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **options) -> torch.Tensor:
+        """Scale the gradients of every part so that their norm over the whole model is at most
+        `max_norm` (`ShardedModule.clip_grad_norm_` over all parts' parameters); the norm before."""
+        return ShardedModule.clip_grad_norm_(self, max_norm, norm_type, **options)
+
+    def generate(self, *args, **kwargs):
+        raise ValueError("generation runs on a program compiled with dynamic=True, which ZeRO-3 runs as one FSDP2 "
+                         "unit: build the spec with CompileOptions(dynamic=True) (docs/generation.md)")
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict, gathered on every rank, under the model's names."""
         return {name: value for part in self.parts for name, value in part.full_state_dict().items()}
