@@ -16,14 +16,18 @@ apart. The tensor-parallel program is compiled for one microbatch,
   broadcast over two ranks on the link between stages);
 - data parallel: each stage's gradients are all-reduced over the `dp`
   replicas in backward, one all-reduce per parameter shard as the runtime
-  runs them (ZeRO: reduce-scattered, and the parameters all-gathered, the
-  same bytes on a ring, priced as one), on the intra-node link if the
-  replicas share a node, else the inter-node one, at the cluster's lone
-  points: the sync runs after the tensor-parallel backward, its
-  all-reduces one after another on the data-parallel group alone (autograd
-  runs the parameters' reduce nodes last: they were made first, before the
-  program's); the optimizer steps the
-  stage's parameters (ZeRO: their 1/dp share);
+  runs them, on the intra-node link if the replicas share a node, else the
+  inter-node one, at the cluster's lone points: the sync runs after the
+  tensor-parallel backward, its all-reduces one after another on the
+  data-parallel group alone (autograd runs the parameters' reduce nodes
+  last: they were made first, before the program's); the optimizer steps the
+  stage's parameters (ZeRO: their share);
+- ZeRO-3 without a pipeline: FSDP2's gathers and reduce-scatters per unit,
+  one unit per repeated block, overlapped with the neighbouring units'
+  compute (`fsdp_comm`, `tess_compile.analysis.zero_units`); HSDP
+  (`zero_shard`) shards over neighbouring replicas and all-reduces across
+  the groups; with a pipeline each stage is one unit, priced as its
+  gradients' all-reduce (the same bytes on a ring) after its backward;
 - memory per rank: the program's peak (`analysis.memory.step_peak`, one
   microbatch, which comes in backward before its gradients are complete)
   moved by what the worst rank holds there instead:
@@ -39,7 +43,11 @@ apart. The tensor-parallel program is compiled for one microbatch,
     before the first backward (GPipe) it has one microbatch fewer in flight,
     so the peak is the larger of the two (a program whose own peak comes
     with its gradients, after backward, gets them counted twice: too high);
-  - ZeRO: the module is one FSDP2 unit (`runtime.zero`), so from forward to
+  - ZeRO per unit (`units > 1`): the shards (1/dp, HSDP 1/zero_shard) of
+    the parameters, gradients and AdamW state, and two units whole of the
+    parameters and of the gradients (the one running, the one prefetched);
+    the program's peak moved by all of them;
+  - ZeRO in one unit (`runtime.zero`; a pipeline stage): from forward to
     the end of backward a rank holds its whole tensor-parallel parameters
     (gathered over dp) beside their 1/dp shards, and the whole gradients
     until FSDP reduce-scatters them: the parameters 1 + 1/dp times, the

@@ -14,6 +14,7 @@ gradients as its backward ends, while the block before it runs its backward.
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 
 import torch
@@ -80,7 +81,7 @@ def shard_block_units(stages: list[nn.Module], examples: list, spec: ParallelSpe
                              wrap_outputs=index == len(stages) - 1, recompile=compiled.recompile, compile=compile)
         params_over_whole_mesh(part)
         parts.append(shard_over_dp(part, part.groups.root, part.groups.dp_dims))
-    for before, after in zip(parts, parts[1:]):  # FSDP2's explicit prefetch: the next unit's gather, each way
+    for before, after in itertools.pairwise(parts):  # FSDP2's explicit prefetch: the next unit's gather, each way
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
     return shard_over_dp(BlockUnits(parts), parts[0].groups.root, parts[0].groups.dp_dims)
