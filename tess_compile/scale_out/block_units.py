@@ -37,6 +37,11 @@ class BlockUnits(nn.Module):
     def __init__(self, parts: list[ShardedModule]):
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self.compile = parts[0].compile
+
+    def feeding_leaves(self):
+        """`tess_compile.train_step`'s hook, refused as a ZeRO module's (FSDP shards its gradients itself)."""
+        return self.parts[0].feeding_leaves()
 
     @property
     def device(self) -> torch.device:
