@@ -140,9 +140,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
 
 
-def _train_spec(rank, world_size, spec_dict):
-    """Three AdamW steps of `spec_dict`'s layout of the tiny GPT (float64), then an evaluation: the losses."""
-    spec = ParallelSpec.from_dict(spec_dict)
+def _three_steps(spec: ParallelSpec):
+    """Three AdamW steps of `spec`'s layout of the tiny GPT (float64) on this rank: its `RankRun` and the losses."""
     ids, targets = _batch()
     run = tess_compile.parallelize(tiny_gpt(), spec, example_inputs=(ids,), loss_fn=_loss, timeout=300)
     opt = torch.optim.AdamW(run.parameters(), lr=1e-2)
@@ -151,6 +150,13 @@ def _train_spec(rank, world_size, spec_dict):
         losses.append(run.step(ids, target=targets).item())
         opt.step()
         opt.zero_grad()
+    return run, losses
+
+
+def _train_spec(rank, world_size, spec_dict):
+    """Three AdamW steps of `spec_dict`'s layout of the tiny GPT (float64), then an evaluation: the losses."""
+    run, losses = _three_steps(ParallelSpec.from_dict(spec_dict))
+    ids, targets = _batch()
     return [*losses, run.loss(ids, target=targets).item()]
 
 
@@ -195,16 +201,8 @@ def _train_block_units_and_hsdp(rank, world_size):
     propagation of clip_grad_norm_'s foreach ops over this 5-D mesh takes minutes on first call.)"""
     from tess_compile.scale_out.block_units import BlockUnits
 
-    ids, targets = _batch()
-    spec = ParallelSpec(1, 2, dp=4, zero=3, zero_shard=2, options=CompileOptions(mode="1d"))
-    run = tess_compile.parallelize(tiny_gpt(), spec, example_inputs=(ids,), loss_fn=_loss, timeout=300)
+    run, values = _three_steps(ParallelSpec(1, 2, dp=4, zero=3, zero_shard=2, options=CompileOptions(mode="1d")))
     assert isinstance(run.module, BlockUnits) and len(run.module.parts) == LAYERS
-    opt = torch.optim.AdamW(run.parameters(), lr=1e-2)
-    values = []
-    for _ in range(3):
-        values.append(run.step(ids, target=targets).item())
-        opt.step()
-        opt.zero_grad()
     placements = str(run.module.parts[1].get_parameter("blocks.1.qkv.weight").placements)
     return values, run.module.full_state_dict(), placements
 
