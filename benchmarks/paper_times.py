@@ -47,7 +47,8 @@ from tess_compile.analysis.calibration import (
     predicted_seconds,
 )
 from tess_compile.analysis.cost_model import profile_program, time_terms
-from tess_compile.analysis.planner import format_table, plan
+from tess_compile.analysis.plan_table import format_table
+from tess_compile.analysis.planner import plan
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, PAPER_CLUSTER
 
 TABLES = {"1": ("Table 1 (strong scaling)", TABLE_1), "2": ("Table 2 (weak scaling)", TABLE_2)}

@@ -43,7 +43,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tess_compile
 from tess_compile import ParallelSpec, run_local
-from tess_compile.analysis.planner import format_table, pick
+from tess_compile.analysis.plan_table import format_table
+from tess_compile.analysis.planner import pick
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import GPT, Batches, print_header, print_row  # noqa: E402  (the model and data of train_gpt)

@@ -45,7 +45,7 @@ MOVED = {
     "tess_compile.parallel_plan": ("tess_compile.analysis.parallel_plan",),
     "tess_compile.pipeline": ("tess_compile.scale_out.pipeline", "tess_compile.scale_out.simulated_pipeline",
                               "tess_compile.scale_out.stage_ports"),
-    "tess_compile.planner": ("tess_compile.analysis.planner",),
+    "tess_compile.planner": ("tess_compile.analysis.planner", "tess_compile.analysis.plan_table"),
     "tess_compile.products": ("tess_compile.ops.fetched_product",),
     "tess_compile.regions": ("tess_compile.ops.recompute_region",),
     "tess_compile.simulator": ("tess_compile.runtime.simulator", "tess_compile.runtime.threaded"),

@@ -15,7 +15,8 @@ from test_planner import make_mlp
 
 from tess_compile import cli
 from tess_compile.analysis.plan_plot import plan_svg
-from tess_compile.analysis.planner import format_table, pick, plan
+from tess_compile.analysis.plan_table import format_table
+from tess_compile.analysis.planner import pick, plan
 from tess_compile.analysis.profile_check import check_meshes, self_check, with_time_error
 from tess_compile.cli import profile
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster

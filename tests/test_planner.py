@@ -12,7 +12,8 @@ from models import GPTBlock
 from torch import nn
 
 import tess_compile
-from tess_compile.analysis.planner import candidate_meshes, format_table, mesh_label, plan
+from tess_compile.analysis.plan_table import format_table
+from tess_compile.analysis.planner import candidate_meshes, mesh_label, plan
 from tess_compile.core.cluster import PAPER_CLUSTER
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import describe_schedules

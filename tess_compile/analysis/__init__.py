@@ -5,8 +5,8 @@ prices `kernels`; the `Cluster` it prices on is `tess_compile.core.cluster`), it
 (`block_reuse`), measuring this machine (`profiling`, timing every rank at once with
 `rank_timing`) and how far off the predictions are there (`profile_check`), the planner
 (`planner`, its search `plan_search`, `candidate_meshes`, `parallel_plan`, ZeRO-3 priced per FSDP2 unit
-`zero_units`, its chart `plan_plot`) and the decode planner (`decode_plan`, with what laying the
-weights out for serving costs, `layout_conversion`), the choice of a schedule for "auto" options
+`zero_units`, its table `plan_table`, its chart `plan_plot`) and the decode planner (`decode_plan`, with
+what laying the weights out for serving costs, `layout_conversion`), the choice of a schedule for "auto" options
 (`schedule_choice`) and graph dumps (`graph_dump`, `graph_views`). The faces' compile entry
 (`compile_entry`) lives here too, because it prices the "auto" candidates before it calls the
 compiler: the compiler itself (`tess_compile.passes`) never imports an analysis."""

@@ -17,7 +17,8 @@ import math
 from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
-from tess_compile.analysis.planner import GB, PlanRow, mesh_label, percent, pick
+from tess_compile.analysis.plan_table import percent
+from tess_compile.analysis.planner import GB, PlanRow, mesh_label, pick
 from tess_compile.core.mesh import MODES
 
 __all__ = ["LOG_SPAN", "MODE_STYLES", "plan_svg"]

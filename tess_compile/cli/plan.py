@@ -29,7 +29,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from tess_compile.analysis.decode_plan import format_decode_table, plan_decode
 from tess_compile.analysis.parallel_plan import batch_size, num_blocks
 from tess_compile.analysis.plan_plot import plan_svg
-from tess_compile.analysis.planner import PlanRow, candidate_meshes, format_table, pick, plan
+from tess_compile.analysis.plan_table import format_table
+from tess_compile.analysis.planner import PlanRow, candidate_meshes, pick, plan
 from tess_compile.cli.common import (
     KEEP_BLOCKS,
     CliError,

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tess_compile.analysis.planner import percent
+from tess_compile.analysis.plan_table import percent
 from tess_compile.analysis.profile_check import check_meshes, with_time_error
 from tess_compile.analysis.profiling import profile_cluster
 from tess_compile.cli.common import CliError, ProgressBar, add_progress_flag, positive, show_progress
