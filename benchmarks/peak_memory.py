@@ -11,6 +11,12 @@ gradients, temporaries, optimizer state), is compared with the prediction,
 `predict_memory(program).total` (`tess_compile.analysis.memory.step_peak`: the same step on fake
 tensors), and with the old figure, what a rank holds at the start of backward (`at_backward`).
 
+The README rows (`--only readme`) run README's training loop in place of that step: the output
+gathered whole on every rank (`tess_compile.full_tensor`), the loss outside the module (its mean
+square, `step_tail.square_mean`), AdamW, then `zero_grad()` to None or, in the rows marked
+"zeros", `zero_grad(set_to_none=False)`; 2.5-D [2,2,2] and 1-D p = 8, with and without
+recompute="blocks". Their prediction is `predict_memory(program, StepTail(...))` of the same tail.
+
 The outer rows run 8 gloo processes around the 2-D mesh [2,2,1], the same two steps:
 
 - `dp`, `zero`: data parallel 2 x [2,2,1], `shard(..., mesh=root, zero=...)` on the mesh
@@ -24,7 +30,7 @@ compared with the planner's: `parallel_plan.price` around `tess_compile.plan`'s 
 one microbatch, called as the planner calls it (`planned`), its `total` and `at_backward`.
 
     python3 benchmarks/peak_memory.py [--layers 4] [--hidden 128] [--heads 8] [--batch 16] [--seq 64]
-                                      [--only tp,dp,zero,pp]
+                                      [--only tp,readme,dp,zero,pp]
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import tess_compile
 from benchmarks.memory import Stack
 from tess_compile.analysis.memory import MemoryEstimate, predict_memory
 from tess_compile.analysis.parallel_plan import Outer, boundary_bytes, price
+from tess_compile.analysis.step_tail import MODULE_LOSS, StepTail
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
 from tess_compile.runtime.launch import run_local
 
@@ -57,7 +64,9 @@ RECOMPUTE = ("none", "blocks", "selective")
 MESHES = {"2.5d": (2, 2), "3d": (2, 2), "1d": (2, 2), "2d": (2, 1)}  # mode: (q, d); 1-D: p = q * q * d
 OUTER = {"dp": Outer(dp=2), "zero": Outer(dp=2, zero=True), "1f1b": Outer(pp=2, microbatches=4),
          "gpipe": Outer(pp=2, microbatches=4, schedule="gpipe")}
-GROUPS = {"tp": tuple(MESHES), "dp": ("dp",), "zero": ("zero",), "pp": ("1f1b", "gpipe")}  # --only's names
+GROUPS = {"tp": tuple(MESHES), "readme": ("2.5d", "1d"), "dp": ("dp",), "zero": ("zero",),
+          "pp": ("1f1b", "gpipe")}  # --only's names
+TAILS = {"module": MODULE_LOSS, "readme": StepTail(), "readme zeros": StepTail(set_to_none=False)}  # the step column
 Q, D = 2, 1  # the mesh of every outer row: [2,2,1], 2-D
 
 
@@ -153,30 +162,37 @@ def live_peak(step, *external) -> int:
     return counter.peak
 
 
-def _training_step(module, optimizer, x):
-    """Forward, backward from the local output with a gradient of ones, AdamW, gradients set to None."""
+def _training_step(module, optimizer, x, tail: StepTail = MODULE_LOSS):
+    """Forward, `tail` (`MODULE_LOSS`: backward from the local output with a gradient of ones; README's
+    loop: the output gathered, a loss of it), AdamW, `zero_grad` in the tail's mode."""
+
+    def tail_of(out):
+        return tess_compile.full_tensor(out) if tail.gather else out.to_local()
 
     def step():
-        local = module(x).to_local()
-        local.backward(torch.ones_like(local))
+        if tail.loss is None:
+            out = tail_of(module(x))
+            out.backward(torch.ones_like(out))
+        else:  # as README writes it: the gathered output held by the loss alone
+            tail.loss(tail_of(module(x))).backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=tail.set_to_none)
 
     return step
 
 
 def tracked_peaks(rank: int, world: int, size: dict, configs: list) -> list[dict]:
-    """Each (mode, recompute) of `configs` on this rank: the tracked peak of two training steps,
-    and the prediction's total and start-of-backward figure."""
+    """Each (mode, recompute, step) of `configs` on this rank (`step`: a key of `TAILS`): the tracked peak
+    of two training steps, and the prediction's total and start-of-backward figure."""
     rows = []
-    for mode, recompute in configs:
+    for mode, recompute, step in configs:
         q, d = MESHES[mode]
         model, x = _model(size)
         sharded = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, recompute=recompute)
         optimizer = torch.optim.AdamW(sharded.parameters())
-        tracked = tracked_peak(_training_step(sharded, optimizer, x), sharded, optimizer, x)
-        predicted = predict_memory(sharded.program)
-        rows.append({"mode": mode, "recompute": recompute, "ranks": world, "tracked": tracked,
+        tracked = tracked_peak(_training_step(sharded, optimizer, x, TAILS[step]), sharded, optimizer, x)
+        predicted = predict_memory(sharded.program, TAILS[step])
+        rows.append({"mode": mode, "recompute": recompute, "step": step, "ranks": world, "tracked": tracked,
                      "predicted": predicted.total, "at_backward": predicted.at_backward})
     return rows
 
@@ -240,7 +256,8 @@ def planned(size: dict, name: str) -> MemoryEstimate:
     outer = OUTER[name]
     model, x = _model(size)
     micro = x[:x.shape[0] // (outer.dp * outer.microbatches)]
-    rows = tess_compile.plan(model, Q * Q * D, example_inputs=(micro,), modes=("2d",), keep_blocks=False)
+    rows = tess_compile.plan(model, Q * Q * D, example_inputs=(micro,), modes=("2d",), keep_blocks=False,
+                             tail=MODULE_LOSS)
     row = next(r for r in rows if r.mesh.q == Q and r.mesh.d == D)
     tp = row.mesh.num_ranks
     block = boundary_bytes(model, (micro,)) // tp if outer.pp > 1 else 0  # this rank's block of it
@@ -271,16 +288,17 @@ def measure_outer(size: dict, names: list) -> list[dict]:
     rows = []
     for k, name in enumerate(names):
         memory = planned(size, name)
-        rows.append({"mode": name, "recompute": "none", "ranks": len(per_rank), "tracked": max(r[k] for r in per_rank),
+        rows.append({"mode": name, "recompute": "none", "step": "module", "ranks": len(per_rank),
+                     "tracked": max(r[k] for r in per_rank),
                      "predicted": memory.total, "at_backward": memory.at_backward})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'mode':<6} {'ranks':>5} {'recompute':<10} {'tracked MiB':>11} {'predicted MiB':>13} {'error':>7} "
-          f"{'at backward MiB':>15} {'error':>7}")
+    print(f"{'mode':<6} {'ranks':>5} {'recompute':<10} {'step':<12} {'tracked MiB':>11} {'predicted MiB':>13} "
+          f"{'error':>7} {'at backward MiB':>15} {'error':>7}")
     for r in rows:
-        print(f"{r['mode']:<6} {r['ranks']:>5} {r['recompute']:<10} {r['tracked'] / MIB:11.2f} "
+        print(f"{r['mode']:<6} {r['ranks']:>5} {r['recompute']:<10} {r['step']:<12} {r['tracked'] / MIB:11.2f} "
               f"{r['predicted'] / MIB:13.2f} {100 * (r['predicted'] / r['tracked'] - 1):6.1f}% "
               f"{r['at_backward'] / MIB:15.2f} {100 * (r['at_backward'] / r['tracked'] - 1):6.1f}%")
 
@@ -298,8 +316,12 @@ def main(argv=None) -> int:
     size = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "batch", "seq")}
     print(f"GPT stack {size}, fp32, AdamW; the worst rank of each mesh")
     modes = GROUPS["tp"] if "tp" in only else ()
-    rows = measure(size, [(mode, r) for mode in modes for r in RECOMPUTE])
-    outer = [name for group in only if group != "tp" for name in GROUPS[group]]
+    configs = [(mode, r, "module") for mode in modes for r in RECOMPUTE]
+    if "readme" in only:
+        configs += [(mode, r, step) for mode in GROUPS["readme"] for r in ("none", "blocks")
+                    for step in ("readme", "readme zeros")]
+    rows = measure(size, configs)
+    outer = [name for group in only if group not in ("tp", "readme") for name in GROUPS[group]]
     rows += measure_outer(size, outer)
     if outer:
         print("dp, zero: 2 x [2,2,1]; 1f1b, gpipe: 2 stages x [2,2,1], 4 microbatches; counted by LiveBytes, "

@@ -15,10 +15,14 @@ the predicted and of the measured time are compared. The configurations:
 
 - 1-D p=8 (Megatron-LM), [2,2,2] in 2.5-D and in 3-D;
 - data parallel 2 x [2,2,1] (2-D) and 2 x 1-D p=4 (`shard(..., mesh=)`);
-- pipeline 2 x [2,2,1] (`pipeline_stage`, GPipe, the planner's microbatches).
+- pipeline 2 x [2,2,1] (`pipeline_stage`, GPipe, the planner's microbatches);
+- README's loop (`--only readme` runs these alone): 1-D p=8 and 2.5-D [2,2,2], with and without
+  recompute="blocks".
 
 A step is zero_grad, forward, backward of the mean square of this rank's
-output block, and AdamW; its time is the slowest rank's (a barrier before
+output block, and AdamW (priced with that tail: `StepTail(gather=False)`); README's loop gathers
+the output whole on every rank (`tess_compile.full_tensor`) and takes the mean square of that
+(`step_tail.square_mean`; priced with `README_STEP`: the gather's all-gather and the loss's kernels); its time is the slowest rank's (a barrier before
 and after), the median over `--steps` steps after `--warmup`. The table
 prints predicted against measured per row, the mean absolute percentage
 error, Kendall's tau-b over the rows, and whether the predicted fastest row
@@ -27,6 +31,7 @@ every configuration in every fixed schedule instead.
 
     python3 benchmarks/plan_accuracy.py [--steps 5] [--warmup 2] [--rounds 3] [--sizes small,large]
                                         [--summa auto|all] [--quick] [--profile-out cluster.json]
+                                        [--only all|readme]
 
 `--profile-out` writes the first round's profiled cluster with `time_error`, the worst model's
 mean absolute error, which `tess-compile plan --cluster` reads to mark rows closer than it as ties.
@@ -57,6 +62,7 @@ from tess_compile.analysis.parallel_plan import default_microbatches  # noqa: E4
 from tess_compile.analysis.profiling import profile_cluster  # noqa: E402
 from tess_compile.analysis.rank_timing import step_seconds  # noqa: E402
 from tess_compile.analysis.schedule_choice import has_summa_steps  # noqa: E402
+from tess_compile.analysis.step_tail import README_STEP, StepTail, square_mean  # noqa: E402
 from tess_compile.core.options import SCHEDULES  # noqa: E402
 from tess_compile.runtime.launch import run_local  # noqa: E402
 
@@ -70,16 +76,20 @@ SIZES = {
 }
 QUICK_SIZES = {"tiny": {"layers": 2, "hidden": 32, "heads": 8, "batch": 8, "seq": 8}}
 
-# (label, mode, q, d, dp, pp)
+# (label, mode, q, d, dp, pp, recompute, step): step "local" (the loss of the local block) or "readme"
 CONFIGS = [
-    ("1-D p=8", "1d", 1, 8, 1, 1),
-    ("2.5-D [2,2,2]", "2.5d", 2, 2, 1, 1),
-    ("3-D [2,2,2]", "3d", 2, 2, 1, 1),
-    ("dp 2 x [2,2,1]", "2d", 2, 1, 2, 1),
-    ("dp 2 x 1-D p=4", "1d", 1, 4, 2, 1),
-    ("pp 2 x [2,2,1]", "2d", 2, 1, 1, 2),
+    ("1-D p=8", "1d", 1, 8, 1, 1, "none", "local"),
+    ("2.5-D [2,2,2]", "2.5d", 2, 2, 1, 1, "none", "local"),
+    ("3-D [2,2,2]", "3d", 2, 2, 1, 1, "none", "local"),
+    ("dp 2 x [2,2,1]", "2d", 2, 1, 2, 1, "none", "local"),
+    ("dp 2 x 1-D p=4", "1d", 1, 4, 2, 1, "none", "local"),
+    ("pp 2 x [2,2,1]", "2d", 2, 1, 1, 2, "none", "local"),
 ]
+README_CONFIGS = [(f"README {label}{' blocks' if recompute == 'blocks' else ''}", mode, q, d, 1, 1, recompute, "readme")
+                  for label, mode, q, d in (("1-D p=8", "1d", 1, 8), ("2.5-D [2,2,2]", "2.5d", 2, 2))
+                  for recompute in ("none", "blocks")]
 QUICK_CONFIGS = [CONFIGS[0], CONFIGS[3]]
+TAILS = {"local": StepTail(gather=False), "readme": README_STEP}  # the step of each row, as the planner prices it
 
 
 def schedules_of(mode: str, q: int, d: int, summa: str) -> tuple[str, ...]:
@@ -100,7 +110,7 @@ def _loss(out) -> torch.Tensor:
     return out.to_local().square().mean()
 
 
-def _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster):
+def _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster, recompute="none", readme=False):
     mesh = None
     if dp > 1:
         shape = tess_compile.Mesh(q, d, mode).shape
@@ -109,7 +119,7 @@ def _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster):
         group = mesh.get_local_rank("dp")
         x = x[group * rows:(group + 1) * rows]
     sharded = tess_compile.shard(model, q, d, example_inputs=(x,), mode=mode, summa=summa, mesh=mesh, timeout=300,
-                                 cluster=cluster)
+                                 cluster=cluster, recompute=recompute)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
     def step():
@@ -117,7 +127,13 @@ def _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster):
         _loss(sharded(x)).backward()
         opt.step()
 
-    return step
+    def readme_step():  # README's loop
+        loss = square_mean(tess_compile.full_tensor(sharded(x)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return readme_step if readme else step
 
 
 def _pipeline_step(model, x, q, d, summa, microbatches, cluster):
@@ -149,12 +165,12 @@ def _profile_worker(rank: int, world: int):
 
 def _config_worker(rank: int, world: int, size: dict, config: tuple, summa: str, steps: int, warmup: int,
                    cluster) -> float:
-    _, mode, q, d, dp, pp = config
+    _, mode, q, d, dp, pp, recompute, kind = config
     model, x = make_model(size)
     if pp > 1:
         step = _pipeline_step(model, x, q, d, summa, default_microbatches(x.shape[0], pp), cluster)
     else:
-        step = _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster)
+        step = _tensor_parallel_step(model, x, mode, q, d, dp, summa, cluster, recompute, kind == "readme")
     return step_seconds(step, steps, warmup)
 
 
@@ -196,10 +212,11 @@ def predict(sizes: dict, configs: list, cluster, summa: str) -> dict:
     predicted = {}
     for size_name, size in sizes.items():
         model, x = make_model(size)
-        for label, mode, q, d, dp, pp in configs:
+        for label, mode, q, d, dp, pp, recompute, kind in configs:
             for schedule in schedules_of(mode, q, d, summa):
                 rows = tess_compile.plan(model, WORLD, example_inputs=(x,), cluster=cluster, modes=(mode,),
-                                         dp=dp, pp=pp, summa=schedule, keep_blocks=False)
+                                         dp=dp, pp=pp, summa=schedule, keep_blocks=False, recompute=recompute,
+                                         tail=TAILS[kind])
                 row = next(r for r in rows if r.mesh.q == q and r.mesh.d == d)
                 predicted[(size_name, label, schedule)] = row.time
     return predicted
@@ -264,11 +281,15 @@ def main(argv=None) -> int:
                         help="auto: each configuration in the schedules auto picks; all: in every fixed schedule")
     parser.add_argument("--quick", action="store_true", help="one tiny size, two configurations (for the tests)")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes to run, of {', '.join(SIZES)}")
+    parser.add_argument("--only", choices=("all", "readme"), default="all",
+                        help="all: every configuration and README's loop; readme: README's loop alone")
     parser.add_argument("--profile-out", help="also write the profiled cluster, with the measured error as its "
                         "time_error, to this JSON file")
     args = parser.parse_args(argv)
     logging.getLogger("tess_compile").setLevel(logging.WARNING)
     sizes, configs, rounds = (QUICK_SIZES, QUICK_CONFIGS, 1) if args.quick else (SIZES, CONFIGS, args.rounds)
+    if not args.quick:
+        configs = README_CONFIGS if args.only == "readme" else CONFIGS + README_CONFIGS
     if not args.quick:
         unknown = [name for name in args.sizes.split(",") if name not in SIZES]
         if unknown:

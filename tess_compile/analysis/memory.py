@@ -22,6 +22,7 @@ from torch.fx import Interpreter
 from tess_compile.analysis.accounting import forward_values
 from tess_compile.analysis.block_reuse import extended, extended_peak
 from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
+from tess_compile.analysis.step_tail import MODULE_LOSS, README_STEP, StepTail, tail_tops
 from tess_compile.core.fake_run import fake_run, placeholder_values, tensor_bytes, tensor_leaves
 from tess_compile.core.meta_keys import ROLE, WEIGHT_INPUT
 from tess_compile.core.program import Program
@@ -132,30 +133,33 @@ def collective_buffer_bytes(program: Program) -> int:
     return largest
 
 
-def step_peak(program: Program) -> int:
+def step_peak(program: Program, tail: StepTail = README_STEP) -> int:
     """The most bytes rank 0 holds at once in a step of `program`, from two steps on fake tensors
     under torch's `MemTracker` (the second step's AdamW state exists from its start).
 
-    A training program's step: its forward, backward from every output that requires grad (each
-    output's gradient a tensor of its size, as a loss's backward gives), and `torch.optim.AdamW`'s
-    step with its defaults, gradients then set to None; every collective's output a new tensor
-    (`ShapeComm`). An eval program's step: its forward under no_grad. Counted: the parameter
+    A training program's step: its forward, the step's `tail` (`tess_compile.analysis.step_tail`:
+    README's loop by default: the output gathered whole, a loss of it outside the module), backward
+    from the loss (with `MODULE_LOSS`, from every output that requires grad, each output's gradient
+    a tensor of its size), and `torch.optim.AdamW`'s step with its defaults, then `zero_grad` in
+    the tail's mode; every collective's output a new tensor (`ShapeComm`). An eval program's step:
+    its forward and the tail's gather and loss under no_grad. Counted: the parameter
     shards, inputs, saved activations, gradients, temporaries and optimizer state while they
     live; not counted: the allocator's rounding and cached blocks, and a collective
     implementation's own buffers. Cached per program graph. A program compiled with block reuse:
     from the steps of its short forms (`tess_compile.analysis.block_reuse.extended_peak`).
     """
-    if program.graph not in _PEAKS:
+    peaks = _PEAKS.setdefault(program.graph, {})
+    if tail not in peaks:
         peak = None if program.repeats is None else extended_peak(
-            program, lambda short: short_record(program, short).moments)
-        _PEAKS[program.graph] = _step_peak(program) if peak is None else peak
-    return _PEAKS[program.graph]
+            program, lambda short: short_record(program, short, tail).moments)
+        peaks[tail] = _step_peak(program, tail) if peak is None else peak
+    return peaks[tail]
 
 
-_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> its step's peak
+_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {tail: its step's peak}
 
 
-def _step_peak(program: Program) -> int:
+def _step_peak(program: Program, tail: StepTail) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker  # imports torch.distributed's tools: only when asked
 
     graph = program.runnable
@@ -168,7 +172,7 @@ def _step_peak(program: Program) -> int:
         with tracker:
             for _ in range(2 if optimizer else 1):
                 tracker.reset_mod_stats()  # the tracker refuses a module's second call otherwise
-                _fake_training_step(graph, values, optimizer)
+                _fake_training_step(program, values, optimizer, tail)
         peak = tracker.get_tracker_snapshot("peak")
     return max((device["Total"] for device in peak.values()), default=0)
 
@@ -184,24 +188,27 @@ class StepRecord:
     saved: int
 
 
-_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> its StepRecord
+_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {tail: its StepRecord}
 
 
-def short_record(program: Program, short: Program) -> StepRecord:
+def short_record(program: Program, short: Program, tail: StepTail = MODULE_LOSS) -> StepRecord:
     """`record_step` of `short`, a short form of the program compiled with block reuse `program`
     (`Repeats.short`), its nodes labelled by their blocks."""
-    if short.graph not in _RECORDS:
-        _RECORDS[short.graph] = record_step(short, program.repeats.labels(short))
-    return _RECORDS[short.graph]
+    records = _RECORDS.setdefault(short.graph, {})
+    if tail not in records:
+        records[tail] = record_step(short, program.repeats.labels(short), tail)
+    return records[tail]
 
 
-def record_step(program: Program, node_labels: dict) -> StepRecord:
+def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOSS) -> StepRecord:
     """One fake training step of `program` as `step_peak`'s second one runs it (the one whose peak is the
     higher: the AdamW state exists from its start), recording the bytes rank 0 holds after each op with
     the label of the op (`node_labels` of the program's graph nodes: an op of forward by its node, of
     backward by the node whose backward runs it, of the optimizer by the parameter it updates; an op of
     none takes the label before), the kernels of forward and backward (`KernelRecorder`), and the
-    storages autograd saves in forward, the weights' left out (`activation_bytes`)."""
+    storages autograd saves in forward, the weights' left out (`activation_bytes`), with `tail` around
+    the program's call (its forward's kernels not recorded, its backward's recorded with the program's:
+    `step_tail.tail_time` prices them; `profile_program` takes the kernels of `MODULE_LOSS`'s record)."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     labels = _Labels(program, node_labels)
@@ -240,11 +247,11 @@ def record_step(program: Program, node_labels: dict) -> StepRecord:
             for param in params:
                 param.grad = torch.zeros_like(param)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=tail.set_to_none)
         tracker, kernels = Tracker(), KernelRecorder()
         tracker.track_external(*tensor_leaves(values), *([optimizer] if optimizer else []))
         with tracker, kernels, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            _fake_training_step(graph, values, optimizer, labels, kernels)
+            _fake_training_step(program, values, optimizer, tail, labels, kernels)
     phases = {phase: PhaseProfile(**totals) for phase, totals in kernels.totals.items()}
     return StepRecord(tracker.moments, phases, sum(saved.values()))
 
@@ -314,26 +321,29 @@ class _LabelledRun(Interpreter):
         return super().run_node(node)
 
 
-def _fake_training_step(graph, values: list, optimizer, labels: _Labels | None = None,
+def _fake_training_step(program: Program, values: list, optimizer, tail: StepTail, labels: _Labels | None = None,
                         kernels: KernelRecorder | None = None) -> None:
-    """A training step of `graph` on the fake `values` (see `step_peak`); `labels` and `kernels`, if given,
-    follow its phases (`record_step`)."""
+    """A training step of `program` on the fake `values` with `tail` around its call (see `step_peak`);
+    `labels` and `kernels`, if given, follow its phases (`record_step`; the tail's forward left out)."""
+    graph = program.runnable
     with use_comm(ShapeComm()), torch.set_grad_enabled(optimizer is not None):
         _phase(labels, kernels, "forward")
         outputs = graph.forward(*values) if labels is None else _LabelledRun(graph, labels).run(*values)
-        roots = [t for t in tensor_leaves(outputs) if t.requires_grad]
+        if kernels is not None:
+            kernels.phase = None
+        roots, tops, seeds = tail_tops(program, outputs, tail)
         del outputs
         if roots:
             _phase(labels, kernels, "backward")
             with use_comm(ShapeComm(), "backward"):
-                torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
-        del roots
+                torch.autograd.backward(tops, seeds)
+        del roots, tops, seeds
     if optimizer is not None:
         _phase(labels, kernels, None)
         if labels is not None:
             labels.optimizer(optimizer)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=tail.set_to_none)
 
 
 def _phase(labels: _Labels | None, kernels: KernelRecorder | None, phase: str | None) -> None:
@@ -343,10 +353,10 @@ def _phase(labels: _Labels | None, kernels: KernelRecorder | None, phase: str | 
         kernels.phase = phase
 
 
-def predict_memory(program: Program) -> MemoryEstimate:
+def predict_memory(program: Program, tail: StepTail = README_STEP) -> MemoryEstimate:
     """Per-rank bytes: parameter shards, their gradients (same dtype), AdamW state
-    (`OPTIMIZER_BYTES_PER_PARAM` per element) and `activation_bytes`, and the step's peak
-    (`step_peak`), which `total` gives.
+    (`OPTIMIZER_BYTES_PER_PARAM` per element) and `activation_bytes`, and the peak of a step with
+    `tail` around the call (`step_peak`; README's loop by default), which `total` gives.
 
     Not counted: the allocator's slack, and fp32 master weights of mixed-precision training.
     """
@@ -358,5 +368,5 @@ def predict_memory(program: Program) -> MemoryEstimate:
         optimizer=OPTIMIZER_BYTES_PER_PARAM * sum(numel for numel, _ in shards),
         activations=activation_bytes(program),
         transient=collective_buffer_bytes(program),
-        peak=step_peak(program),
+        peak=step_peak(program, tail),
     )

@@ -50,6 +50,7 @@ from tess_compile.analysis.parallel_plan import (
 )
 from tess_compile.analysis.plan_search import bound_time, search_order, zero_options
 from tess_compile.analysis.schedule_choice import ScheduleChoice, choose_schedule
+from tess_compile.analysis.step_tail import README_STEP, StepTail
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.fake_run import tensor_bytes, tensor_leaves
 from tess_compile.core.mesh import AXES, Mesh
@@ -184,7 +185,8 @@ def build_inputs(factory_or_model, example_inputs) -> tuple[nn.Module, object]:
 
 def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget: float,
               overlap: bool, summa: str, strict: bool, keep_blocks: bool | str = False,
-              recompute: str = "none", unsharded_flops: Callable[[], int]) -> tuple[PlanRow, StepTime | None]:
+              recompute: str = "none", tail: StepTail = README_STEP,
+              unsharded_flops: Callable[[], int]) -> tuple[PlanRow, StepTime | None]:
     """The row of `mesh`: `model` compiled and priced in `summa` (and, with keep_blocks="auto", with
     and without keeping the fetched blocks; `schedule_choice.choose_schedule`), the fastest option
     that fits the budget, or the fastest with the reason if none fits or it fails to compile; and
@@ -194,7 +196,7 @@ def _evaluate(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, *, budget:
     try:
         options = CompileOptions(mode=mesh.mode, summa=summa, keep_blocks=keep_blocks, recompute=recompute,
                                  strict=strict)
-        choice = choose_schedule(model, mesh, inputs, options, cluster, budget=budget, overlap=overlap,
+        choice = choose_schedule(model, mesh, inputs, options, cluster, budget=budget, overlap=overlap, tail=tail,
                                  priced_only=True)
     except (ValueError, RuntimeError) as exc:
         log.info("plan: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), exc)
@@ -251,6 +253,7 @@ def plan(
     microbatches: int | None = None,
     zero: bool | str = "auto",
     progress: Progress | None = None,
+    tail: StepTail = README_STEP,
     **deprecated,
 ) -> list[PlanRow]:
     """Every mesh of `gpus` ranks in `modes`, priced on `cluster`, fastest first.
@@ -278,6 +281,8 @@ def plan(
     `progress(done, total, what)`, if given, is called before each configuration is
     compiled and priced (`what` names it: "2.5d [4, 4, 4], dp 1, pp 1") and once at the
     end (`Progress`); `tess-compile plan` passes a progress bar.
+    `tail`: the step around the model's call that each row prices (`tess_compile.analysis.step_tail`):
+    README's loop by default (the output gathered on every rank, a loss outside, `zero_grad()` to None).
     """
     if deprecated:  # checkpoint=, recompute's old name
         given = renamed("tess_compile.plan", deprecated, stacklevel=3)
@@ -308,7 +313,7 @@ def plan(
                          "pick other modes or GPU counts, or let dp and pp be 'auto'")
     with captures_reused():  # one export per microbatch size serves every mesh
         rows = _rows(model, inputs, configs, cluster, budget=budget, overlap=overlap, summa=summa, strict=strict,
-                     keep_blocks=keep_blocks, recompute=recompute, progress=progress or _no_progress,
+                     keep_blocks=keep_blocks, recompute=recompute, tail=tail, progress=progress or _no_progress,
                      units=num_blocks(model))
     return _mark_ties(sorted(rows, key=_sort_key), cluster.time_error)
 

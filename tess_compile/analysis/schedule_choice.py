@@ -37,6 +37,7 @@ from torch import nn
 from tess_compile.passes.driver import compile_model
 from tess_compile.analysis.cost_model import StepTime, predict_time
 from tess_compile.analysis.memory import MemoryEstimate, predict_memory
+from tess_compile.analysis.step_tail import README_STEP, StepTail, tail_time
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, CompileOptions
@@ -96,17 +97,18 @@ def candidates(mesh: Mesh, options: CompileOptions) -> list[tuple[str, bool]]:
 
 def choose_schedule(model: nn.Module, mesh: Mesh, example_inputs, options: CompileOptions,
                     cluster: Cluster = CALIBRATED_CLUSTER, *, budget: float | None = None, overlap: bool = False,
-                    **boundary) -> ScheduleChoice:
+                    tail: StepTail = README_STEP, **boundary) -> ScheduleChoice:
     """Compile `model` for `mesh` in each of `candidates(mesh, options)` (`compile_model` with
     `boundary`'s keywords, summa="auto" priced on `cluster`) and price each on `cluster`: the
     fastest within `budget` (bytes per rank; default the cluster's memory). If no summa="auto"
     candidate fits, the broadcast schedule's are priced too. `overlap`: both phases overlapped
-    for every candidate (`predict_time`)."""
+    for every candidate (`predict_time`). `tail`: the step around the call that is priced with it
+    (`tess_compile.analysis.step_tail`; README's loop by default)."""
     budget = cluster.memory if budget is None else budget
 
     def price(pairs: list[tuple[str, bool]]) -> list[tuple[Priced, Program] | Exception]:
         tried = [dataclasses.replace(options, summa=summa, keep_blocks=keep) for summa, keep in pairs]
-        priced = functools.partial(_priced, cluster=cluster, overlap=overlap)
+        priced = functools.partial(_priced, cluster=cluster, overlap=overlap, tail=tail)
         return compile_each(model, mesh, example_inputs, tried, priced, cluster, **boundary)
 
     pairs = candidates(mesh, options)
@@ -157,10 +159,17 @@ def _compiled(results: list) -> list[tuple]:
     return [result for result in results if not isinstance(result, Exception)]
 
 
-def _priced(options: CompileOptions, program: Program, *, cluster: Cluster, overlap: bool) -> Priced:
-    """One candidate's program priced: its step time and memory on `cluster`."""
-    time = predict_time(program, cluster, overlap=overlap)
-    return Priced(options.summa, options.keep_blocks, time, predict_memory(program), tuple(program.schedules.items()))
+def _priced(options: CompileOptions, program: Program, *, cluster: Cluster, overlap: bool,
+            tail: StepTail = README_STEP) -> Priced:
+    """One candidate's program priced: its step time and memory on `cluster`, with `tail` around the call
+    (its kernels and its gather's all-gather added to forward's and backward's: `step_tail.tail_time`)."""
+    time, extra = predict_time(program, cluster, overlap=overlap), tail_time(program, cluster, tail)
+    time = dataclasses.replace(time, forward_compute_s=time.forward_compute_s + extra.forward_s,
+                               forward_comm_s=time.forward_comm_s + extra.comm_s,
+                               backward_compute_s=time.backward_compute_s + extra.backward_s,
+                               forward_bytes=time.forward_bytes + extra.comm_bytes)
+    return Priced(options.summa, options.keep_blocks, time, predict_memory(program, tail),
+                  tuple(program.schedules.items()))
 
 
 def load_cluster(cluster: Cluster | str | os.PathLike | None) -> tuple[Cluster, str]:

@@ -31,6 +31,7 @@ from tess_compile.analysis.parallel_plan import batch_size, num_blocks
 from tess_compile.analysis.plan_plot import plan_svg
 from tess_compile.analysis.plan_table import format_table
 from tess_compile.analysis.planner import PlanRow, candidate_meshes, pick, plan
+from tess_compile.analysis.step_tail import MODULE_LOSS, StepTail
 from tess_compile.cli.common import (
     KEEP_BLOCKS,
     CliError,
@@ -138,9 +139,18 @@ def _plan_rows(args, model: nn.Module, inputs, cluster: Cluster, modes: tuple[st
             return plan(model, args.gpus, cluster=cluster, modes=modes, example_inputs=inputs, overlap=args.overlap,
                         summa=args.summa, keep_blocks=KEEP_BLOCKS[args.keep_blocks], recompute=args.recompute,
                         dp=args.dp, pp=args.pp, microbatches=args.microbatches, zero=KEEP_BLOCKS[args.zero],
-                        progress=bar)
+                        progress=bar, tail=step_tail(args))
         except ValueError as exc:
             raise CliError(str(exc)) from None
+
+
+# --step: the step around the model's call that each row prices (`tess_compile.analysis.step_tail`)
+STEPS = {"readme": StepTail(), "local": StepTail(gather=False), "module": MODULE_LOSS}
+
+
+def step_tail(args) -> StepTail:
+    """The `StepTail` of --step and --zero-grad."""
+    return dataclasses.replace(STEPS[args.step], set_to_none=args.zero_grad == "none")
 
 
 def _cluster_line(args, cluster: Cluster) -> str:
@@ -164,7 +174,7 @@ def plan_json(rows: list[PlanRow], args, cluster: Cluster, model: nn.Module, inp
         "gpus": args.gpus,
         "options": {"modes": list(_modes(args)), "summa": args.summa, "keep_blocks": args.keep_blocks,
                     "recompute": args.recompute, "dp": args.dp, "pp": args.pp, "microbatches": args.microbatches,
-                    "zero": args.zero, "overlap": args.overlap},
+                    "zero": args.zero, "overlap": args.overlap, "step": args.step, "zero_grad": args.zero_grad},
         "model": model_summary(model, inputs),
         "cluster": cluster.to_dict(),
         "memory_budget_bytes": cluster.memory,
@@ -295,6 +305,13 @@ def add_command(commands) -> None:
                            "allows and it is faster), on or off (default auto)")
     parser.add_argument("--recompute", "--checkpoint", dest="recompute", choices=RECOMPUTE, default="none",
                         help="recompute in backward: none, blocks (each repeated block) or selective (default none)")
+    parser.add_argument("--step", choices=tuple(STEPS), default="readme",
+                        help="the step each row prices around the model's call: readme (README's loop, the default: "
+                             "the output gathered with full_tensor on every rank, a loss of it outside), local (a "
+                             "loss of each rank's output block, no gather) or module (the output is the loss)")
+    parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
+                        help="zero_grad's mode after the optimizer's step: none (set_to_none=True, the default) or "
+                             "zeros (set_to_none=False: the gradients stay allocated)")
     parser.add_argument("--decode", action="store_true",
                         help="price an inference decode step instead of a training step (the example inputs: one "
                              "new token per sequence): tokens/s and bytes per token on each mesh, in its fastest "

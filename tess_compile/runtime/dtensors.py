@@ -29,6 +29,7 @@ from tess_compile.core.mesh import Mesh
 from tess_compile.runtime.groups import world_of
 
 __all__ = [
+    "GatherFull",
     "claim_output_gradient",
     "contiguous_stride",
     "full_from_local",
@@ -362,7 +363,7 @@ def full_tensor(x):
     world = world_of(x.device_mesh)
     if world is None:
         return x.full_tensor()
-    return _GatherFull.apply(x.to_local(), world, layout_of(x.placements), tuple(x.shape))
+    return GatherFull.apply(x.to_local(), world, layout_of(x.placements), tuple(x.shape))
 
 
 def full_from_local(local: torch.Tensor, world, layout: Layout, shape) -> torch.Tensor:
@@ -371,10 +372,10 @@ def full_from_local(local: torch.Tensor, world, layout: Layout, shape) -> torch.
     `local` itself on a world of one."""
     if world.size == 1:
         return local
-    return _GatherFull.apply(local, world, layout, tuple(shape))
+    return GatherFull.apply(local, world, layout, tuple(shape))
 
 
-class _GatherFull(torch.autograd.Function):
+class GatherFull(torch.autograd.Function):
     """Every rank's local tensor gathered and assembled; backward: this rank's block."""
 
     @staticmethod
