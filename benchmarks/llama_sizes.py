@@ -11,6 +11,7 @@ matter). `make(layers=...)` gives the same model with fewer layers.
 |---|---|---|---|---|---|---|
 | 8B | 32 | 4,096 | 14,336 | 32 | 8 | 128,256 |
 | 70B | 80 | 8,192 | 28,672 | 64 | 8 | 128,256 |
+| 405B | 126 | 16,384 | 53,248 | 128 | 8 | 128,256 |
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ BATCH, SEQ = 16, 4096
 CONFIGS = {
     "8b": {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32},
     "70b": {"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64},
+    "405b": {"num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128},
 }
 
 
 def make(size: str = "8b", layers: int | None = None, batch: int = BATCH, seq: int = SEQ):
-    """`(model, inputs)` of the Llama 3 config `size` ("8b", "70b"), with `layers` layers if given."""
+    """`(model, inputs)` of the Llama 3 config `size` ("8b", "70b", "405b"), with `layers` layers if given."""
     transformers.logging.set_verbosity_error()
     fields = dict(CONFIGS[size])
     if layers is not None:
