@@ -90,3 +90,13 @@ def test_the_planner_adds_the_tail_to_each_row(program):
     added = rows["readme"].time.step_s - rows["module"].time.step_s
     assert added == pytest.approx(extra.forward_s + extra.backward_s + extra.comm_s, rel=1e-9)
     assert rows["readme"].memory.total - rows["module"].memory.total == _added(program, README_STEP)
+
+
+def test_the_cli_flags_name_a_tail():
+    from argparse import Namespace
+
+    from tess_compile.cli.plan import step_tail
+
+    assert step_tail(Namespace(step="readme", zero_grad="none")) == README_STEP
+    assert step_tail(Namespace(step="module", zero_grad="zeros")) == StepTail(gather=False, loss=None,
+                                                                               set_to_none=False)

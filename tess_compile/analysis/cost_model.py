@@ -247,9 +247,7 @@ def time_terms(profile: ProgramProfile, cluster: Cluster, *, grad_sync: bool = T
     terms = {}
     for phase in PHASES:
         kernels = profile.phase(phase)
-        terms[phase] = {"matmul_flops": kernels.matmul_flops, "matmul_flops_per_size": kernels.matmul_flops_per_size,
-                        "memory_bytes": kernels.memory_bytes, "kernels": kernels.num_kernels, "ops": kernels.num_ops,
-                        **dict.fromkeys(COMM_TERMS, 0.0)}
+        terms[phase] = {**kernels.compute_terms(), **dict.fromkeys(COMM_TERMS, 0.0)}
     for phase, op, axis, num_bytes in transfers(_priced_costs(profile, grad_sync)):
         group = mesh.size(axis)
         steps, factor = collective_rule(cluster.algorithm, op)(group)

@@ -57,6 +57,11 @@ class PhaseProfile:
     bias_bytes: float = 0.0  # bytes the products with a bias term copy it with (`Cluster.bias_copy`)
     num_ops: int = 0  # kernels and the runtime's own non-collective ops (views and allocations not counted)
 
+    def compute_terms(self) -> dict[str, float]:
+        """The amounts of the cluster's compute terms (`core.cluster.COMPUTE_TERMS`) these kernels take."""
+        return {"matmul_flops": self.matmul_flops, "matmul_flops_per_size": self.matmul_flops_per_size,
+                "memory_bytes": self.memory_bytes, "kernels": self.num_kernels, "ops": self.num_ops}
+
 
 def _product_shape(name: str, args) -> tuple[int, int, int, int]:
     """(batch, m, k, n) of a matrix-product kernel."""

@@ -113,15 +113,8 @@ def tail_time(program: Program, cluster: Cluster, tail: StepTail) -> TailTime:
     intra = program.mesh.num_ranks <= cluster.gpus_per_node
     comm_s = cluster.collective_seconds("all_gather", program.mesh.num_ranks, local_bytes, intra, alone=True) \
         if tail.gather else 0.0
-    return TailTime(_seconds(cluster, forward), _seconds(cluster, backward), comm_s,
-                    local_bytes if tail.gather else 0)
-
-
-def _seconds(cluster: Cluster, kernels: PhaseProfile) -> float:
-    return cluster.compute_seconds({"matmul_flops": kernels.matmul_flops,
-                                    "matmul_flops_per_size": kernels.matmul_flops_per_size,
-                                    "memory_bytes": kernels.memory_bytes, "kernels": kernels.num_kernels,
-                                    "ops": kernels.num_ops})
+    return TailTime(cluster.compute_seconds(forward.compute_terms()), cluster.compute_seconds(backward.compute_terms()),
+                    comm_s, local_bytes if tail.gather else 0)
 
 
 def _tail_kernels(program: Program, tail: StepTail) -> tuple[tuple[PhaseProfile, PhaseProfile], int]:
