@@ -11,9 +11,10 @@ cache blocks, then the logits gathered). The parameters, the step's inputs and t
 are tracked from before the step; the peak is the most bytes of tensors alive at once, the cache
 going in and the cache coming out among them.
 
-The prediction is `predict_memory(at_shapes(decode, shapes)).total` (`analysis.decode_plan`): the
-same decode program, its inputs at the step's shapes (batch, cached length), on fake tensors
-under `MemTracker`. Each mesh's row is its worst rank (the largest tracked peak).
+The prediction is `predict_memory(at_shapes(decode, shapes), MODULE_LOSS).total`
+(`analysis.decode_plan`; the decode step alone, no training tail): the same decode program, its
+inputs at the step's shapes (batch, cached length), on fake tensors under `MemTracker`. Each
+mesh's row is its worst rank (the largest tracked peak).
 
     python3 benchmarks/decode_memory.py [--batch 8] [--cached 32] [--quick]
 """
@@ -33,6 +34,7 @@ import tess_compile
 from benchmarks.peak_memory import tracked_peak
 from tess_compile.analysis.decode_plan import at_shapes
 from tess_compile.analysis.memory import predict_memory
+from tess_compile.analysis.step_tail import MODULE_LOSS
 from tess_compile.generation.generate import _empty_cache, _step
 from tess_compile.runtime.launch import run_local
 
@@ -77,7 +79,7 @@ def decode_peaks(rank: int, world: int, batch: int, cached: int, modes: list) ->
             inputs, blocks, cache_shapes = _after_prefill(sharded, prefill, prompt)
             tracked = tracked_peak(functools.partial(_step, sharded, decode, inputs, blocks), sharded, *inputs,
                                    *blocks[rank], calls=1)
-        predicted = predict_memory(at_shapes(decode, [x.shape for x in inputs] + cache_shapes)).total
+        predicted = predict_memory(at_shapes(decode, [x.shape for x in inputs] + cache_shapes), MODULE_LOSS).total
         rows.append({"mode": mode, "mesh": str(sharded.mesh), "split": split, "tracked": tracked,
                      "predicted": predicted})
     return rows

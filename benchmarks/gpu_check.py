@@ -84,6 +84,7 @@ from benchmarks.memory import Stack
 from benchmarks.paper_tables import SEQ, TABLE_1, TABLE_2, compile_layer
 from tess_compile.analysis.cost_model import profile_program
 from tess_compile.analysis.memory import predict_memory
+from tess_compile.analysis.step_tail import MODULE_LOSS
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import Comm, output_like, use_comm
 from tess_compile.passes.driver import compile_model
@@ -694,7 +695,7 @@ def _profile_terms(program) -> dict:
 
 
 def _memory_row(program) -> dict:
-    estimate = predict_memory(program)
+    estimate = predict_memory(program, MODULE_LOSS)  # the program's own step, as `local_step` runs it
     return {"predicted_bytes": estimate.total, **{f"predicted_{k}": v for k, v in asdict(estimate).items()}}
 
 

@@ -12,7 +12,7 @@ alone or not at all, weight-stationary), prices each forward with
 time, tokens/s (the batch over the step), the bytes one rank hands its
 collectives per token, and sends on the wire (the ring volume,
 `cost_model.ring_wire_bytes`), and the most bytes one rank holds in the step
-(`memory.predict_memory`'s total: its forward on fake tensors under
+(`memory.predict_memory`'s total with `MODULE_LOSS`: its forward alone, on fake tensors under
 `MemTracker`). An LM's `input_ids` alone carry no KV cache, so neither does
 that peak; `at_shapes` hands `predict_memory` a generation decode program
 (whose inputs carry the cache) at a step's batch and cached length.
@@ -42,14 +42,15 @@ from tess_compile.analysis.planner import (
     mesh_sides,
 )
 from tess_compile.analysis.schedule_choice import cheapest, compile_each
+from tess_compile.analysis.step_tail import MODULE_LOSS
 from tess_compile.core.cluster import CALIBRATED_CLUSTER, Cluster
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.meta_keys import GLOBAL_SHAPE
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.program import INPUT_ROLES, Program
+from tess_compile.core.row_split import splits_of
 from tess_compile.ops.recompute_region import outline_regions
 from tess_compile.passes.driver import in_mode
-from tess_compile.core.row_split import splits_of
 
 __all__ = ["DecodeRow", "at_shapes", "format_decode_table", "plan_decode"]
 
@@ -68,7 +69,7 @@ class DecodeRow:
     tokens_per_s: float = 0.0
     bytes_per_token: float = 0.0  # handed to collectives by one rank, per generated token
     wire_bytes_per_token: float = 0.0  # sent by one rank on the links (ring volume), per token
-    peak_bytes: int = 0  # the most one rank holds in the step: `predict_memory(program).total`
+    peak_bytes: int = 0  # the most one rank holds in the step: `predict_memory(program, MODULE_LOSS).total`
     note: str = ""
     # Where the fastest split lays the weights out otherwise than training (SUMMA's layout) does: the
     # decode step of the trained layout in its faster split, and the one-time cost of laying the weights
@@ -136,7 +137,7 @@ def _fastest(model: nn.Module, inputs, mesh: Mesh, cluster: Cluster, summa: str,
         log.info("plan_decode: %s %s does not compile: %s", mesh.mode, mesh_label(mesh), errors)
         return DecodeRow(mesh, note=f"does not compile: {'; '.join(errors)}")
     row, program, _ = cheapest(results, lambda row: row.step_s)
-    row = dataclasses.replace(row, peak_bytes=predict_memory(program).total)
+    row = dataclasses.replace(row, peak_bytes=predict_memory(program, MODULE_LOSS).total)
     trained = next((result for options, result in zip(tried, results)
                     if options.batch_split == "depth_row" and not isinstance(result, Exception)), None)
     if trained is None or row.batch_split == "depth_row" or mesh.mode == "1d":
