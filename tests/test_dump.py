@@ -24,7 +24,7 @@ GOLDEN_LINEAR_RANK0 = """\
 # parameter bytes on this rank: 24
 # summa=auto on mesh [q=2, q=2, d=2]: gather for 1 product (priced on the default cluster (CALIBRATED_CLUSTER))
 # rows: batch over depth_row, tokens over none
-# memory per rank (bytes): peak of a step 328; at the start of backward parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
+# memory per rank (bytes): peak of a step 888; at the start of backward parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
 # redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
 # bytes moved by this rank, inputs without grad: forward 32, backward 80
 #   forward all_gather along col: 16
@@ -55,7 +55,7 @@ GOLDEN_LINEAR_RANK5 = """\
 # parameter bytes on this rank: 24
 # summa=auto on mesh [q=2, q=2, d=2]: gather for 1 product (priced on the default cluster (CALIBRATED_CLUSTER))
 # rows: batch over depth_row, tokens over none
-# memory per rank (bytes): peak of a step 328; at the start of backward parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
+# memory per rank (bytes): peak of a step 888; at the start of backward parameters 24, gradients 24, AdamW state 48, saved for backward 16, collective buffers 64
 # redundant work: 1.00 (forward FLOPs over all ranks / unsharded)
 # bytes moved by this rank, inputs without grad: forward 32, backward 80
 #   forward all_gather along col: 16
