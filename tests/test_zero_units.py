@@ -11,7 +11,8 @@ from models import GPTStack
 
 from tess_compile.analysis.parallel_plan import Outer
 from tess_compile.analysis.plan_search import zero_options
-from tess_compile.analysis.planner import format_table, plan
+from tess_compile.analysis.plan_table import format_table
+from tess_compile.analysis.planner import plan
 from tess_compile.analysis.zero_units import exposed_backward, exposed_forward
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
 
