@@ -66,8 +66,7 @@ H100_CLUSTER = Cluster(
 # torchtitan's step: the loss of the logits as TP leaves them split (loss_parallel), no gather
 TITAN_STEP = StepTail(gather=False)
 
-LEFT_OUT = ("attention's rate; FSDP2 per block, prefetched (priced as one unit, not overlapped); "
-            "500 W cap (priced at 700 W's matmul rate); causal attention's skipped half")
+LEFT_OUT = "attention's rate; TP collectives not overlapped; 500 W cap (priced at 700 W's rate); causal half"
 
 
 @dataclass(frozen=True)
