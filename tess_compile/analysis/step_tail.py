@@ -2,7 +2,8 @@
 
 README's loop gathers the output whole on every rank (`tess_compile.full_tensor`), computes the
 loss from it outside the module, and after the optimizer's step calls `zero_grad()` (gradients
-set to None by default). `StepTail` says which of these a step does; `predict_memory`, the
+set to None by default; `tess_compile.train_step`, which keeps them in one flat buffer from step
+to step, holds what `StepTail(set_to_none=False)` prices). `StepTail` says which of these a step does; `predict_memory`, the
 step-peak tracker (`tess_compile.analysis.memory`) and the planner take it, `README_STEP` by
 default. On fake tensors the tail runs as the runtime runs it: the gather is `GatherFull`, the
 runtime's own autograd function, over a `ShapeWorld` whose all-gather makes its blocks as
