@@ -88,6 +88,7 @@ def paper():
     return bench, observations, fits
 
 
+@pytest.mark.slow  # a full fit (about 8 s); the fast tier's Table 1 fit below covers the feature
 def test_fit_recovers_known_constants_from_synthetic_times(paper):
     """Times made by a known cluster (inside the bounds) on Table 1's programs, times 20
     layers: the fit returns that cluster and that scale."""
