@@ -68,6 +68,7 @@ __all__ = [
     "Mesh",
     "ParallelSpec",
     "RankRun",
+    "TrainStep",
     "backend",
     "check",
     "clip_grad_norm_",

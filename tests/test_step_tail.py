@@ -14,7 +14,6 @@ from tess_compile.analysis.memory import param_shards, predict_memory, step_peak
 from tess_compile.analysis.planner import plan
 from tess_compile.analysis.step_tail import MODULE_LOSS, README_STEP, StepTail, tail_time
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
-from tess_compile.core.fake_run import tensor_bytes
 from tess_compile.core.mesh import Mesh
 from tess_compile.passes.driver import compile_model
 

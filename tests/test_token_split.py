@@ -24,7 +24,7 @@ from tess_compile.analysis.accounting import (
     saved_bytes,
     unsharded_forward_flops,
 )
-from tess_compile.core.layout import Layout, Replicate, Shard
+from tess_compile.core.layout import Layout, Shard
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.row_split import RowSplit, resolve_row_split
 from tess_compile.ops import collectives as c
