@@ -67,7 +67,6 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -76,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tess_compile
 from peak_memory import tracked_peak
+from step_rows import timed_steps
 from tess_compile.analysis.accounting import saved_bytes
 from tess_compile.runtime.launch import run_local
 
@@ -224,15 +224,7 @@ class Trainer:
         return tracked_peak(self.step, self.module, self.optimizer, self.ids)
 
     def timed(self, steps: int) -> tuple[float, float]:
-        """Seconds a step between barriers, and this process's CPU seconds a step (its work, whatever
-        else shares the cores)."""
-        dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            self.step()
-        cpu = time.process_time() - cpu
-        dist.barrier()
-        return (time.perf_counter() - start) / steps, cpu / steps
+        return timed_steps(self.step, steps)
 
 
 def _worker(rank: int, world: int, names: list, sizes: dict, seq: int, rounds: int, steps: int, warmup: int) -> list:

@@ -36,7 +36,7 @@ from tess_compile.analysis.accounting import saved_bytes
 from tess_compile.runtime.launch import run_local
 
 __all__ = ["Config", "Trainer", "add_row_arguments", "make_table", "measure", "print_summary", "print_table",
-           "run_launches", "select_rows", "shape_of_launches", "tess"]
+           "run_launches", "select_rows", "shape_of_launches", "tess", "timed_steps"]
 
 
 def tess(model: nn.Module, batch, q: int, d: int, *, mode: str, compiled: bool, **options) -> nn.Module:
@@ -158,15 +158,19 @@ class Trainer:
         return counter.num_bytes
 
     def timed_round(self, steps: int) -> tuple[float, float]:
-        """Seconds per step of `steps` steps between barriers, and this process's CPU seconds per step
-        in them (every thread: the program's, gloo's, inductor's kernels'; waits not counted)."""
-        dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            self.step()
-        cpu = time.process_time() - cpu
-        dist.barrier()
-        return (time.perf_counter() - start) / steps, cpu / steps
+        return timed_steps(self.step, steps)
+
+
+def timed_steps(step: Callable[[], object], steps: int) -> tuple[float, float]:
+    """Seconds per step of `steps` calls of `step` between barriers, and this process's CPU seconds per
+    step in them (every thread: the program's, gloo's, inductor's kernels'; waits not counted)."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    cpu = time.process_time() - cpu
+    dist.barrier()
+    return (time.perf_counter() - start) / steps, cpu / steps
 
 
 def measure(trainers: list, rounds: int, steps: int, warmup: int) -> list:
