@@ -7,7 +7,7 @@ which returns the log-sum-exp) on the CPU where it applies, and the same algebra
 elsewhere. A query row that every key of a block is masked from gives zeros and a log-sum-exp of
 -inf (so that blocks merge exactly), as `scaled_dot_product_attention` gives zeros. In a striped token
 order under a causal mask (`tess_compile.core.row_split.RowSplit.stripes`) each stripe of queries runs
-against the stripes of keys it may see alone (`stripe_runs`), the same shapes on every rank.
+against the stripes of keys it may see alone (`stripe_rows`, `key_parts`), the same shapes on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import torch
 
 __all__ = ["attend", "attend_backward", "attend_parts", "attend_parts_backward", "grouped", "key_parts", "mask_part",
-           "merge", "position_bias", "save_blocks", "saved_blocks", "stripe_runs", "ungrouped"]
+           "merge", "position_bias", "save_blocks", "saved_blocks", "stripe_rows", "ungrouped"]
 
 aten = torch.ops.aten
 
@@ -121,16 +121,16 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     return out, total
 
 
-def stripe_runs(queries: int, keys: int, stripes: int) -> list[tuple[slice, int]]:
-    """(the rows of a rank's queries, the keys they may see) of each stripe of a striped token order
-    under a causal mask (`tess_compile.core.row_split.RowSplit`): stripe j's queries lie in part j
-    of the sequence and see the keys of parts 0 to j; one run of every query and key otherwise."""
-    rows, part = queries // stripes, keys // stripes
-    return [(slice(j * rows, (j + 1) * rows), (j + 1) * part) for j in range(stripes)]
+def stripe_rows(queries: int, stripes: int) -> list[slice]:
+    """The rows of a rank's queries in each stripe of a striped token order
+    (`tess_compile.core.row_split.RowSplit`): stripe j's queries lie in part j of the sequence and,
+    under a causal mask, see the keys of parts 0 to j (`key_parts`); one run of every query otherwise."""
+    rows = queries // stripes
+    return [slice(j * rows, (j + 1) * rows) for j in range(stripes)]
 
 
 def key_parts(keys: int, stripes: int, stripe: int, causal_only: bool) -> list[tuple[int, int, bool]]:
-    """The runs `(start, stop, masked)` of the keys the queries of `stripe` (of `stripes`, `stripe_runs`)
+    """The runs `(start, stop, masked)` of the keys the queries of `stripe` (of `stripes`, `stripe_rows`)
     may see: where the causal mask is the only one (`causal_only`), the parts before the stripe's own
     are seen whole by every query (no mask to make) and only its own part is masked; else one masked run."""
     part = keys // stripes

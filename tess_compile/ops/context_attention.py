@@ -28,7 +28,7 @@ from tess_compile.ops.attention_kernels import (
     position_bias,
     save_blocks,
     saved_blocks,
-    stripe_runs,
+    stripe_rows,
     ungrouped,
 )
 from tess_compile.ops.collectives import Comm, active_comm, current_comm, use_comm
@@ -41,7 +41,7 @@ class _ContextAttention(torch.autograd.Function):
 
     Flat inputs, each n tensors (None where absent): q, k_used, v_used, k_own, v_own, mask, q_positions.
     `fetch` lists the steps `(op, axis, *args)` that made the used blocks from the own ones; `stripes`
-    the stripes of the queries (`attention_kernels.stripe_runs`).
+    the stripes of the queries (`attention_kernels.stripe_rows`).
     """
 
     @staticmethod
@@ -95,7 +95,7 @@ def _runs(ctx, q: torch.Tensor, k: torch.Tensor, mask) -> list[tuple[slice, list
     seen whole where the causal mask is the only one (no mask, no key padding)."""
     causal_only = ctx.is_causal and mask is None and k.shape[-2] == ctx.key_length
     return [(rows, key_parts(k.shape[-2], ctx.stripes, j, causal_only))
-            for j, (rows, _) in enumerate(stripe_runs(q.shape[-2], k.shape[-2], ctx.stripes))]
+            for j, rows in enumerate(stripe_rows(q.shape[-2], ctx.stripes))]
 
 
 def _bias_of(ctx, q_positions, mask, rows: slice, q: torch.Tensor):
@@ -136,7 +136,7 @@ def context_attention(q, k_used, v_used, k_own, v_own, mask, q_positions, fetch,
     positions of the rank's queries (None: not causal and no key padding); `mask` the rank's rows of
     the attention mask (None: none); keys at `key_length` and after are padding. `stripes` > 1: the
     queries are the stripes of a striped token order under a causal mask, each run against the keys
-    it may see alone (`attention_kernels.stripe_runs`)."""
+    it may see alone (`attention_kernels.stripe_rows`)."""
     wrap = (lambda t: None if t is None else [t])
     return lockstep_context_attention(active_comm(), [q], [k_used], [v_used], [k_own], [v_own], wrap(mask),
                                       wrap(q_positions), fetch, key_length, is_causal, scale, stripes)[0]

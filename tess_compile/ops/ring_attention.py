@@ -32,7 +32,7 @@ from tess_compile.ops.attention_kernels import (
     position_bias,
     save_blocks,
     saved_blocks,
-    stripe_runs,
+    stripe_rows,
     ungrouped,
 )
 from tess_compile.ops.collectives import Comm, ShapeComm, active_comm, current_comm, use_comm
@@ -154,7 +154,7 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def _causal_runs(ctx, q: torch.Tensor) -> int:
-    """The stripes each query stripe meets a block in (`attention_kernels.stripe_runs`): the order's
+    """The stripes each query stripe meets a block in (`attention_kernels.stripe_rows`): the order's
     stripes under a causal self-attention (as many queries as keys), else 1 (every query every key)."""
     blocks = math.prod(size for _, size in ctx.axes)
     return ctx.stripes if ctx.is_causal and q.shape[-2] * blocks == ctx.key_length else 1
@@ -166,7 +166,7 @@ def _runs(ctx, q: torch.Tensor, mask) -> list[tuple[slice, list]]:
     only one (no mask, no key padding)."""
     causal_only = ctx.runs > 1 and mask is None and ctx.block * math.prod(s for _, s in ctx.axes) == ctx.key_length
     return [(rows, key_parts(ctx.block, ctx.runs, j, causal_only))
-            for j, (rows, _) in enumerate(stripe_runs(q.shape[-2], ctx.block, ctx.runs))]
+            for j, rows in enumerate(stripe_rows(q.shape[-2], ctx.runs))]
 
 
 def _sliced(bias: torch.Tensor | None, rows: slice):
