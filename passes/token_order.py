@@ -46,12 +46,14 @@ _NEIGHBOURS = {aten.cumsum.default, aten.cumprod.default, aten.roll.default, ate
 
 def with_token_order(gm: GraphModule, rows: RowSplit, options: CompileOptions, mesh: Mesh) -> RowSplit:
     """`rows` with the stripes `options.token_order` gives `gm`'s inputs (module docstring)."""
+    if options.token_order == "striped" and rows.tokens == "none":
+        raise _refused(mesh, rows, "the tokens do not split")
     if options.token_order == "contiguous" or rows.tokens == "none":
-        return _refused(mesh, rows, "the tokens do not split") if options.token_order == "striped" else rows
+        return rows
     stripes = stripe_count(rows.length, token_parts(rows.tokens, mesh))
     reasons = _reasons(gm, options, stripes, rows, mesh)
     if options.token_order == "striped" and reasons:
-        return _refused(mesh, rows, "; ".join(reasons))
+        raise _refused(mesh, rows, "; ".join(reasons))
     if reasons:
         log.debug("token order: contiguous on mesh %s (%s)", mesh, "; ".join(reasons))
         return rows
@@ -122,6 +124,6 @@ def _dims_read(node: Node, x: torch.Tensor) -> set[int]:
     return set() if whole else {dim}
 
 
-def _refused(mesh: Mesh, rows: RowSplit, why: str) -> RowSplit:
-    raise ValueError(f"token_order='striped' on mesh {mesh} ({rows}): {why}; use token_order='auto' or "
-                     "'contiguous'")
+def _refused(mesh: Mesh, rows: RowSplit, why: str) -> ValueError:
+    return ValueError(f"token_order='striped' on mesh {mesh} ({rows}): {why}; use token_order='auto' or "
+                      "'contiguous'")

@@ -354,3 +354,6 @@ def test_a_striped_order_is_not_taken_where_it_cannot_pay():
     assert sim.program.rows.tokens == "depth_row" and sim.program.rows.stripes == 1
     with pytest.raises(ValueError, match=r"aten.cumsum.default at .* reads neighbouring tokens of an activation"):
         tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(x,), token_order="striped")
+    with pytest.raises(ValueError, match=r"token_order='striped' on mesh .*: the tokens do not split"):
+        tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(_input(batch=4, seq=64),),
+                              token_order="striped")
