@@ -18,6 +18,13 @@ not) for every batch and head it broadcasts over, the call takes
 score's weight is 0 either way). Left as they are: masks of symbolic sizes, of
 more than `MAX_EVALUATED` elements, reading an input (a padding mask), and any
 other pattern (a sliding window, a cache's bottom-right alignment).
+
+A mask that reads an input but is the causal mask AND something else (transformers' causal mask and
+its padding mask, joined by `&`) keeps its mask and is marked `CAUSAL_BOUNDED` (`is_causal` reads
+it): no query attends a key in its future, which context attention may then skip, as under
+`is_causal`. The bound is evaluated, not matched: the mask's producers are run with every value
+read from an input taken as True (all attended), through ANDs and ops that only move values
+(`_MOVES`), and the result must mask every key after its query.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 
-__all__ = ["MAX_EVALUATED", "causal_masks_as_flags"]
+from tess_compile.core.meta_keys import CAUSAL_BOUNDED
+
+__all__ = ["MAX_EVALUATED", "causal_masks_as_flags", "is_causal"]
 
 log = logging.getLogger("tess_compile")
 
@@ -37,6 +46,11 @@ aten = torch.ops.aten
 MAX_EVALUATED = 1 << 28  # mask elements evaluated at compile time at most (a 16,384-token causal mask)
 _SDPA = aten.scaled_dot_product_attention.default
 _MASK, _IS_CAUSAL = 3, 5  # positions of attn_mask and is_causal in SDPA's schema
+# Bool ops whose value is no larger than each operand's (an AND), and ops that only move values.
+_ANDS = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default, aten.mul.Tensor}
+_MOVES = {aten.expand.default, aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.permute.default,
+          aten.transpose.int, aten.clone.default, aten.alias.default, aten.to.dtype_layout, aten.to.dtype,
+          aten.to.device, aten._to_copy.default, aten.contiguous.default, aten.slice.Tensor, aten.select.int}
 
 
 def causal_masks_as_flags(gm: GraphModule) -> GraphModule:
@@ -54,21 +68,98 @@ def causal_masks_as_flags(gm: GraphModule) -> GraphModule:
         done += 1
     if done:
         log.info("capture: %d attention mask(s) built from sizes alone are causal: is_causal=True", done)
+    bounded = 0
+    for node in gm.graph.find_nodes(op="call_function", target=_SDPA):
+        mask = _arg(node, _MASK, "attn_mask")
+        if isinstance(mask, Node) and not _arg(node, _IS_CAUSAL, "is_causal") and _bounded_by_causal(node, mask):
+            CAUSAL_BOUNDED.set(node, True)
+            bounded += 1
+    if bounded:
+        log.info("capture: %d attention mask(s) read an input but are the causal mask and more: context "
+                 "attention skips each query's future keys", bounded)
     return gm
+
+
+def is_causal(sdpa: Node) -> bool:
+    """Whether no query of the attention `sdpa` attends a key after it: `is_causal`, or a mask bounded
+    by the causal one (`CAUSAL_BOUNDED`)."""
+    return bool(_arg(sdpa, _IS_CAUSAL, "is_causal", False)) or bool(CAUSAL_BOUNDED.get(sdpa, False))
 
 
 def _arg(node: Node, index: int, name: str, default=None):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
-def _is_causal_mask(sdpa: Node, mask: Node) -> bool:
-    """Whether `mask`, evaluated, is the causal mask of the attention `sdpa` for every batch and head."""
+def _evaluable_sizes(sdpa: Node, mask: Node) -> bool:
+    """Whether the attention's queries, keys and mask have static sizes, the mask of at most
+    `MAX_EVALUATED` elements and two dims or more."""
     query, key = (sdpa.args[i].meta.get("val") for i in (0, 1))
     value = mask.meta.get("val")
     if any(not isinstance(t, torch.Tensor) or not all(isinstance(s, int) for s in t.shape)
            for t in (query, key, value)):
         return False
-    if value.numel() > MAX_EVALUATED or value.dim() < 2:
+    return value.numel() <= MAX_EVALUATED and value.dim() >= 2
+
+
+def _bounded_by_causal(sdpa: Node, mask: Node) -> bool:
+    """Whether the bool `mask` of the self-attention `sdpa` masks every key after its query, whatever
+    the inputs it reads hold (module docstring)."""
+    query, key = (sdpa.args[i].meta.get("val") for i in (0, 1))
+    if not _evaluable_sizes(sdpa, mask) or mask.meta["val"].dtype != torch.bool or query.shape[-2] != key.shape[-2]:
+        return False
+    upper = _upper_bound(mask, {})
+    if upper is None or upper.shape[-2:] != (query.shape[-2], key.shape[-2]):
+        return False
+    future = torch.ones(upper.shape[-2:], dtype=torch.bool).triu(1)
+    return not bool(upper[..., future].any())
+
+
+def _upper_bound(node: Node, bounds: dict) -> torch.Tensor | None:
+    """The largest value the bool `node` takes over all inputs (True wherever it reads an input through
+    ANDs and moves), or None where it is not such a node."""
+    if node not in bounds:
+        value = node.meta.get("val")
+        bounds[node] = None
+        if isinstance(value, torch.Tensor) and value.dtype == torch.bool and node.op == "call_function":
+            known = _evaluate(node)
+            if known is not None:
+                bounds[node] = known
+            elif node.target in _ANDS:
+                operands = [_operand_bound(a, bounds) for a in node.args[:2]]
+                bounds[node] = None if None in operands else operands[0] & operands[1]
+            elif node.target in _MOVES and isinstance(node.args[0], Node):
+                moved = _upper_bound(node.args[0], bounds)
+                bounds[node] = None if moved is None else _replay(node, moved)
+    return bounds[node]
+
+
+def _operand_bound(operand, bounds: dict) -> torch.Tensor | None:
+    """The largest value of an AND's bool `operand`: its upper bound, all True where it has none
+    (it reads an input); None where it is no bool tensor of static sizes."""
+    if not isinstance(operand, Node):
+        return torch.tensor(operand) if isinstance(operand, bool) else None
+    value = operand.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool or not all(isinstance(s, int) for s in value.shape):
+        return None
+    bound = _upper_bound(operand, bounds)
+    return torch.ones(value.shape, dtype=torch.bool) if bound is None else bound
+
+
+def _replay(node: Node, first: torch.Tensor) -> torch.Tensor | None:
+    """`node`'s op on `first` in place of its first argument (its other arguments evaluated), on the
+    CPU; None where another argument reads an input."""
+    rest = [(_evaluate(a) if isinstance(a, Node) else a) for a in node.args[1:]]
+    if any(r is None and isinstance(a, Node) for r, a in zip(rest, node.args[1:])):
+        return None
+    cpu = torch.device("cpu")
+    args, kwargs = map_aggregate(((first, *rest), node.kwargs), lambda a: cpu if isinstance(a, torch.device) else a)
+    return node.target(*args, **kwargs)
+
+
+def _is_causal_mask(sdpa: Node, mask: Node) -> bool:
+    """Whether `mask`, evaluated, is the causal mask of the attention `sdpa` for every batch and head."""
+    query, key = (sdpa.args[i].meta.get("val") for i in (0, 1))
+    if not _evaluable_sizes(sdpa, mask):
         return False
     evaluated = _evaluate(mask)
     if evaluated is None:

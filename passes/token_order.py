@@ -10,8 +10,8 @@ input whole first (`tess_compile.passes.rules.scans`), where a contiguous split 
 
 "auto" takes the striped order where the tokens split over the axes of context-parallel attention
 (not mode 1d, which gathers the tokens for attention and splits its heads), the model has a causal
-self-attention (`is_causal`, which capture gives a causal mask built from sizes:
-`passes.causal_masks`; either schedule, `context="gather"` or `"ring"`), the sequence splits into stripes (`row_split.stripe_count`), no op reads neighbouring tokens of an
+self-attention (`is_causal`, which capture gives a causal mask built from sizes, or a mask bounded by
+the causal one, such as transformers' causal and padding masks joined: `passes.causal_masks`; either schedule, `context="gather"` or `"ring"`), the sequence splits into stripes (`row_split.stripe_count`), no op reads neighbouring tokens of an
 activation (a float tensor of three or more dims: a causal LM's label shift reads integer labels,
 cheap to make whole), and no output holds the tokens (outputs leave in one block a rank, so an LM's
 logits would be gathered: a training step that returns its loss alone takes stripes). "striped" asks
@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.options import AUTO, CompileOptions
 from tess_compile.core.row_split import RowSplit, stripe_count, token_dim, token_parts
+from tess_compile.passes.causal_masks import is_causal
 from tess_compile.passes.source_lines import source_line
 
 __all__ = ["with_token_order"]
@@ -94,9 +95,9 @@ def _token_outputs(gm: GraphModule, length: int) -> list[str]:
 
 
 def _causal_self_attention(node: Node) -> bool:
-    is_causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    """Whether `node` is a self-attention under a causal mask (`is_causal`, or a mask bounded by it)."""
     query, key = (arg.meta.get("val") for arg in node.args[:2])
-    return bool(is_causal) and query is not None and key is not None and query.shape[-2] == key.shape[-2]
+    return is_causal(node) and query is not None and key is not None and query.shape[-2] == key.shape[-2]
 
 
 def _reads_activation_tokens(node: Node) -> bool:

@@ -22,6 +22,7 @@ from torch.fx import Node
 import math
 
 from tess_compile.passes.builder import Builder
+from tess_compile.passes.causal_masks import is_causal as causal
 from tess_compile.passes.rules.common import (
     R,
     align,
@@ -175,7 +176,7 @@ def _lower_context_attention(b: Builder, node: Node, local) -> Node:
     for _, axis, *rest in fetch:
         k_used = b.call(c.all_gather, k_used, axis, *rest)
         v_used = b.call(c.all_gather, v_used, axis, *rest)
-    is_causal = get_arg(node, 5, "is_causal", False)
+    is_causal = causal(node)  # the flag, or a mask bounded by the causal one
     key_length = shape_of(key)[k_seq]
     padded = any(key_length % b.mesh.size(step[1]) for step in fetch)
     positions = None
@@ -217,7 +218,7 @@ def _lower_ring_attention(b: Builder, node: Node, local, fetch: tuple) -> Node:
     key_length = shape_of(key)[k_seq]
     axes = tuple((axis, size) for _, axis, size, *_ in reversed(fetch))
     block = arg_layout(node, key).local_shape(shape_of(key), b.mesh)[k_seq]
-    is_causal = get_arg(node, 5, "is_causal", False)
+    is_causal = causal(node)  # the flag, or a mask bounded by the causal one
     positions = None
     if is_causal or block * math.prod(size for _, size in axes) != key_length:
         positions = block_indices(b, local(0, "query"), shape_of(query)[q_seq], arg_layout(node, query), q_seq)

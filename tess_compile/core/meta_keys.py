@@ -33,6 +33,7 @@ __all__ = [
     "BLOCK_REPEATS",
     "CARRIED",
     "CARRIED_OUTPUTS",
+    "CAUSAL_BOUNDED",
     "CONSTANT_VALUE",
     "DTYPE",
     "GLOBAL_NODE",
@@ -167,6 +168,12 @@ ARG_LAYOUTS: MetaKey[dict[Node, Layout]] = MetaKey("arg_layouts", """On every op
 `LAYOUT` into it. Written by place; read by the rewrite, the verifier, the driver (output layouts),
 the lowering rules and the placed dump.""")
 
+CAUSAL_BOUNDED: MetaKey[bool] = MetaKey("causal_bounded", """On a captured scaled_dot_product_attention
+whose mask reads an input (a padding mask) but is the causal mask AND something else: no query attends a
+key after it. Written by capture (`passes.causal_masks`); read by `passes.causal_masks.is_causal` (the
+attention rules and the token order: context attention skips the keys in a query's future and balances
+its work over a striped token order as under `is_causal`).""")
+
 REPLICATED: MetaKey[str] = MetaKey("replicated", """On an op with no sharding rule, which runs whole on
 every rank: the op's line of model code (`source_line`). Written by place; the rewrite copies it onto
 the per-rank node holding the op's value. Read by the verifier, repeated_work, `validation.check`'s
@@ -242,7 +249,7 @@ the copied blocks).""")
 # Every key of the contract, by its name in `meta`.
 KEYS: dict[str, MetaKey] = {key.name: key for key in (
     ROLE, WEIGHT_INPUT, ALIAS_OF, LOCAL_INPUT, CARRIED, CONSTANT_VALUE, DTYPE, LOCAL_OUTPUTS, CARRIED_OUTPUTS,
-    LAYOUT, ARG_LAYOUTS, REPLICATED, GLOBAL_SHAPE, GLOBAL_NODE, RECOMPUTE_REGION, AUTOCAST_REGION, SUMMA_STEP,
+    LAYOUT, ARG_LAYOUTS, CAUSAL_BOUNDED, REPLICATED, GLOBAL_SHAPE, GLOBAL_NODE, RECOMPUTE_REGION, AUTOCAST_REGION, SUMMA_STEP,
     INDEX_CHECK,
     IN_SPEC, OUT_SPEC, TENSORS, STATE_KEYS, GUARDS, SCHEDULE_COUNTS, BLOCK_REPEATS, PRODUCT_SCHEDULES,
 )}
