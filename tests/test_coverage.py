@@ -68,7 +68,12 @@ def _param(name, call, label, q, d, mode):
     return pytest.param(name, call, label, q, d, mode, id=f"{name}-{call}-{mode}", marks=marks)
 
 
-@pytest.mark.parametrize("name, call, label, q, d, mode", [_param(*case) for case in coverage.cases()])
+# The labels call on 1-D p=4 is left to the benchmark's table: its model body is the default call's on
+# 1-D, its loss transformers' shared loss, checked on 2.5-D here and in 1-D by test_megatron_coverage.
+_CASES = [case for case in coverage.cases() if (case[1], case[5]) != ("labels", "1d")]
+
+
+@pytest.mark.parametrize("name, call, label, q, d, mode", [_param(*case) for case in _CASES])
 def test_architecture_is_exact_and_sharded(name, call, label, q, d, mode):
     library = ARCHITECTURES[name].library
     if importlib.util.find_spec(library) is None:

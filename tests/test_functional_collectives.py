@@ -425,9 +425,9 @@ def _gloo_worker(rank, world_size, q, d, mode, summa):
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("q, d, mode, summa", [(2, 2, "2.5d", "overlap"), (2, 2, "2.5d", "gather"), (2, 2, "1d", "auto")],
-                         ids=["q2d2-overlap", "q2d2-gather", "1d-p8"])
+@pytest.mark.slow  # SUMMA's overlap schedule's records: each lowered against its group result in the fast tier
+@pytest.mark.parametrize("q, d, mode, summa", [(2, 2, "2.5d", "gather"), (2, 2, "1d", "auto")],
+                         ids=["q2d2-gather", "1d-p8"])
 def test_gloo_lowered_parity(q, d, mode, summa):
     results = run_local(_gloo_worker, Mesh(q, d, mode).num_ranks, args=(q, d, mode, summa), timeout_s=1200,
                         collective_timeout_s=600)

@@ -55,6 +55,9 @@ _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # asks a child to dump its sta
 # What the fork server imports once, so that a child does not import it again (seconds of CPU
 # per rank, most of an 8-rank launch on a small machine). It imports nothing that starts a thread.
 _PRELOAD = ["torch", "torch.distributed", "tess_compile"]
+# Imported by the fork server too where the launching process has imported their package (a job on
+# transformers' models): their import is most of the rest of a child's start.
+_PRELOAD_IF_USED = ["transformers.modeling_utils", "transformers.generation.utils"]
 
 
 class _Stdio:
@@ -79,13 +82,15 @@ def _attach_stdio(fds) -> None:
 
 
 def _context():
-    """The children's start method: forked from a server that has imported `_PRELOAD` (where the
-    platform has one; spawned otherwise). Either way a child imports the job's own modules and
+    """The children's start method: forked from a server that has imported `_PRELOAD`, and
+    `_PRELOAD_IF_USED` where this process uses their package (where the platform has a fork server;
+    spawned otherwise). Either way a child imports the job's own modules and
     takes the parent's environment as it is at launch."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    used = [name for name in _PRELOAD_IF_USED if name.split(".")[0] in sys.modules]
+    ctx.set_forkserver_preload(_PRELOAD + used)
     return ctx
 
 
