@@ -85,6 +85,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
 from benchmarks.paper_tables import Block
+from tess_compile.core import group_calls
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import COLLECTIVE_OPS, EAGER_TARGETS, use_comm
 from tess_compile.runtime.dist_comm import DistComm
@@ -374,8 +375,20 @@ class _TimedWork:
             self.clock.seconds += self.clock.now() - start
 
 
-C10D_CALLS = ("broadcast", "reduce", "all_reduce", "all_gather_single", "all_gather_into_tensor",
-               "reduce_scatter_single", "reduce_scatter_tensor")
+# What `DistComm`'s plans call on a process group (`tess_compile.core.group_calls`), each made once per plan.
+GROUP_CALLS = ("broadcast", "reduce", "all_reduce", "all_gather_single", "reduce_scatter_single")
+
+
+def timed_makes(make, clock: Clock):
+    """`make(...)`, a maker of calls, whose calls `clock` times."""
+    return lambda *args: clock.wrap(make(*args))
+
+
+def c10d_patches(clock: Clock) -> list:
+    """Patches that time by `clock` every process-group call of the plans that a communicator makes
+    while they hold (the c10d call of each collective, its wait included)."""
+    return [mock.patch.object(group_calls, name, timed_makes(getattr(group_calls, name), clock))
+            for name in GROUP_CALLS]
 
 
 def _collectives(rank: int, world_size: int, sizes: dict, calls: int) -> dict:
@@ -402,9 +415,9 @@ def _measure_collectives(rank: int, sizes: dict, calls: int) -> dict:
     comm = DistComm(mesh, init_device_mesh("cpu", mesh.shape, mesh_dim_names=("depth", "row", "col")),
                     timedelta(seconds=600))
     c10d, run = Clock(), Clock()
-    patches = [mock.patch.object(dist, name, c10d.wrap(getattr(dist, name)))
-               for name in C10D_CALLS if hasattr(dist, name)]
-    comm.run, comm.wait = run.wrap(comm.run), run.wrap(comm.wait)  # wait: broadcast_start's second half
+    patches = c10d_patches(c10d)
+    # every call of the communicator is one of its plans (wait: broadcast_start's second half)
+    comm._make_plan, comm.wait = timed_makes(comm._make_plan, run), run.wrap(comm.wait)
     x = torch.randn(sizes["batch"], sizes["seq"], sizes["hidden"], generator=torch.Generator().manual_seed(rank))
     out = {}
     with contextlib.ExitStack() as stack:

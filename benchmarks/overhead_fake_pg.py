@@ -36,7 +36,16 @@ import torch
 import torch.distributed as dist
 
 import tess_compile
-from benchmarks.overhead import C10D_CALLS, Clock, GraphRunner, Runner, StepRunner, make_input, make_model
+from benchmarks.overhead import (
+    Clock,
+    GraphRunner,
+    Runner,
+    StepRunner,
+    c10d_patches,
+    make_input,
+    make_model,
+    timed_makes,
+)
 from tess_compile.ops import collectives
 from tess_compile.ops.collectives import EAGER_TARGETS, use_comm
 from tess_compile.runtime.sharded_module import eager_graph
@@ -45,10 +54,12 @@ __all__ = ["CASES", "host_time", "print_host_time"]
 
 TARGET_US_PER_COLLECTIVE, TARGET_US_PER_PARAMETER = 10.0, 2.0
 
-# (label, q, d, mode, world size of the fake process group)
+# (label, q, d, mode, world size of the fake process group, sizes changed from the stack's): 1-D over
+# 8 ranks splits the heads 8 ways, so that case runs 8 heads (of 4 features each) on the same hidden size
 CASES = [
-    ("world of one", 1, 1, "2.5d", 1),
-    ("rank 0 of [2,2,2], 2.5d", 2, 2, "2.5d", 8),
+    ("world of one", 1, 1, "2.5d", 1, {}),
+    ("rank 0 of [2,2,2], 2.5d", 2, 2, "2.5d", 8, {}),
+    ("rank 0 of p=8, 1d", 2, 2, "1d", 8, {"heads": 8}),
 ]
 
 
@@ -136,12 +147,14 @@ def _case(q: int, d: int, mode: str, sizes: dict, repeats: dict) -> dict:
     module = Runner(sharded, x)
     inside, c10d = _OuterClock(), Clock(time.thread_time)  # CPU time, as the steps
     graph = _TimedGraphRunner(sharded, x, inside)
-    # the c10d calls; each adjoint a collective's backward runs, and the communicator's `run` (the
-    # backward of the identities whose gradient is a collective): in both rows, the same cost
-    patches = [mock.patch.object(dist, name, c10d.wrap(getattr(dist, name)))
-               for name in C10D_CALLS if hasattr(dist, name)]
-    patches += [mock.patch.object(collectives, "_adjoint", inside.wrap(collectives._adjoint)),
-                mock.patch.object(sharded.comm, "run", inside.wrap(sharded.comm.run))]
+    # the process group's calls; the backward of each collective's autograd Function (its adjoint),
+    # and every plan of the communicator not inside one (the collectives of fused ops such as
+    # `FetchedProduct`): in both rows, the same cost. The plans are made anew under the patches.
+    sharded.comm._plans.clear()
+    patches = [*c10d_patches(c10d), mock.patch.object(sharded.comm, "_make_plan", timed_makes(
+        sharded.comm._make_plan, inside))]
+    patches += [mock.patch.object(function, "backward", staticmethod(inside.wrap(function.backward)))
+                for function in (collectives._Collective, collectives._IdentityWithAdjoint)]
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
@@ -176,10 +189,10 @@ def host_time(rank: int, world_size: int, sizes: dict, repeats: dict) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     out = {}
-    for label, q, d, mode, world in CASES:
+    for label, q, d, mode, world, changed in CASES:
         dist.destroy_process_group()  # run_local's gloo group, or the last case's: a fake one of `world`
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        out[label] = _case(q, d, mode, sizes, repeats)
+        out[label] = _case(q, d, mode, {**sizes, **changed}, repeats)
     return out
 
 
