@@ -33,9 +33,10 @@ DTensor. Three sections, each one launch of `tess_compile.run_local`:
    cProfile's heaviest functions of the tess eager step.
 2. **Per collective** (8 gloo processes, mesh `[2,2,2]`): each collective of
    the per-rank graph on a `[batch, seq, hidden]` block, `--calls` times, as
-   three nested layers: the torch.distributed call(s) alone (timed inside
-   `DistComm`, so waiting for peers counts there), `DistComm.run` around them
-   (the record, the copies the op's contract needs, the error handling), and
+   three nested layers: the process group's call alone (made once per plan,
+   `tess_compile.core.group_calls`, its wait included, so waiting for peers
+   counts there), the communicator's plan around it (`DistComm.plan`: the
+   record, the copies the op's contract needs, the error handling), and
    the graph target (the custom op `tess::<op>` with autograd recording,
    called as the per-rank graph calls it). Columns: the c10d call, and the
    microseconds each outer layer adds per call: medians over calls, then the
@@ -49,9 +50,9 @@ DTensor. Three sections, each one launch of `tess_compile.run_local`:
    where this tree has no such lowering, or with `--functional off`, the row
    says so. Eager `[2,2,2]` runs beside them for reference.
 4. **Host time per collective and per parameter** (`--sections fake`; `benchmarks/overhead_fake_pg.py`):
-   the eager step of rank 0 of `[2,2,2]` on torch's fake process group, and of a
-   world of one, in one process: microseconds of host time per collective and per parameter of a
-   step, against the targets of 10 and 2.
+   the eager step of rank 0 of `[2,2,2]` and of 1-D over 8 ranks on torch's fake process group, and
+   of a world of one, in one process: microseconds of host time per collective and per parameter of
+   a step, against the targets of 10 and 2.
 
 The CPU cores are shared by all processes of a launch: these are host times on
 this machine, not GPU predictions.
@@ -392,7 +393,7 @@ def c10d_patches(clock: Clock) -> list:
 
 
 def _collectives(rank: int, world_size: int, sizes: dict, calls: int) -> dict:
-    """Per case: median microseconds per call of the c10d call, what `DistComm.run` adds around it,
+    """Per case: median microseconds per call of the c10d call, what the plan adds around it,
     and what the graph target adds around that: the eager runtime's (`EAGER_TARGETS`) and the
     custom op's (`torch.ops.tess.<op>`, as a graph traced with the custom ops calls it)."""
     return _measure_collectives(rank, sizes, calls)
@@ -454,7 +455,7 @@ def print_collectives(results: list[dict], sizes: dict, calls: int, where: str) 
     print(f"\n### Per collective, {where}, mesh [2,2,2]: a [{sizes['batch']}, {sizes['seq']}, "
           f"{sizes['hidden']}] fp32 block that requires grad, {calls} calls each; medians over calls, then over "
           "ranks (microseconds)\n")
-    print("| collective | c10d call | DistComm.run adds | eager target adds | Python per collective, eager | "
+    print("| collective | c10d call | the plan adds | eager target adds | Python per collective, eager | "
           "custom op adds (traced graphs) |")
     print("|---|---:|---:|---:|---:|---:|")
     rows = []

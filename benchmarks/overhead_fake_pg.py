@@ -6,7 +6,8 @@ as its section 1 (`Runner`: zero the gradients, forward, a loss of the output, b
 optimizer). On torch's fake process group (`dist.init_process_group("fake", ...)`) every
 c10d call returns at once: nothing moves and no peer is waited for, so a step's time is the
 host's work alone, that of 8 ranks without 8 processes. Cases: a world of one (whose program
-calls no collective) and rank 0 of `[2,2,2]` (mode 2.5d), on fake groups of 1 and 8.
+calls no collective), rank 0 of `[2,2,2]` (mode 2.5d) and rank 0 of 1-D over 8 ranks (mode 1d,
+8 heads), on fake groups of 1, 8 and 8.
 
 Per case, medians over rounds of the thread's CPU time per step (`time.thread_time`):
 
@@ -14,11 +15,13 @@ Per case, medians over rounds of the thread's CPU time per step (`time.thread_ti
   with the runtime's `eager_graph` and communicator: the same collectives, on plain leaf
   copies of the parameters' local tensors);
 - per collective: a step's time inside its collective ops (each eager target the graph calls,
-  forward; each adjoint, and each `DistComm.run` not inside one, backward: autograd's Function,
-  `DistComm.run` and the c10d call; their calls counted, the rank-local ones such as
-  `shard_slice` and identity adjoints too),
-  over the step's collectives that move bytes (`comm.records`, forward and backward); and of
-  that, the c10d calls alone (torch's own floor);
+  forward; the backward of each collective's autograd Function, and each of the communicator's
+  plans not inside one, such as a fused product's fetches: autograd's Function, the plan
+  (`DistComm.plan`) and the process group's call; their calls counted, the rank-local ones such
+  as `shard_slice` and identity adjoints too), over the step's collectives that move bytes
+  (`comm.records`, forward and backward); and of that, the process group's calls alone (the C++
+  call and its wait: torch's own floor, which on the fake group copies the input into each
+  rank's part of an all-gather's output);
 - per parameter: the module's step less the graph's alone, over the parameters: all the
   runtime does around the per-rank graph (inputs, the parameters' local tensors and their
   gradients' DTensors, the output's DTensor), fixed costs of a step included.
@@ -199,7 +202,7 @@ def host_time(rank: int, world_size: int, sizes: dict, repeats: dict) -> dict:
 def print_host_time(result: dict, sizes: dict, repeats: dict) -> list[dict]:
     print(f"\n### Host time per collective and per parameter, eager, one process: {sizes['layers']} GPT blocks, "
           f"hidden {sizes['hidden']}, batch {sizes['batch']}, sequence {sizes['seq']}, forward and backward; rank 0 "
-          f"of 8 and a world of one on torch's fake process group (c10d returns at once); CPU time of the "
+          f"of 8 ([2,2,2] and 1-D) and a world of one on torch's fake process group (c10d returns at once); CPU time of the "
           f"thread, median over {repeats['rounds']} rounds of {repeats['steps']} steps (targets: "
           f"{TARGET_US_PER_COLLECTIVE:g} us a collective, {TARGET_US_PER_PARAMETER:g} us a parameter)\n")
     print("| case | parameters | collectives/step | collective-op calls/step | step ms | graph alone ms | "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -72,9 +73,8 @@ ADJOINT = {name: record.adjoint for name, record in COLLECTIVES.items()}
 COMMUNICATING = tuple(name for name, record in COLLECTIVES.items() if record.sends and record.counts_as == name)
 
 
-@dataclass(frozen=True)
-class CommRecord:
-    """One collective as one rank saw it."""
+class CommRecord(NamedTuple):
+    """One collective as one rank saw it (a named tuple: one is made per collective called)."""
 
     op: str
     axis: str
