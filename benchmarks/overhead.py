@@ -33,9 +33,10 @@ DTensor. Three sections, each one launch of `tess_compile.run_local`:
    cProfile's heaviest functions of the tess eager step.
 2. **Per collective** (8 gloo processes, mesh `[2,2,2]`): each collective of
    the per-rank graph on a `[batch, seq, hidden]` block, `--calls` times, as
-   three nested layers: the torch.distributed call(s) alone (timed inside
-   `DistComm`, so waiting for peers counts there), `DistComm.run` around them
-   (the record, the copies the op's contract needs, the error handling), and
+   three nested layers: the process group's call alone (made once per plan,
+   `tess_compile.core.group_calls`, its wait included, so waiting for peers
+   counts there), the communicator's plan around it (`DistComm.plan`: the
+   record, the copies the op's contract needs, the error handling), and
    the graph target (the custom op `tess::<op>` with autograd recording,
    called as the per-rank graph calls it). Columns: the c10d call, and the
    microseconds each outer layer adds per call: medians over calls, then the
@@ -49,9 +50,9 @@ DTensor. Three sections, each one launch of `tess_compile.run_local`:
    where this tree has no such lowering, or with `--functional off`, the row
    says so. Eager `[2,2,2]` runs beside them for reference.
 4. **Host time per collective and per parameter** (`--sections fake`; `benchmarks/overhead_fake_pg.py`):
-   the eager step of rank 0 of `[2,2,2]` on torch's fake process group, and of a
-   world of one, in one process: microseconds of host time per collective and per parameter of a
-   step, against the targets of 10 and 2.
+   the eager step of rank 0 of `[2,2,2]` and of 1-D over 8 ranks on torch's fake process group, and
+   of a world of one, in one process: microseconds of host time per collective and per parameter of
+   a step, against the targets of 10 and 2.
 
 The CPU cores are shared by all processes of a launch: these are host times on
 this machine, not GPU predictions.
@@ -85,6 +86,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
 from benchmarks.paper_tables import Block
+from tess_compile.core import group_calls
 from tess_compile.core.mesh import Mesh
 from tess_compile.ops.collectives import COLLECTIVE_OPS, EAGER_TARGETS, use_comm
 from tess_compile.runtime.dist_comm import DistComm
@@ -374,12 +376,24 @@ class _TimedWork:
             self.clock.seconds += self.clock.now() - start
 
 
-C10D_CALLS = ("broadcast", "reduce", "all_reduce", "all_gather_single", "all_gather_into_tensor",
-               "reduce_scatter_single", "reduce_scatter_tensor")
+# What `DistComm`'s plans call on a process group (`tess_compile.core.group_calls`), each made once per plan.
+GROUP_CALLS = ("broadcast", "reduce", "all_reduce", "all_gather_single", "reduce_scatter_single")
+
+
+def timed_makes(make, clock: Clock):
+    """`make(...)`, a maker of calls, whose calls `clock` times."""
+    return lambda *args: clock.wrap(make(*args))
+
+
+def c10d_patches(clock: Clock) -> list:
+    """Patches that time by `clock` every process-group call of the plans that a communicator makes
+    while they hold (the c10d call of each collective, its wait included)."""
+    return [mock.patch.object(group_calls, name, timed_makes(getattr(group_calls, name), clock))
+            for name in GROUP_CALLS]
 
 
 def _collectives(rank: int, world_size: int, sizes: dict, calls: int) -> dict:
-    """Per case: median microseconds per call of the c10d call, what `DistComm.run` adds around it,
+    """Per case: median microseconds per call of the c10d call, what the plan adds around it,
     and what the graph target adds around that: the eager runtime's (`EAGER_TARGETS`) and the
     custom op's (`torch.ops.tess.<op>`, as a graph traced with the custom ops calls it)."""
     return _measure_collectives(rank, sizes, calls)
@@ -402,9 +416,9 @@ def _measure_collectives(rank: int, sizes: dict, calls: int) -> dict:
     comm = DistComm(mesh, init_device_mesh("cpu", mesh.shape, mesh_dim_names=("depth", "row", "col")),
                     timedelta(seconds=600))
     c10d, run = Clock(), Clock()
-    patches = [mock.patch.object(dist, name, c10d.wrap(getattr(dist, name)))
-               for name in C10D_CALLS if hasattr(dist, name)]
-    comm.run, comm.wait = run.wrap(comm.run), run.wrap(comm.wait)  # wait: broadcast_start's second half
+    patches = c10d_patches(c10d)
+    # every call of the communicator is one of its plans (wait: broadcast_start's second half)
+    comm._make_plan, comm.wait = timed_makes(comm._make_plan, run), run.wrap(comm.wait)
     x = torch.randn(sizes["batch"], sizes["seq"], sizes["hidden"], generator=torch.Generator().manual_seed(rank))
     out = {}
     with contextlib.ExitStack() as stack:
@@ -441,7 +455,7 @@ def print_collectives(results: list[dict], sizes: dict, calls: int, where: str) 
     print(f"\n### Per collective, {where}, mesh [2,2,2]: a [{sizes['batch']}, {sizes['seq']}, "
           f"{sizes['hidden']}] fp32 block that requires grad, {calls} calls each; medians over calls, then over "
           "ranks (microseconds)\n")
-    print("| collective | c10d call | DistComm.run adds | eager target adds | Python per collective, eager | "
+    print("| collective | c10d call | the plan adds | eager target adds | Python per collective, eager | "
           "custom op adds (traced graphs) |")
     print("|---|---:|---:|---:|---:|---:|")
     rows = []

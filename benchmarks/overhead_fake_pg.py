@@ -6,7 +6,8 @@ as its section 1 (`Runner`: zero the gradients, forward, a loss of the output, b
 optimizer). On torch's fake process group (`dist.init_process_group("fake", ...)`) every
 c10d call returns at once: nothing moves and no peer is waited for, so a step's time is the
 host's work alone, that of 8 ranks without 8 processes. Cases: a world of one (whose program
-calls no collective) and rank 0 of `[2,2,2]` (mode 2.5d), on fake groups of 1 and 8.
+calls no collective), rank 0 of `[2,2,2]` (mode 2.5d) and rank 0 of 1-D over 8 ranks (mode 1d,
+8 heads), on fake groups of 1, 8 and 8.
 
 Per case, medians over rounds of the thread's CPU time per step (`time.thread_time`):
 
@@ -14,11 +15,13 @@ Per case, medians over rounds of the thread's CPU time per step (`time.thread_ti
   with the runtime's `eager_graph` and communicator: the same collectives, on plain leaf
   copies of the parameters' local tensors);
 - per collective: a step's time inside its collective ops (each eager target the graph calls,
-  forward; each adjoint, and each `DistComm.run` not inside one, backward: autograd's Function,
-  `DistComm.run` and the c10d call; their calls counted, the rank-local ones such as
-  `shard_slice` and identity adjoints too),
-  over the step's collectives that move bytes (`comm.records`, forward and backward); and of
-  that, the c10d calls alone (torch's own floor);
+  forward; the backward of each collective's autograd Function, and each of the communicator's
+  plans not inside one, such as a fused product's fetches: autograd's Function, the plan
+  (`DistComm.plan`) and the process group's call; their calls counted, the rank-local ones such
+  as `shard_slice` and identity adjoints too), over the step's collectives that move bytes
+  (`comm.records`, forward and backward); and of that, the process group's calls alone (the C++
+  call and its wait: torch's own floor, which on the fake group copies the input into each
+  rank's part of an all-gather's output);
 - per parameter: the module's step less the graph's alone, over the parameters: all the
   runtime does around the per-rank graph (inputs, the parameters' local tensors and their
   gradients' DTensors, the output's DTensor), fixed costs of a step included.
@@ -36,7 +39,16 @@ import torch
 import torch.distributed as dist
 
 import tess_compile
-from benchmarks.overhead import C10D_CALLS, Clock, GraphRunner, Runner, StepRunner, make_input, make_model
+from benchmarks.overhead import (
+    Clock,
+    GraphRunner,
+    Runner,
+    StepRunner,
+    c10d_patches,
+    make_input,
+    make_model,
+    timed_makes,
+)
 from tess_compile.ops import collectives
 from tess_compile.ops.collectives import EAGER_TARGETS, use_comm
 from tess_compile.runtime.sharded_module import eager_graph
@@ -45,10 +57,12 @@ __all__ = ["CASES", "host_time", "print_host_time"]
 
 TARGET_US_PER_COLLECTIVE, TARGET_US_PER_PARAMETER = 10.0, 2.0
 
-# (label, q, d, mode, world size of the fake process group)
+# (label, q, d, mode, world size of the fake process group, sizes changed from the stack's): 1-D over
+# 8 ranks splits the heads 8 ways, so that case runs 8 heads (of 4 features each) on the same hidden size
 CASES = [
-    ("world of one", 1, 1, "2.5d", 1),
-    ("rank 0 of [2,2,2], 2.5d", 2, 2, "2.5d", 8),
+    ("world of one", 1, 1, "2.5d", 1, {}),
+    ("rank 0 of [2,2,2], 2.5d", 2, 2, "2.5d", 8, {}),
+    ("rank 0 of p=8, 1d", 2, 2, "1d", 8, {"heads": 8}),
 ]
 
 
@@ -136,12 +150,14 @@ def _case(q: int, d: int, mode: str, sizes: dict, repeats: dict) -> dict:
     module = Runner(sharded, x)
     inside, c10d = _OuterClock(), Clock(time.thread_time)  # CPU time, as the steps
     graph = _TimedGraphRunner(sharded, x, inside)
-    # the c10d calls; each adjoint a collective's backward runs, and the communicator's `run` (the
-    # backward of the identities whose gradient is a collective): in both rows, the same cost
-    patches = [mock.patch.object(dist, name, c10d.wrap(getattr(dist, name)))
-               for name in C10D_CALLS if hasattr(dist, name)]
-    patches += [mock.patch.object(collectives, "_adjoint", inside.wrap(collectives._adjoint)),
-                mock.patch.object(sharded.comm, "run", inside.wrap(sharded.comm.run))]
+    # the process group's calls; the backward of each collective's autograd Function (its adjoint),
+    # and every plan of the communicator not inside one (the collectives of fused ops such as
+    # `FetchedProduct`): in both rows, the same cost. The plans are made anew under the patches.
+    sharded.comm._plans.clear()
+    patches = [*c10d_patches(c10d), mock.patch.object(sharded.comm, "_make_plan", timed_makes(
+        sharded.comm._make_plan, inside))]
+    patches += [mock.patch.object(function, "backward", staticmethod(inside.wrap(function.backward)))
+                for function in (collectives._Collective, collectives._IdentityWithAdjoint)]
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
@@ -176,17 +192,17 @@ def host_time(rank: int, world_size: int, sizes: dict, repeats: dict) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     out = {}
-    for label, q, d, mode, world in CASES:
+    for label, q, d, mode, world, changed in CASES:
         dist.destroy_process_group()  # run_local's gloo group, or the last case's: a fake one of `world`
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        out[label] = _case(q, d, mode, sizes, repeats)
+        out[label] = _case(q, d, mode, {**sizes, **changed}, repeats)
     return out
 
 
 def print_host_time(result: dict, sizes: dict, repeats: dict) -> list[dict]:
     print(f"\n### Host time per collective and per parameter, eager, one process: {sizes['layers']} GPT blocks, "
           f"hidden {sizes['hidden']}, batch {sizes['batch']}, sequence {sizes['seq']}, forward and backward; rank 0 "
-          f"of 8 and a world of one on torch's fake process group (c10d returns at once); CPU time of the "
+          f"of 8 ([2,2,2] and 1-D) and a world of one on torch's fake process group (c10d returns at once); CPU time of the "
           f"thread, median over {repeats['rounds']} rounds of {repeats['steps']} steps (targets: "
           f"{TARGET_US_PER_COLLECTIVE:g} us a collective, {TARGET_US_PER_PARAMETER:g} us a parameter)\n")
     print("| case | parameters | collectives/step | collective-op calls/step | step ms | graph alone ms | "

@@ -34,10 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from tess_compile.core import functional_lowerings as functional
-from tess_compile.core.layout import in_rank_order, put_blocks, put_in_place, rank_ordered, split_dim, take_block
+from tess_compile.core import group_calls
+from tess_compile.core.layout import in_rank_order, ordering, placing, put_blocks, split_dim, take_block
 
 __all__ = ["COLLECTIVES", "Collective", "PriceRule"]
 
@@ -52,8 +52,10 @@ class Collective:
 
     `group_results(xs, *own)` takes one group's tensors by coordinate along the
     axis and the op's own arguments (after the axis), and gives each member's
-    result. `on_process_group(comm, x, axis, *own)` gives this rank's result
-    over torch.distributed, `functional(group, *own, x)` the same in torch's
+    result. `on_process_group(comm, axis, *own)` makes this rank's call over
+    torch.distributed once (its group, its options, this rank's coordinate:
+    `tess_compile.core.group_calls`), a function that gives the result of a
+    contiguous input; `functional(group, *own, x)` the same in torch's
     functional collectives, for a compiled graph (`AxisGroup`: this rank's
     group along the axis; None for the identities, which no compiled graph
     holds). `scale`: the result's size along the op's `dim`
@@ -130,18 +132,27 @@ def _broadcast_group(xs, src):
     return [_copy(xs[src]) for _ in xs]
 
 
-def _broadcast(comm, x, axis, src):
-    out = _copy(x)
-    dist.broadcast(out, group=comm.groups[axis], group_src=src)
-    return out
+def _broadcast(comm, axis, src):
+    call = group_calls.broadcast(comm.groups[axis], src)
+
+    def broadcast(x):
+        out = _copy(x)
+        call(out)
+        return out
+
+    return broadcast
 
 
-def _broadcast_start(comm, x, axis, src):
+def _broadcast_start(comm, axis, src):
     """A broadcast left running until `comm.wait(out)` (the overlap schedule's)."""
-    out = _copy(x)
-    work = dist.broadcast(out, group=comm.groups[axis], group_src=src, async_op=True)
-    comm.pending[out.untyped_storage().data_ptr()] = (work, axis)
-    return out
+    call, pending = group_calls.broadcast(comm.groups[axis], src), comm.pending
+
+    def broadcast_start(x):
+        out = _copy(x)
+        pending[out.untyped_storage().data_ptr()] = (call(out, async_op=True), axis)
+        return out
+
+    return broadcast_start
 
 
 # reduce(x, axis, dst): the sum at coordinate `dst`, zeros elsewhere; adjoint broadcast.
@@ -152,10 +163,15 @@ def _reduce_group(xs, dst):
     return [total if t == dst else _zeros(x) for t, x in enumerate(xs)]
 
 
-def _reduce(comm, x, axis, dst):
-    out = _copy(x)
-    dist.reduce(out, group=comm.groups[axis], group_dst=dst)
-    return out if comm.coord(axis) == dst else _zeros(x)
+def _reduce(comm, axis, dst):
+    call, keeps = group_calls.reduce(comm.groups[axis], dst), comm.coord(axis) == dst
+
+    def reduce(x):
+        out = _copy(x)
+        call(out)
+        return out if keeps else _zeros(x)
+
+    return reduce
 
 
 # all_reduce(x, axis): the sum on every member; its own adjoint.
@@ -166,10 +182,15 @@ def _all_reduce_group(xs):
     return [_copy(total) for _ in xs]
 
 
-def _all_reduce(comm, x, axis):
-    out = _copy(x)
-    dist.all_reduce(out, group=comm.groups[axis])
-    return out
+def _all_reduce(comm, axis):
+    call = group_calls.all_reduce(comm.groups[axis])
+
+    def all_reduce(x):
+        out = _copy(x)
+        call(out)
+        return out
+
+    return all_reduce
 
 
 # keep_first(x, axis): coordinate 0 keeps its tensor, the others get zeros; its own adjoint.
@@ -179,8 +200,8 @@ def _keep_first_group(xs):
     return [_copy(x) if t == 0 else _zeros(x) for t, x in enumerate(xs)]
 
 
-def _keep_first(comm, x, axis):
-    return _copy(x) if comm.coord(axis) == 0 else _zeros(x)
+def _keep_first(comm, axis):
+    return _copy if comm.coord(axis) == 0 else _zeros
 
 
 # all_gather(x, axis, parts, dim, groups): every member's block along `dim` joined
@@ -192,13 +213,18 @@ def _all_gather_group(xs, parts, dim, groups):
     return [full.clone() for _ in xs]
 
 
-def _all_gather(comm, x, axis, parts, dim, groups):
+def _all_gather(comm, axis, parts, dim, groups):
     """One `all_gather_single` of the flattened blocks (NCCL's native all-gather into
     one tensor; gloo takes only the concatenated form), put in place by one copy."""
-    flat = x.reshape(-1)
-    gathered = flat.new_empty(parts * flat.numel())
-    _all_gather_single(gathered, flat, group=comm.groups[axis])
-    return put_in_place(gathered, x.shape, parts, dim, groups, in_rank_order(x.shape, dim, groups))
+    call = group_calls.all_gather_single(comm.groups[axis])
+    place = _by_shape(lambda shape: placing(shape, parts, dim, groups, in_rank_order(shape, dim, groups)))
+
+    def all_gather(x):
+        gathered = x.new_empty(parts * x.numel())
+        call(gathered, x.reshape(-1))
+        return place(x.shape)(gathered)
+
+    return all_gather
 
 
 # reduce_scatter(x, axis, parts, dim, groups): member t's block t (`take_block`) of the sum;
@@ -210,13 +236,37 @@ def _reduce_scatter_group(xs, parts, dim, groups):
     return [take_block(total, dim, groups, parts, t).contiguous() for t in range(parts)]
 
 
-def _reduce_scatter(comm, x, axis, parts, dim, groups):
+def _reduce_scatter(comm, axis, parts, dim, groups):
     """One `reduce_scatter_single` of the blocks (`take_block`'s) flattened in rank order (NCCL's
     native call): one copy puts them in that order, none if they are in it already."""
-    blocks = rank_ordered(x, parts, dim, groups, in_rank_order(x.shape, dim, groups))
-    out = x.new_empty(blocks.numel() // parts)
-    _reduce_scatter_single(out, blocks, group=comm.groups[axis])
-    return out.view(split_dim(x.shape, dim, x.shape[dim] // parts))
+    call = group_calls.reduce_scatter_single(comm.groups[axis])
+    order = _by_shape(lambda shape: (ordering(shape, parts, dim, groups, in_rank_order(shape, dim, groups)),
+                                     split_dim(shape, dim, shape[dim] // parts)))
+
+    def reduce_scatter(x):
+        blocks, shape = order(x.shape)
+        blocks = blocks(x)
+        out = x.new_empty(blocks.numel() // parts)
+        call(out, blocks)
+        return out.view(shape)
+
+    return reduce_scatter
+
+
+def _by_shape(make: Callable) -> Callable:
+    """`make(shape)`, made once per input shape (a graph node's is one; a dynamic program's vary,
+    so at most 64 are kept)."""
+    made: dict = {}
+
+    def get(shape):
+        value = made.get(shape)
+        if value is None:
+            if len(made) >= 64:
+                made.clear()
+            value = made[shape] = make(shape)
+        return value
+
+    return get
 
 
 # shard_slice(x, axis, parts, dim, groups): member t keeps its block t, no traffic; adjoint
@@ -227,16 +277,18 @@ def _shard_slice_group(xs, parts, dim, groups):
     return [take_block(x, dim, groups, parts, t).contiguous() for t, x in enumerate(xs)]
 
 
-def _shard_slice(comm, x, axis, parts, dim, groups):
-    return take_block(x, dim, groups, parts, comm.coord(axis)).clone()
+def _shard_slice(comm, axis, parts, dim, groups):
+    coord = comm.coord(axis)
+    return lambda x: take_block(x, dim, groups, parts, coord).clone()
 
 
 def _shard_pad_group(xs, parts, dim, groups):
     return [_padded(x, t, parts, dim, groups) for t, x in enumerate(xs)]
 
 
-def _shard_pad(comm, x, axis, parts, dim, groups):
-    return _padded(x, comm.coord(axis), parts, dim, groups)
+def _shard_pad(comm, axis, parts, dim, groups):
+    coord = comm.coord(axis)
+    return lambda x: _padded(x, coord, parts, dim, groups)
 
 
 def _padded(x, coord, parts, dim, groups):
@@ -252,19 +304,8 @@ def _identity_group(xs):
     return [x.view_as(x) for x in xs]
 
 
-def _identity(comm, x, axis):
-    return x.view_as(x)
-
-
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """torch 2.13's `all_gather_single`; the GPU machines' older torch has it only as
-    `all_gather_into_tensor` (its deprecated name in 2.13)."""
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """torch 2.13's `reduce_scatter_single` (`reduce_scatter_tensor` before)."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+def _identity(comm, axis):
+    return lambda x: x.view_as(x)
 
 
 _ROOTED = "(Tensor x, str axis, int {}) -> Tensor"

@@ -124,7 +124,7 @@ def rank_local(on_process_group: Callable[..., torch.Tensor]) -> Callable[..., t
     coordinate, on the contiguous input (as `DistComm.run` passes it); its result contiguous."""
 
     def lowering(group: AxisGroup, parts: int, dim: int, groups: int, x: torch.Tensor) -> torch.Tensor:
-        return on_process_group(_Coordinate(group.coord), x.contiguous(), "", parts, dim, groups).contiguous()
+        return on_process_group(_Coordinate(group.coord), "", parts, dim, groups)(x.contiguous()).contiguous()
 
     lowering.__name__ = on_process_group.__name__
     return lowering

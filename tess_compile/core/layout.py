@@ -22,7 +22,7 @@ end of the dim.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,9 @@ __all__ = [
     "chunk",
     "in_rank_order",
     "local_block",
+    "ordering",
     "pad_block",
+    "placing",
     "put_blocks",
     "put_in_place",
     "rank_ordered",
@@ -211,20 +213,31 @@ def put_in_place(gathered: torch.Tensor, block_shape, parts: int, dim: int, grou
     place along `dim` as `put_blocks` puts them; no copy where they are in that order already
     (`in_order`). Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..]; the result is
     contiguous, as the all-gather's fake kernel says (where the reshape is a view, it is not)."""
+    return placing(block_shape, parts, dim, groups, in_order)(gathered)
+
+
+def placing(block_shape, parts: int, dim: int, groups: int, in_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`put_in_place` of blocks of `block_shape` made once: a function of `gathered` (the shapes it
+    views computed here, for a collective called many times on one shape)."""
     shape = split_dim(block_shape, dim, parts * block_shape[dim])
     if in_order:
-        return gathered.view(shape)
-    blocks = gathered.view(parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
-    return blocks.movedim(0, dim + 1).reshape(shape).contiguous()
+        return lambda gathered: gathered.view(shape)
+    blocks, to = (parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups)), dim + 1
+    return lambda gathered: gathered.view(blocks).movedim(0, to).reshape(shape).contiguous()
 
 
 def rank_ordered(x: torch.Tensor, parts: int, dim: int, groups: int, in_order: bool) -> torch.Tensor:
     """The blocks of contiguous `x` along `dim` (`take_block`'s), flattened one after another in rank
     order; no copy where they are in that order already (`in_order`)."""
+    return ordering(x.shape, parts, dim, groups, in_order)(x)
+
+
+def ordering(shape, parts: int, dim: int, groups: int, in_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`rank_ordered` of contiguous tensors of `shape` made once: a function of `x`."""
     if in_order:
-        return x.reshape(-1)
-    split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
-    return x.view(split).movedim(dim + 1, 0).reshape(-1)
+        return lambda x: x.reshape(-1)
+    split, source = split_dim(shape, dim, groups, parts, shape[dim] // (groups * parts)), dim + 1
+    return lambda x: x.view(split).movedim(source, 0).reshape(-1)
 
 
 def local_block(full: torch.Tensor, layout: Layout, mesh: Mesh, rank: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -72,9 +73,8 @@ ADJOINT = {name: record.adjoint for name, record in COLLECTIVES.items()}
 COMMUNICATING = tuple(name for name, record in COLLECTIVES.items() if record.sends and record.counts_as == name)
 
 
-@dataclass(frozen=True)
-class CommRecord:
-    """One collective as one rank saw it."""
+class CommRecord(NamedTuple):
+    """One collective as one rank saw it (a named tuple: one is made per collective called)."""
 
     op: str
     axis: str
@@ -96,12 +96,25 @@ class Comm:
     records: list[CommRecord] = field(default_factory=list)
     max_records: int = 1 << 17
 
-    def record(self, op: str, axis: str, x: torch.Tensor) -> None:
+    def record(self, op: str, axis: str, x: torch.Tensor, phase: str | None = None) -> None:
+        """`op` on `x` along `axis` in `phase` (the running one where None), where it sends bytes."""
         collective = COLLECTIVES[op]
         if collective.sends:
-            if len(self.records) >= self.max_records:
-                del self.records[: len(self.records) - 3 * self.max_records // 4]
-            self.records.append(CommRecord(collective.counts_as, axis, x.numel() * x.element_size(), current_phase()))
+            self._append(collective.counts_as, axis, x, current_phase() if phase is None else phase)
+
+    def recorder(self, op: str, axis: str):
+        """`record` of `op` along `axis` made once: `record(x, phase)`; None where `op` sends nothing."""
+        collective = COLLECTIVES[op]
+        if not collective.sends:
+            return None
+        counts_as, append = collective.counts_as, self._append
+        return lambda x, phase: append(counts_as, axis, x, phase)
+
+    def _append(self, op: str, axis: str, x: torch.Tensor, phase: str) -> None:
+        records = self.records
+        if len(records) >= self.max_records:
+            del records[: len(records) - 3 * self.max_records // 4]
+        records.append(CommRecord(op, axis, x.numel() * x.element_size(), phase))
 
     def counts(self, phase: str | None = None) -> dict[tuple[str, str], int]:
         """Number of collectives per (op, axis), in one phase or all."""
@@ -113,6 +126,19 @@ class Comm:
 
     def run(self, op: str, x: torch.Tensor, *args):
         raise NotImplementedError
+
+    def plan(self, op: str, axis: str, *args):
+        """`op` along `axis` with its own arguments as one call, `call(x, phase)`: `run` in `phase`.
+        A communicator that can make a collective's work once (`DistComm`) makes it here."""
+
+        def call(x: torch.Tensor, phase: str) -> torch.Tensor:
+            token = _PHASE.set(phase)
+            try:
+                return self.run(op, x, axis, *args)
+            finally:
+                _PHASE.reset(token)
+
+        return call
 
     def run_all(self, op: str, xs: list[torch.Tensor], axis: str, *args) -> list[torch.Tensor]:
         """`op` on the tensors of every rank this communicator speaks for (here one)."""
@@ -256,7 +282,8 @@ shard_pad = _define("shard_pad")
 
 
 class _IdentityWithAdjoint(torch.autograd.Function):
-    """Identity forward; backward runs the adjoint op named by `op`."""
+    """Identity forward; backward runs the adjoint op named by `op` (its plan on the forward's
+    communicator, phase "backward")."""
 
     @staticmethod
     def forward(ctx, x, op, axis):
@@ -265,8 +292,11 @@ class _IdentityWithAdjoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with use_comm(ctx.comm or current_comm(), phase="backward"):
-            return _adjoint(ctx.op, grad, ctx.axis), None, None
+        adjoint = COLLECTIVES[ctx.op].adjoint
+        if adjoint == "identity":
+            return grad, None, None
+        plan = (ctx.comm or current_comm()).plan(adjoint, ctx.axis)
+        return plan(grad.contiguous(), "backward"), None, None
 
 
 class _Wait(torch.autograd.Function):
@@ -330,30 +360,34 @@ COLLECTIVE_NAMES = {target: name for name, target in _TARGETS.items()}
 
 
 class _Collective(torch.autograd.Function):
-    """A collective as an eager run calls it: the running communicator's `run`, and in backward its
-    adjoint under the forward's communicator, phase "backward": what the custom op and its
-    autograd formula (`_backward_through`) do."""
+    """A collective as an eager run calls it: its plan on the running communicator (`Comm.plan`) in
+    the running phase, and in backward its adjoint's plan on the same communicator, phase
+    "backward" (None: the identity, the gradient passes on): what the custom op and its autograd
+    formula (`_backward_through`) do."""
 
     @staticmethod
-    def forward(ctx, x, op, *args):
-        ctx.op, ctx.args, ctx.comm = op, args, _COMM.get()
-        return _run(op, x, *args)
+    def forward(ctx, x, forward, backward):
+        ctx.backward_plan = backward
+        return forward(x, _PHASE.get())
 
     @staticmethod
     def backward(ctx, grad):
-        with use_comm(ctx.comm or current_comm(), phase="backward"):
-            out = _adjoint(ctx.op, grad, *ctx.args)
-        return (out, None) + (None,) * len(ctx.args)
+        plan = ctx.backward_plan
+        return (grad if plan is None else plan(grad.contiguous(), "backward")), None, None
 
 
 def _eager(name: str):
-    """The eager target of collective `name`: `_Collective` where autograd records it, else the
-    communicator's `run` itself."""
+    """The eager target of collective `name`: the running communicator's plan of it (made once per
+    op, axis and arguments: `Comm.plan`), under `_Collective` where autograd records it."""
+    adjoint = COLLECTIVES[name].adjoint
 
-    def call(x, *args):
+    def call(x, axis, *args):
+        comm = current_comm()
+        forward = comm.plan(name, axis, *args)
         if torch.is_grad_enabled() and x.requires_grad:
-            return _Collective.apply(x, name, *args)
-        return _run(name, x, *args)
+            backward = None if adjoint == "identity" else comm.plan(adjoint, axis, *args)
+            return _Collective.apply(x, forward, backward)
+        return forward(x, _PHASE.get())
 
     call.__name__ = call.__qualname__ = f"eager_{name}"
     return call

@@ -3,20 +3,24 @@
 Layer: runtime. Each collective names the mesh axis it spans and runs on that
 axis's process group (`tess_compile.runtime.groups`): gloo on CPU, NCCL on
 CUDA, by its record's `on_process_group` in
-`tess_compile.core.collective_table`. A collective that cannot complete (a
-peer stopped, or took another path) fails after the module's timeout with a
-message that names the op, the axis, this rank and its peers.
+`tess_compile.core.collective_table`. Each (op, axis, arguments) is made once
+into a plan (`DistComm.plan`: its group, its options, this rank's coordinate,
+its record), so a call is the plan's few lines and the process group's own
+call. A collective that cannot complete (a peer stopped, or took another path)
+fails after the module's timeout with a message that names the op, the axis,
+this rank and its peers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
 from tess_compile.core.collective_table import COLLECTIVES
 from tess_compile.core.mesh import AXES, Mesh
-from tess_compile.ops.collectives import Comm
+from tess_compile.ops.collectives import Comm, current_phase
 
 __all__ = ["DistComm"]
 
@@ -38,13 +42,33 @@ class DistComm(Comm):
         self.global_ranks = device_mesh.mesh.flatten().tolist()  # global rank of each tensor-parallel rank
         self.groups = groups or {axis: device_mesh.get_group(axis) for axis in AXES}
         self.pending: dict[int, tuple] = {}  # storage pointer -> (work, axis) of a broadcast_start
+        self._plans: dict[tuple, Callable] = {}  # (op, axis, *args) -> its plan
 
     def run(self, op: str, x: torch.Tensor, axis: str, *args) -> torch.Tensor:
-        self.record(op, axis, x)
-        try:
-            return COLLECTIVES[op].on_process_group(self, x.contiguous(), axis, *args)
-        except RuntimeError as err:
-            raise self._failure(op, axis, err) from err
+        return self.plan(op, axis, *args)(x, current_phase())
+
+    def plan(self, op: str, axis: str, *args) -> Callable[[torch.Tensor, str], torch.Tensor]:
+        """`op` along `axis` with its own arguments, made once: `call(x, phase)` records it in
+        `phase` and gives this rank's result of `x` (contiguous or not); a failure or timeout
+        raised as `_failure` tells it."""
+        key = (op, axis, *args)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(op, axis, args)
+        return plan
+
+    def _make_plan(self, op: str, axis: str, args: tuple) -> Callable[[torch.Tensor, str], torch.Tensor]:
+        work, record = COLLECTIVES[op].on_process_group(self, axis, *args), self.recorder(op, axis)
+
+        def call(x: torch.Tensor, phase: str) -> torch.Tensor:
+            if record is not None:
+                record(x, phase)
+            try:
+                return work(x.contiguous())
+            except RuntimeError as err:
+                raise self._failure(op, axis, err) from err
+
+        return call
 
     def _failure(self, op: str, axis: str, err: RuntimeError) -> RuntimeError:
         """A collective's failure or timeout, told with the rank, the axis and the peers."""

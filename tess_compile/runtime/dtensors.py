@@ -396,4 +396,6 @@ def gather_blocks(world, local: torch.Tensor, layout: Layout, shape, op: str) ->
     mesh = world.mesh
     padded = pad_block(local, layout, shape, mesh)
     blocks = world.all_gather(padded, op)
-    return assemble([unpad_block(block, layout, shape, mesh, r) for r, block in enumerate(blocks)], layout, mesh)
+    if layout.uneven_dims(shape, mesh):  # else every block is its rank's true block
+        blocks = [unpad_block(block, layout, shape, mesh, r) for r, block in enumerate(blocks)]
+    return assemble(blocks, layout, mesh)
