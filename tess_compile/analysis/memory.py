@@ -264,7 +264,8 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOS
         state_bytes = _storage_bytes([*params, *(t for p in params for t in (optimizer.state[p].values()
                                                                             if optimizer else ()))])
         tracker, kernels = Tracker(), KernelRecorder()
-        tracker.track_external(*tensor_leaves(values), *([optimizer] if optimizer else []))
+        kept = [p.grad for p in params if p.grad is not None]  # zero_grad(set_to_none=False)'s, held throughout
+        tracker.track_external(*tensor_leaves(values), *kept, *([optimizer] if optimizer else []))
         with tracker, kernels, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             _fake_training_step(program, values, optimizer, tail, labels, kernels)
     phases = {phase: PhaseProfile(**totals) for phase, totals in kernels.totals.items()}
