@@ -410,12 +410,14 @@ def predict_memory(program: Program, tail: StepTail = README_STEP) -> MemoryEsti
     """Per-rank bytes: parameter shards, their gradients (same dtype), AdamW state
     (`ADAMW_STATES` tensors of each parameter's dtype, as torch.optim.AdamW keeps them) and
     `activation_bytes`, the peak of a step with `tail` around the call (`step_peak`; README's loop
-    by default), which `total` gives, and its `working` and `update` parts (`step_working`).
+    by default), which `total` gives, and, compiled with block reuse, its `working` and `update`
+    parts (`step_working`, from the short programs' steps the peak ran; a whole program's would
+    take one more step on fake tensors: None, which `parallel_plan` bounds by the peak).
 
     Not counted: the allocator's slack, and fp32 master weights of mixed-precision training.
     """
     param_bytes = sum(numel * size for numel, size in param_shards(program))
-    working = step_working(program, tail) if program.training else None
+    working = step_working(program, tail) if program.training and program.repeats is not None else None
     return MemoryEstimate(
         params=param_bytes,
         grads=param_bytes,
