@@ -11,6 +11,7 @@ and the optimizer keep it; the breakdown prices the saved tensors by storage, as
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from tess_compile.ops.collectives import ShapeComm, broadcast_start, use_comm
 from tess_compile.ops.fetched_product import fetched_product
 
 __all__ = [
-    "OPTIMIZER_BYTES_PER_PARAM",
+    "ADAMW_STATES",
     "MemoryEstimate",
     "StepRecord",
     "activation_bytes",
@@ -40,16 +41,20 @@ __all__ = [
     "record_step",
     "short_record",
     "step_peak",
+    "step_working",
 ]
 
-OPTIMIZER_BYTES_PER_PARAM = 8  # AdamW: exp_avg and exp_avg_sq, fp32 each
+ADAMW_STATES = 2  # torch.optim.AdamW: exp_avg and exp_avg_sq, each of its parameter's shape and dtype
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one rank holds at the start of backward, by kind, and the largest transient
     buffers of its collectives (fetched blocks in flight); `peak`, the most it holds at once
-    in a training step (None where not predicted)."""
+    in a training step (None where not predicted); `working`, the most it holds in forward,
+    the tail and backward besides the parameters, their gradients and the AdamW state (saved
+    activations, inputs, temporaries, buffers); `update`, the most it holds in the optimizer's
+    step (`step_working`; None where not predicted)."""
 
     params: int
     grads: int
@@ -57,6 +62,8 @@ class MemoryEstimate:
     activations: int
     transient: int = 0
     peak: int | None = None
+    working: int | None = None
+    update: int | None = None
 
     @property
     def at_backward(self) -> int:
@@ -186,6 +193,8 @@ class StepRecord:
     moments: list[tuple[object, int]]
     phases: dict[str, PhaseProfile]
     saved: int
+    static: list[int] = dataclasses.field(default_factory=list)  # each moment's parameters, gradients, AdamW state
+    updating: list[bool] = dataclasses.field(default_factory=list)  # whether each moment is the optimizer's step
 
 
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {tail: its StepRecord}
@@ -217,6 +226,8 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOS
         def __init__(self):
             super().__init__()
             self.moments: list[tuple[object, int]] = []
+            self.static: list[int] = []
+            self.updating: list[bool] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             labels.before(args, kwargs)
@@ -227,6 +238,8 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOS
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
             self.moments.append((labels.current, sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())))
+            self.static.append(state_bytes + _storage_bytes(p.grad for p in params))
+            self.updating.append(labels.phase == "optimizer")
 
     graph = program.runnable
     saved: dict[int, int] = {}
@@ -248,12 +261,22 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOS
                 param.grad = torch.zeros_like(param)
             optimizer.step()
             optimizer.zero_grad(set_to_none=tail.set_to_none)
+        state_bytes = _storage_bytes([*params, *(t for p in params for t in (optimizer.state[p].values()
+                                                                            if optimizer else ()))])
         tracker, kernels = Tracker(), KernelRecorder()
-        tracker.track_external(*tensor_leaves(values), *([optimizer] if optimizer else []))
+        kept = [p.grad for p in params if p.grad is not None]  # zero_grad(set_to_none=False)'s, held throughout
+        tracker.track_external(*tensor_leaves(values), *kept, *([optimizer] if optimizer else []))
         with tracker, kernels, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             _fake_training_step(program, values, optimizer, tail, labels, kernels)
     phases = {phase: PhaseProfile(**totals) for phase, totals in kernels.totals.items()}
-    return StepRecord(tracker.moments, phases, sum(saved.values()))
+    return StepRecord(tracker.moments, phases, sum(saved.values()), tracker.static, tracker.updating)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages of `tensors` (None and scalars left out), each storage once."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor) and t.dim()}
+    return sum(storages.values())
 
 
 class _Labels:
@@ -353,20 +376,55 @@ def _phase(labels: _Labels | None, kernels: KernelRecorder | None, phase: str | 
         kernels.phase = phase
 
 
+def step_working(program: Program, tail: StepTail = README_STEP) -> tuple[int, int] | None:
+    """`(working, update)` of a step of `program` with `tail` around its call (`MemoryEstimate`): the most
+    bytes rank 0 holds in forward, the tail and backward less its parameters, their gradients and the
+    AdamW state at that moment; and the most it holds in the optimizer's step (`zero_grad` included).
+    From the step `record_step` runs (with block reuse: of the short programs, `extended_peak`); None
+    where the short programs' steps do not line up."""
+    if program.repeats is None:
+        records = _WHOLE.setdefault(program.graph, {})
+        if tail not in records:
+            records[tail] = record_step(program, {}, tail)
+        return max(held for _, held in _working(records[tail])), max(held for _, held in _update(records[tail]))
+    working = extended_peak(program, lambda short: _working(short_record(program, short, tail)))
+    update = extended_peak(program, lambda short: _update(short_record(program, short, tail)))
+    return None if working is None or update is None else (working, update)
+
+
+_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {tail: its StepRecord}
+
+
+def _working(record: StepRecord) -> list[tuple[object, int]]:
+    """The moments of forward, the tail and backward, each less what the parameters, gradients and AdamW state hold."""
+    return [(label, held - static) for (label, held), static, updating in
+            zip(record.moments, record.static, record.updating) if not updating] or [(None, 0)]
+
+
+def _update(record: StepRecord) -> list[tuple[object, int]]:
+    """The moments of the optimizer's step."""
+    return [moment for moment, updating in zip(record.moments, record.updating) if updating] or [(None, 0)]
+
+
 def predict_memory(program: Program, tail: StepTail = README_STEP) -> MemoryEstimate:
     """Per-rank bytes: parameter shards, their gradients (same dtype), AdamW state
-    (`OPTIMIZER_BYTES_PER_PARAM` per element) and `activation_bytes`, and the peak of a step with
-    `tail` around the call (`step_peak`; README's loop by default), which `total` gives.
+    (`ADAMW_STATES` tensors of each parameter's dtype, as torch.optim.AdamW keeps them) and
+    `activation_bytes`, the peak of a step with `tail` around the call (`step_peak`; README's loop
+    by default), which `total` gives, and, compiled with block reuse, its `working` and `update`
+    parts (`step_working`, from the short programs' steps the peak ran; a whole program's would
+    take one more step on fake tensors: None, which `parallel_plan` bounds by the peak).
 
     Not counted: the allocator's slack, and fp32 master weights of mixed-precision training.
     """
-    shards = param_shards(program)
-    param_bytes = sum(numel * size for numel, size in shards)
+    param_bytes = sum(numel * size for numel, size in param_shards(program))
+    working = step_working(program, tail) if program.training and program.repeats is not None else None
     return MemoryEstimate(
         params=param_bytes,
         grads=param_bytes,
-        optimizer=OPTIMIZER_BYTES_PER_PARAM * sum(numel for numel, _ in shards),
+        optimizer=ADAMW_STATES * param_bytes,
         activations=activation_bytes(program),
         transient=collective_buffer_bytes(program),
         peak=step_peak(program, tail),
+        working=None if working is None else working[0],
+        update=None if working is None else working[1],
     )

@@ -46,7 +46,14 @@ apart. The tensor-parallel program is compiled for one microbatch,
   - ZeRO per unit (`units > 1`): the shards (1/dp, HSDP 1/zero_shard) of
     the parameters, gradients and AdamW state, and two units whole of the
     parameters and of the gradients (the one running, the one prefetched);
-    the program's peak moved by all of them;
+    in forward and backward those beside the program's working bytes (its
+    step's most there less its parameters, gradients and AdamW state,
+    `MemoryEstimate.working`: saved activations, inputs, temporaries), or,
+    where lower, the program's peak sharded and its working bytes whole
+    beside the units (`_unit_peak`); the peak is the larger of that and the
+    optimizer's step on the shards (`update` / dp). Not the program's peak
+    moved: where that comes after backward it holds all the gradients, where
+    before, few of them;
   - ZeRO in one unit (`runtime.zero`; a pipeline stage): from forward to
     the end of backward a rank holds its whole tensor-parallel parameters
     (gathered over dp) beside their 1/dp shards, and the whole gradients
@@ -307,17 +314,36 @@ def _held(memory: MemoryEstimate, outer: Outer, block_bytes: int, input_bytes: i
 def _peak(memory: MemoryEstimate, held: MemoryEstimate, outer: Outer, in_flight: int, units: int = 1) -> int:
     """The peak of a rank that holds `held`: the program's, which comes in backward before its
     gradients are complete, moved by what the other parts move, plus the gradients a backward
-    after the first runs over; ZeRO per unit: moved by the gradients too; ZeRO in one unit: at least
-    the end of forward (see the module docstring)."""
+    after the first runs over; ZeRO in one unit: at least the end of forward; ZeRO per unit:
+    `_unit_peak` (see the module docstring)."""
     accumulated = 0 if outer.microbatches == 1 else memory.grads // (outer.pp * outer.shards)
     if in_flight == outer.microbatches:  # every microbatch in flight at the first backward: one fewer at the next
         accumulated = max(0, accumulated - memory.activations // outer.pp)
     if units > 1:
-        return memory.peak + held.at_backward - memory.at_backward + accumulated
+        return _unit_peak(memory, held, outer.shards)
     peak = memory.peak + held.at_backward - held.grads - (memory.at_backward - memory.grads) + accumulated
     if outer.zero:  # FSDP keeps its all-gather's output beside the parameters copied out of it
         peak = max(peak, held.at_backward - held.grads + accumulated + memory.params // outer.pp)
     return peak
+
+
+def _unit_peak(memory: MemoryEstimate, held: MemoryEstimate, shards: int) -> int:
+    """The peak of a rank of ZeRO per unit (see the module docstring): the larger of forward and
+    backward's and the optimizer's step on the shards (the program's `update` / shards).
+
+    In forward and backward the program holds at each moment `w`, its working bytes, beside `s`, its
+    parameters, AdamW state and the gradients made so far; the rank holds `w + s / shards` beside the
+    units whole. Its most is at most both of: `held`'s parameters, gradients and AdamW state beside the
+    program's most `w` (`working`); and, as that most is convex in `1 / shards`, the program's peak
+    (`w + s` at its most) over shards plus `working` over the rest, beside the units whole. Where the
+    program's step was not split so (`working` None), `working` is bounded by its peak less its
+    parameters and AdamW state, which the step holds throughout."""
+    working = memory.peak - memory.params - memory.optimizer if memory.working is None else memory.working
+    update = memory.peak if memory.update is None else memory.update
+    units = held.params + held.grads - (memory.params + memory.grads) // shards
+    through_backward = min(held.params + held.grads + held.optimizer + working,
+                           (memory.peak - working) // shards + working + units)
+    return max(through_backward, update // shards)
 
 
 def zero_note(time: StepTime, memory: MemoryEstimate, outer: Outer, tp: int, cluster: Cluster, units: int) -> str:
