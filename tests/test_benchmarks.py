@@ -99,9 +99,12 @@ def test_overhead_benchmark_runs(capsys, tmp_path):
                                                                         "per-rank graph alone"]
     assert len(record["collectives"]) == len(bench.COLLECTIVE_CASES) and record["compiled_222"] == []
     assert isinstance(record["parameters_node_us_per_param"], float)
-    one, rank0 = record["host_time_fake_pg"]  # a world of one; rank 0 of [2,2,2] on the fake process group
+    # a world of one, then rank 0 of each mesh of overhead_fake_pg.CASES on the fake process group
+    one, *ranks = record["host_time_fake_pg"]
+    assert len(ranks) == len(importlib.import_module("benchmarks.overhead_fake_pg").CASES) - 1
     assert one["collectives_per_step"] == 0 and one["us_per_collective"] is None
-    assert rank0["collectives_per_step"] > 0 and rank0["us_per_collective"] > rank0["c10d_us_per_collective"] > 0
+    for rank0 in ranks:
+        assert rank0["collectives_per_step"] > 0 and rank0["us_per_collective"] > rank0["c10d_us_per_collective"] > 0
     assert "runtime us/parameter" in table and "train_step us/parameter" in table
     assert [row["configuration"] for row in record["world_of_one_whole_steps"]] == ["unsharded eager",
                                                                                     "tess train_step"]
