@@ -30,10 +30,9 @@ read from an input taken as True (all attended), through ANDs and ops that only 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_aggregate
 
 from tess_compile.core.meta_keys import CAUSAL_BOUNDED
@@ -55,25 +54,25 @@ _MOVES = {aten.expand.default, aten.unsqueeze.default, aten.view.default, aten.r
 
 def causal_masks_as_flags(gm: GraphModule) -> GraphModule:
     """Each SDPA of `gm` whose mask is computed from sizes alone and is the causal mask takes
-    `is_causal=True` instead (module docstring); the mask's nodes are left for dead-code removal."""
-    done = 0
+    `is_causal=True` instead, and one whose mask is bounded by the causal mask is marked
+    `CAUSAL_BOUNDED` (module docstring); the masks' nodes are left for dead-code removal."""
+    done = bounded = 0
+    masks = _MaskValues(gm.graph)  # the layers of a model share one mask: worked out once
     for node in gm.graph.find_nodes(op="call_function", target=_SDPA):
         mask = _arg(node, _MASK, "attn_mask")
-        if not isinstance(mask, Node) or _arg(node, _IS_CAUSAL, "is_causal") or not _is_causal_mask(node, mask):
+        if not isinstance(mask, Node) or _arg(node, _IS_CAUSAL, "is_causal"):
             continue
-        kwargs = {name: value for name, value in node.kwargs.items() if name not in ("attn_mask", "is_causal")}
-        if len(node.args) > 4:
-            kwargs["dropout_p"] = node.args[4]
-        node.args, node.kwargs = node.args[:3], {**kwargs, "is_causal": True}
-        done += 1
-    if done:
-        log.info("capture: %d attention mask(s) built from sizes alone are causal: is_causal=True", done)
-    bounded = 0
-    for node in gm.graph.find_nodes(op="call_function", target=_SDPA):
-        mask = _arg(node, _MASK, "attn_mask")
-        if isinstance(mask, Node) and not _arg(node, _IS_CAUSAL, "is_causal") and _bounded_by_causal(node, mask):
+        if _is_causal_mask(node, mask, masks):
+            kwargs = {name: value for name, value in node.kwargs.items() if name not in ("attn_mask", "is_causal")}
+            if len(node.args) > 4:
+                kwargs["dropout_p"] = node.args[4]
+            node.args, node.kwargs = node.args[:3], {**kwargs, "is_causal": True}
+            done += 1
+        elif _bounded_by_causal(node, mask, masks):
             CAUSAL_BOUNDED.set(node, True)
             bounded += 1
+    if done:
+        log.info("capture: %d attention mask(s) built from sizes alone are causal: is_causal=True", done)
     if bounded:
         log.info("capture: %d attention mask(s) read an input but are the causal mask and more: context "
                  "attention skips each query's future keys", bounded)
@@ -101,67 +100,25 @@ def _evaluable_sizes(sdpa: Node, mask: Node) -> bool:
     return value.numel() <= MAX_EVALUATED and value.dim() >= 2
 
 
-def _bounded_by_causal(sdpa: Node, mask: Node) -> bool:
+def _bounded_by_causal(sdpa: Node, mask: Node, masks: _MaskValues) -> bool:
     """Whether the bool `mask` of the self-attention `sdpa` masks every key after its query, whatever
     the inputs it reads hold (module docstring)."""
     query, key = (sdpa.args[i].meta.get("val") for i in (0, 1))
     if not _evaluable_sizes(sdpa, mask) or mask.meta["val"].dtype != torch.bool or query.shape[-2] != key.shape[-2]:
         return False
-    upper = _upper_bound(mask, {})
+    upper = masks.upper_bound(mask)
     if upper is None or upper.shape[-2:] != (query.shape[-2], key.shape[-2]):
         return False
     future = torch.ones(upper.shape[-2:], dtype=torch.bool).triu(1)
     return not bool(upper[..., future].any())
 
 
-def _upper_bound(node: Node, bounds: dict) -> torch.Tensor | None:
-    """The largest value the bool `node` takes over all inputs (True wherever it reads an input through
-    ANDs and moves), or None where it is not such a node."""
-    if node not in bounds:
-        value = node.meta.get("val")
-        bounds[node] = None
-        if isinstance(value, torch.Tensor) and value.dtype == torch.bool and node.op == "call_function":
-            known = _evaluate(node)
-            if known is not None:
-                bounds[node] = known
-            elif node.target in _ANDS:
-                operands = [_operand_bound(a, bounds) for a in node.args[:2]]
-                bounds[node] = None if None in operands else operands[0] & operands[1]
-            elif node.target in _MOVES and isinstance(node.args[0], Node):
-                moved = _upper_bound(node.args[0], bounds)
-                bounds[node] = None if moved is None else _replay(node, moved)
-    return bounds[node]
-
-
-def _operand_bound(operand, bounds: dict) -> torch.Tensor | None:
-    """The largest value of an AND's bool `operand`: its upper bound, all True where it has none
-    (it reads an input); None where it is no bool tensor of static sizes."""
-    if not isinstance(operand, Node):
-        return torch.tensor(operand) if isinstance(operand, bool) else None
-    value = operand.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool or not all(isinstance(s, int) for s in value.shape):
-        return None
-    bound = _upper_bound(operand, bounds)
-    return torch.ones(value.shape, dtype=torch.bool) if bound is None else bound
-
-
-def _replay(node: Node, first: torch.Tensor) -> torch.Tensor | None:
-    """`node`'s op on `first` in place of its first argument (its other arguments evaluated), on the
-    CPU; None where another argument reads an input."""
-    rest = [(_evaluate(a) if isinstance(a, Node) else a) for a in node.args[1:]]
-    if any(r is None and isinstance(a, Node) for r, a in zip(rest, node.args[1:])):
-        return None
-    cpu = torch.device("cpu")
-    args, kwargs = map_aggregate(((first, *rest), node.kwargs), lambda a: cpu if isinstance(a, torch.device) else a)
-    return node.target(*args, **kwargs)
-
-
-def _is_causal_mask(sdpa: Node, mask: Node) -> bool:
+def _is_causal_mask(sdpa: Node, mask: Node, masks: _MaskValues) -> bool:
     """Whether `mask`, evaluated, is the causal mask of the attention `sdpa` for every batch and head."""
     query, key = (sdpa.args[i].meta.get("val") for i in (0, 1))
     if not _evaluable_sizes(sdpa, mask):
         return False
-    evaluated = _evaluate(mask)
+    evaluated = masks.value(mask)
     if evaluated is None:
         return False
     attended = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool).tril()
@@ -173,28 +130,82 @@ def _is_causal_mask(sdpa: Node, mask: Node) -> bool:
     return bool(((evaluated == 0) == attended).all() and (evaluated[..., ~attended] <= lowest).all())
 
 
-def _evaluate(mask: Node) -> torch.Tensor | None:
-    """`mask`'s value from its producers, run on the CPU; None if any producer is an input (its value is
-    not known here) or is not an op."""
-    order, seen, stack = [], set(), [mask]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        if node.op != "call_function":
+class _MaskValues:
+    """What the nodes that make a graph's attention masks tell, each worked out once (a model's layers
+    share one mask): a node's value (`value`), and the largest value a bool node takes whatever the
+    inputs hold (`upper_bound`)."""
+
+    def __init__(self, graph: Graph):
+        self._position = {node: i for i, node in enumerate(graph.nodes)}.__getitem__
+        self._values: dict[Node, torch.Tensor | None] = {}
+        self._bounds: dict[Node, torch.Tensor | None] = {}
+
+    def value(self, node: Node) -> torch.Tensor | None:
+        """`node`'s value from its producers, run on the CPU; None if any producer is an input (its value
+        is not known here) or is not an op."""
+        if node not in self._values:
+            self._values[node] = self._evaluated(node)
+        return self._values[node]
+
+    def _evaluated(self, mask: Node) -> torch.Tensor | None:
+        order, seen, stack = [], set(), [mask]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            if node.op != "call_function":
+                return None
+            seen.add(node)
+            order.append(node)
+            stack.extend(node.all_input_nodes)
+        values: dict[Node, object] = {}
+        cpu = torch.device("cpu")
+        for node in sorted(order, key=self._position):
+            args, kwargs = map_aggregate((node.args, node.kwargs), lambda a: values[a] if isinstance(a, Node)
+                                         else cpu if isinstance(a, torch.device) else a)
+            values[node] = node.target(*args, **kwargs)
+        return values[mask]
+
+    def upper_bound(self, node: Node) -> torch.Tensor | None:
+        """The largest value the bool `node` takes over all inputs (True wherever it reads an input
+        through ANDs and moves), or None where it is not such a node."""
+        if node not in self._bounds:
+            self._bounds[node] = None
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor) and value.dtype == torch.bool and node.op == "call_function":
+                self._bounds[node] = self._bound_of(node)
+        return self._bounds[node]
+
+    def _bound_of(self, node: Node) -> torch.Tensor | None:
+        known = self.value(node)
+        if known is not None:
+            return known
+        if node.target in _ANDS:
+            operands = [self._operand_bound(a) for a in node.args[:2]]
+            return None if None in operands else operands[0] & operands[1]
+        if node.target in _MOVES and isinstance(node.args[0], Node):
+            moved = self.upper_bound(node.args[0])
+            return None if moved is None else self._replay(node, moved)
+        return None
+
+    def _operand_bound(self, operand) -> torch.Tensor | None:
+        """The largest value of an AND's bool `operand`: its upper bound, all True where it has none
+        (it reads an input); None where it is no bool tensor of static sizes."""
+        if not isinstance(operand, Node):
+            return torch.tensor(operand) if isinstance(operand, bool) else None
+        value = operand.meta.get("val")
+        if (not isinstance(value, torch.Tensor) or value.dtype != torch.bool
+                or not all(isinstance(s, int) for s in value.shape)):
             return None
-        seen.add(node)
-        order.append(node)
-        stack.extend(node.all_input_nodes)
-    values: dict[Node, object] = {}
-    cpu = torch.device("cpu")
-    for node in sorted(order, key=_position(mask.graph)):
-        args, kwargs = map_aggregate((node.args, node.kwargs), lambda a: values[a] if isinstance(a, Node)
-                                     else cpu if isinstance(a, torch.device) else a)
-        values[node] = node.target(*args, **kwargs)
-    return values[mask]
+        bound = self.upper_bound(operand)
+        return torch.ones(value.shape, dtype=torch.bool) if bound is None else bound
 
-
-def _position(graph) -> Callable[[Node], int]:
-    index = {node: i for i, node in enumerate(graph.nodes)}
-    return index.__getitem__
+    def _replay(self, node: Node, first: torch.Tensor) -> torch.Tensor | None:
+        """`node`'s op on `first` in place of its first argument (its other arguments evaluated), on
+        the CPU; None where another argument reads an input."""
+        rest = [(self.value(a) if isinstance(a, Node) else a) for a in node.args[1:]]
+        if any(r is None and isinstance(a, Node) for r, a in zip(rest, node.args[1:])):
+            return None
+        cpu = torch.device("cpu")
+        args, kwargs = map_aggregate(((first, *rest), node.kwargs), lambda a: cpu if isinstance(a, torch.device) else a)
+        return node.target(*args, **kwargs)
