@@ -14,6 +14,7 @@ import bisect
 import dataclasses
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,15 +198,21 @@ class StepRecord:
     updating: list[bool] = dataclasses.field(default_factory=list)  # whether each moment is the optimizer's step
 
 
-_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {tail: its StepRecord}
+# per-rank graph (a whole program's or a short form's) -> {tail: its StepRecord}
+_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def short_record(program: Program, short: Program, tail: StepTail = MODULE_LOSS) -> StepRecord:
     """`record_step` of `short`, a short form of the program compiled with block reuse `program`
     (`Repeats.short`), its nodes labelled by their blocks."""
-    records = _RECORDS.setdefault(short.graph, {})
+    return _recorded(short, tail, lambda: program.repeats.labels(short))
+
+
+def _recorded(program: Program, tail: StepTail, node_labels: Callable[[], dict]) -> StepRecord:
+    """`record_step(program, node_labels(), tail)`, run once per program graph and tail."""
+    records = _RECORDS.setdefault(program.graph, {})
     if tail not in records:
-        records[tail] = record_step(short, program.repeats.labels(short), tail)
+        records[tail] = record_step(program, node_labels(), tail)
     return records[tail]
 
 
@@ -383,16 +390,11 @@ def step_working(program: Program, tail: StepTail = README_STEP) -> tuple[int, i
     From the step `record_step` runs (with block reuse: of the short programs, `extended_peak`); None
     where the short programs' steps do not line up."""
     if program.repeats is None:
-        records = _WHOLE.setdefault(program.graph, {})
-        if tail not in records:
-            records[tail] = record_step(program, {}, tail)
-        return max(held for _, held in _working(records[tail])), max(held for _, held in _update(records[tail]))
+        record = _recorded(program, tail, dict)
+        return max(held for _, held in _working(record)), max(held for _, held in _update(record))
     working = extended_peak(program, lambda short: _working(short_record(program, short, tail)))
     update = extended_peak(program, lambda short: _update(short_record(program, short, tail)))
     return None if working is None or update is None else (working, update)
-
-
-_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {tail: its StepRecord}
 
 
 def _working(record: StepRecord) -> list[tuple[object, int]]:
