@@ -106,39 +106,26 @@ def _bounded_by_causal(sdpa: Node, mask: Node, masks: _MaskValues) -> bool:
     query, key = (sdpa.args[i].meta.get("val") for i in (0, 1))
     if not _evaluable_sizes(sdpa, mask) or mask.meta["val"].dtype != torch.bool or query.shape[-2] != key.shape[-2]:
         return False
-    upper = masks.upper_bound(mask)
-    if upper is None or upper.shape[-2:] != (query.shape[-2], key.shape[-2]):
-        return False
-    future = torch.ones(upper.shape[-2:], dtype=torch.bool).triu(1)
-    return not bool(upper[..., future].any())
+    return masks.bounded_by_causal(mask, query.shape[-2])
 
 
 def _is_causal_mask(sdpa: Node, mask: Node, masks: _MaskValues) -> bool:
     """Whether `mask`, evaluated, is the causal mask of the attention `sdpa` for every batch and head."""
     query, key = (sdpa.args[i].meta.get("val") for i in (0, 1))
-    if not _evaluable_sizes(sdpa, mask):
-        return False
-    evaluated = masks.value(mask)
-    if evaluated is None:
-        return False
-    attended = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool).tril()
-    if evaluated.shape[-2:] != attended.shape:
-        return False
-    if evaluated.dtype == torch.bool:
-        return bool((evaluated == attended).all())
-    lowest = torch.finfo(evaluated.dtype).min / 2
-    return bool(((evaluated == 0) == attended).all() and (evaluated[..., ~attended] <= lowest).all())
+    return _evaluable_sizes(sdpa, mask) and masks.is_causal(mask, query.shape[-2], key.shape[-2])
 
 
 class _MaskValues:
     """What the nodes that make a graph's attention masks tell, each worked out once (a model's layers
-    share one mask): a node's value (`value`), and the largest value a bool node takes whatever the
-    inputs hold (`upper_bound`)."""
+    share one mask): a node's value (`value`), whether it is the causal mask (`is_causal`), the largest
+    value a bool node takes whatever the inputs hold (`upper_bound`), and whether that masks every
+    future key (`bounded_by_causal`)."""
 
     def __init__(self, graph: Graph):
         self._position = {node: i for i, node in enumerate(graph.nodes)}.__getitem__
         self._values: dict[Node, torch.Tensor | None] = {}
         self._bounds: dict[Node, torch.Tensor | None] = {}
+        self._causal: dict[tuple, bool] = {}  # (mask, queries, keys or None: bounded) -> verdict
 
     def value(self, node: Node) -> torch.Tensor | None:
         """`node`'s value from its producers, run on the CPU; None if any producer is an input (its value
@@ -146,6 +133,33 @@ class _MaskValues:
         if node not in self._values:
             self._values[node] = self._evaluated(node)
         return self._values[node]
+
+    def is_causal(self, mask: Node, queries: int, keys: int) -> bool:
+        """Whether `mask`'s value is the causal mask of `queries` x `keys` for every batch and head."""
+        key = (mask, queries, keys)
+        if key not in self._causal:
+            self._causal[key] = self._causal_value(self.value(mask), queries, keys)
+        return self._causal[key]
+
+    def bounded_by_causal(self, mask: Node, tokens: int) -> bool:
+        """Whether the bool `mask`'s upper bound is `tokens` x `tokens` and masks every key after its query."""
+        key = (mask, tokens, None)
+        if key not in self._causal:
+            upper = self.upper_bound(mask)
+            future = torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
+            self._causal[key] = (upper is not None and upper.shape[-2:] == (tokens, tokens)
+                                 and not bool(upper[..., future].any()))
+        return self._causal[key]
+
+    @staticmethod
+    def _causal_value(evaluated: torch.Tensor | None, queries: int, keys: int) -> bool:
+        if evaluated is None or evaluated.shape[-2:] != (queries, keys):
+            return False
+        attended = torch.ones(queries, keys, dtype=torch.bool).tril()
+        if evaluated.dtype == torch.bool:
+            return bool((evaluated == attended).all())
+        lowest = torch.finfo(evaluated.dtype).min / 2
+        return bool(((evaluated == 0) == attended).all() and (evaluated[..., ~attended] <= lowest).all())
 
     def _evaluated(self, mask: Node) -> torch.Tensor | None:
         order, seen, stack = [], set(), [mask]
