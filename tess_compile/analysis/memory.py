@@ -24,7 +24,7 @@ from torch.fx import Interpreter
 from tess_compile.analysis.accounting import forward_values
 from tess_compile.analysis.block_reuse import extended, extended_peak
 from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
-from tess_compile.analysis.step_tail import MODULE_LOSS, README_STEP, StepTail, tail_tops
+from tess_compile.analysis.step_tail import README_STEP, StepTail, tail_tops
 from tess_compile.core.fake_run import fake_run, placeholder_values, tensor_bytes, tensor_leaves
 from tess_compile.core.meta_keys import ROLE, WEIGHT_INPUT
 from tess_compile.core.program import Program
@@ -202,9 +202,10 @@ class StepRecord:
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def short_record(program: Program, short: Program, tail: StepTail = MODULE_LOSS) -> StepRecord:
+def short_record(program: Program, short: Program, tail: StepTail = README_STEP) -> StepRecord:
     """`record_step` of `short`, a short form of the program compiled with block reuse `program`
-    (`Repeats.short`), its nodes labelled by their blocks."""
+    (`Repeats.short`), its nodes labelled by their blocks. Its kernels and saved bytes are the
+    program's whatever the tail: the analyses that read only those share README's record."""
     return _recorded(short, tail, lambda: program.repeats.labels(short))
 
 
@@ -216,15 +217,15 @@ def _recorded(program: Program, tail: StepTail, node_labels: Callable[[], dict])
     return records[tail]
 
 
-def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOSS) -> StepRecord:
+def record_step(program: Program, node_labels: dict, tail: StepTail = README_STEP) -> StepRecord:
     """One fake training step of `program` as `step_peak`'s second one runs it (the one whose peak is the
     higher: the AdamW state exists from its start), recording the bytes rank 0 holds after each op with
     the label of the op (`node_labels` of the program's graph nodes: an op of forward by its node, of
     backward by the node whose backward runs it, of the optimizer by the parameter it updates; an op of
     none takes the label before), the kernels of forward and backward (`KernelRecorder`), and the
-    storages autograd saves in forward, the weights' left out (`activation_bytes`), with `tail` around
-    the program's call (its forward's kernels not recorded, its backward's recorded with the program's:
-    `step_tail.tail_time` prices them; `profile_program` takes the kernels of `MODULE_LOSS`'s record)."""
+    storages autograd saves in the program's forward, the weights' left out (`activation_bytes`), with
+    `tail` around the program's call: the tail's own kernels and saved tensors are not recorded
+    (`step_tail.tail_time` prices them), so those of the program are the same under every tail."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     labels = _Labels(program, node_labels)
@@ -245,7 +246,7 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOS
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
             self.moments.append((labels.current, sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())))
-            self.static.append(state_bytes + _storage_bytes(p.grad for p in params))
+            self.static.append(grads.held + state_bytes)
             self.updating.append(labels.phase == "optimizer")
 
     graph = program.runnable
@@ -257,7 +258,7 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOS
                    if _is_weight(n) and isinstance(v, torch.Tensor)}
 
         def pack(tensor):
-            if tensor.untyped_storage()._cdata not in weights:
+            if labels.phase == "forward" and tensor.untyped_storage()._cdata not in weights:
                 saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
             return tensor
 
@@ -270,13 +271,36 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = MODULE_LOS
             optimizer.zero_grad(set_to_none=tail.set_to_none)
         state_bytes = _storage_bytes([*params, *(t for p in params for t in (optimizer.state[p].values()
                                                                             if optimizer else ()))])
-        tracker, kernels = Tracker(), KernelRecorder()
+        grads = _GradientBytes(params)
+        tracker, kernels = Tracker(), _ProgramKernels(labels)
         kept = [p.grad for p in params if p.grad is not None]  # zero_grad(set_to_none=False)'s, held throughout
         tracker.track_external(*tensor_leaves(values), *kept, *([optimizer] if optimizer else []))
         with tracker, kernels, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             _fake_training_step(program, values, optimizer, tail, labels, kernels)
     phases = {phase: PhaseProfile(**totals) for phase, totals in kernels.totals.items()}
     return StepRecord(tracker.moments, phases, sum(saved.values()), tracker.static, tracker.updating)
+
+
+class _GradientBytes:
+    """The bytes of the parameters' gradients (`held`), summed again only after autograd has accumulated into
+    one: a step's ops outnumber its parameters by far, and only backward's AccumulateGrad changes a gradient
+    (AdamW reads them; `zero_grad` runs after the last op recorded, or zeroes them in place)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self._params = params
+        self._held = _storage_bytes(p.grad for p in params)
+        self._changed = False
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._changed = True
+
+    @property
+    def held(self) -> int:
+        if self._changed:
+            self._held, self._changed = _storage_bytes(p.grad for p in self._params), False
+        return self._held
 
 
 def _storage_bytes(tensors) -> int:
@@ -299,10 +323,19 @@ class _Labels:
                 name = next(n.name for n in inner.nodes if n.op == "call_function")
             self.of_node[node] = by_name.get(name)
         self.current = None
-        self.phase = "forward"
+        self.phase = "forward"  # then "tail" (the tail's forward), "backward", "optimizer"
+        self.forward_end = None  # the autograd sequence number after the program's forward: the tail's nodes from it
         self.starts: list[int] = []  # the first autograd sequence number of each node run in forward
         self.start_labels: list[object] = []
         self.of_storage: dict[int, object] = {}  # optimizer: storages of parameters, gradients and state
+
+    def in_tail(self) -> bool:
+        """Whether the op running now in backward is the tail's: outside every autograd node (the loss's
+        seed), or in one the tail's forward made."""
+        if self.phase != "backward":
+            return False
+        node = torch._C._current_autograd_node()
+        return node is None or (not hasattr(node, "variable") and node._sequence_nr() >= self.forward_end)
 
     def placeholders(self, values: list) -> None:
         nodes = self.placeholder_nodes = [n for n in self.of_node if n.op == "placeholder"]
@@ -359,8 +392,7 @@ def _fake_training_step(program: Program, values: list, optimizer, tail: StepTai
     with use_comm(ShapeComm()), torch.set_grad_enabled(optimizer is not None):
         _phase(labels, kernels, "forward")
         outputs = graph.forward(*values) if labels is None else _LabelledRun(graph, labels).run(*values)
-        if kernels is not None:
-            kernels.phase = None
+        _phase(labels, kernels, "tail")
         roots, tops, seeds = tail_tops(program, outputs, tail)
         del outputs
         if roots:
@@ -369,18 +401,34 @@ def _fake_training_step(program: Program, values: list, optimizer, tail: StepTai
                 torch.autograd.backward(tops, seeds)
         del roots, tops, seeds
     if optimizer is not None:
-        _phase(labels, kernels, None)
+        _phase(labels, kernels, "optimizer")
         if labels is not None:
             labels.optimizer(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=tail.set_to_none)
 
 
-def _phase(labels: _Labels | None, kernels: KernelRecorder | None, phase: str | None) -> None:
+def _phase(labels: _Labels | None, kernels: KernelRecorder | None, phase: str) -> None:
+    """Enter `phase` ("forward", "tail", "backward", "optimizer"); the kernels recorded are forward's and backward's."""
     if labels is not None:
-        labels.phase = phase or "optimizer"
+        if phase == "tail":
+            labels.forward_end = torch._C._autograd._get_sequence_nr()
+        labels.phase = phase
     if kernels is not None:
-        kernels.phase = phase
+        kernels.phase = phase if phase in ("forward", "backward") else None
+
+
+class _ProgramKernels(KernelRecorder):
+    """A `KernelRecorder` of the program's kernels: the tail's backward ops left out (`_Labels.in_tail`)."""
+
+    def __init__(self, labels: _Labels):
+        super().__init__()
+        self.labels = labels
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.labels.in_tail():
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def step_working(program: Program, tail: StepTail = README_STEP) -> tuple[int, int] | None:
