@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import map_arg
 from torch.utils import _pytree as pytree
 
+from tess_compile.analysis.accounting import forward_values
 from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
 from tess_compile.core.cluster import Cluster
-from tess_compile.core.fake_run import placeholder_values, tensor_bytes
+from tess_compile.core.fake_run import tensor_bytes
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.program import Program
 from tess_compile.ops.collectives import ShapeComm, use_comm
@@ -122,11 +124,13 @@ def _tail_kernels(program: Program, tail: StepTail) -> tuple[tuple[PhaseProfile,
     """The kernels of `tail`'s forward and backward on fake outputs of `program` (a program compiled with
     block reuse: of its shortest form, whose outputs are the same), and its local outputs' bytes."""
     short = program if program.repeats is None else program.repeats.short(2)
-    graph = short.runnable
+    values = forward_values(short.graph, short.mesh)[0]  # the run that the program's costs read
+    (output,) = short.graph.graph.find_nodes(op="output")
     recorder = KernelRecorder()
     with FakeTensorMode(allow_non_fake_inputs=True), use_comm(ShapeComm()):
-        outputs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad),
-                                       graph.forward(*placeholder_values(graph, short.mesh)))  # the tail's own graph
+        outputs = pytree.tree_map_only(  # leaves of the tail's own graph, like the program's outputs
+            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad),
+            map_arg(output.args[0], values.__getitem__))
         local_bytes = sum(tensor_bytes(t) for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor))
         with recorder:
             roots, tops, seeds = tail_tops(short, outputs, tail)
