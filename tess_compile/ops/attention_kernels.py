@@ -16,8 +16,9 @@ import math
 
 import torch
 
-__all__ = ["attend", "attend_backward", "attend_parts", "attend_parts_backward", "grouped", "key_parts", "mask_part",
-           "merge", "position_bias", "save_blocks", "saved_blocks", "stripe_rows", "ungrouped"]
+__all__ = ["attend", "attend_backward", "attend_parts", "attend_parts_backward", "attend_stripes",
+           "attend_stripes_backward", "grouped", "key_parts", "mask_part", "merge", "position_bias", "save_blocks",
+           "saved_blocks", "stripe_rows", "ungrouped"]
 
 aten = torch.ops.aten
 
@@ -164,6 +165,30 @@ def attend_parts_backward(grad, q, k, v, parts, bias_of, out, lse, scale: float,
         grad_v[..., start:stop, :] += dv
         if ds is not None:
             scores.append((start, stop, ds))
+    return grad_q, grad_k, grad_v, scores
+
+
+def attend_stripes(q, k, v, runs, bias_of, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_parts` of each stripe of the queries: `runs` is `(rows, key parts)` of each stripe, the rows
+    covering q's in order (`stripe_rows`), and `bias_of(rows)` the stripe's `bias_of(start, stop)`; the
+    output and log-sum-exp of all of q's rows."""
+    parts = [attend_parts(q[..., rows, :], k, v, keys, bias_of(rows), scale) for rows, keys in runs]
+    return torch.cat([out for out, _ in parts], dim=-2), torch.cat([lse for _, lse in parts], dim=-1)
+
+
+def attend_stripes_backward(grad, q, k, v, runs, bias_of, out, lse, scale: float, bias_grad: bool = False):
+    """The gradients of `attend_stripes`: of q, k and v, and with `bias_grad` the scores' over all of q's
+    rows and k's keys (None without)."""
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    scores = q.new_zeros(*q.shape[:-1], k.shape[-2]) if bias_grad else None
+    for rows, keys in runs:
+        dq, dk, dv, parts = attend_parts_backward(grad[..., rows, :], q[..., rows, :], k, v, keys, bias_of(rows),
+                                                  out[..., rows, :], lse[..., rows], scale, bias_grad=bias_grad)
+        grad_q[..., rows, :] = dq
+        grad_k += dk
+        grad_v += dv
+        for start, stop, ds in parts:
+            scores[..., rows, start:stop] += ds
     return grad_q, grad_k, grad_v, scores
 
 

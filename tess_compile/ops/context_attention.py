@@ -17,11 +17,13 @@ gathered block outlives the attention that used it. The kernels are
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tess_compile.ops.attention_kernels import (
-    attend_parts,
-    attend_parts_backward,
+    attend_stripes,
+    attend_stripes_backward,
     grouped,
     key_parts,
     mask_part,
@@ -53,10 +55,10 @@ class _ContextAttention(torch.autograd.Function):
         for r in range(n):
             heads = qs[r].shape[-3]
             k, v = grouped(k_used[r], heads), grouped(v_used[r], heads)
-            parts = [attend_parts(qs[r][..., rows, :], k, v, keys, _bias_of(ctx, positions[r], masks[r], rows, qs[r]),
-                                  scale) for rows, keys in _runs(ctx, qs[r], k, masks[r])]
-            outs.append(torch.cat([out for out, _ in parts], dim=-2))
-            lses.append(torch.cat([lse for _, lse in parts], dim=-1))
+            out, lse = attend_stripes(qs[r], k, v, _runs(ctx, qs[r], k, masks[r]),
+                                      functools.partial(_bias_of, ctx, positions[r], masks[r], q=qs[r]), scale)
+            outs.append(out)
+            lses.append(lse)
         save_blocks(ctx, qs, k_own, v_own, outs, lses, masks, positions)
         return tuple(outs)
 
@@ -71,19 +73,11 @@ class _ContextAttention(torch.autograd.Function):
         for r in range(n):
             heads, kv_heads = qs[r].shape[-3], k_used[r].shape[-3]
             k, v = grouped(k_used[r], heads), grouped(v_used[r], heads)
-            dqs, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
-            scores = qs[r].new_zeros(*qs[r].shape[:-1], k.shape[-2]) if mask_grad else None
-            for rows, keys in _runs(ctx, qs[r], k, masks[r]):
-                dq, dk_rows, dv_rows, parts = attend_parts_backward(
-                    grads[r][..., rows, :], qs[r][..., rows, :], k, v, keys,
-                    _bias_of(ctx, positions[r], masks[r], rows, qs[r]), outs[r][..., rows, :], lses[r][..., rows],
-                    ctx.scale, bias_grad=mask_grad)
-                dqs.append(dq)
-                dk += dk_rows
-                dv += dv_rows
-                for start, stop, ds in parts:
-                    scores[..., rows, start:stop] += ds
-            grad_q.append(torch.cat(dqs, dim=-2))
+            dq, dk, dv, scores = attend_stripes_backward(
+                grads[r], qs[r], k, v, _runs(ctx, qs[r], k, masks[r]),
+                functools.partial(_bias_of, ctx, positions[r], masks[r], q=qs[r]), outs[r], lses[r], ctx.scale,
+                bias_grad=mask_grad)
+            grad_q.append(dq)
             grad_k.append(ungrouped(dk, kv_heads))
             grad_v.append(ungrouped(dv, kv_heads))
             grad_mask.append(None if scores is None else scores.sum_to_size(masks[r].shape).to(masks[r].dtype))

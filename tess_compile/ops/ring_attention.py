@@ -17,14 +17,15 @@ The blocks are contiguous runs of tokens of `block` each, in the order the token
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import torch
 
 from tess_compile.ops.attention_kernels import (
-    attend_parts,
-    attend_parts_backward,
+    attend_stripes,
+    attend_stripes_backward,
     grouped,
     key_parts,
     mask_part,
@@ -106,10 +107,9 @@ class _RingAttention(torch.autograd.Function):
                 heads = qs[r].shape[-3]
                 bias = _block_bias(ctx, positions[r], masks[r], index, qs[r])
                 k, v = grouped(k_block[r], heads), grouped(v_block[r], heads)
-                for rows, keys in _runs(ctx, qs[r], masks[r]):
-                    out, lse = attend_parts(qs[r][..., rows, :], k, v, keys, _sliced(bias, rows), scale)
-                    outs[r][..., rows, :], lses[r][..., rows] = merge(outs[r][..., rows, :], lses[r][..., rows], out,
-                                                                      lse.to(lses[r].dtype))
+                out, lse = attend_stripes(qs[r], k, v, _runs(ctx, qs[r], masks[r]), functools.partial(_sliced, bias),
+                                          scale)
+                outs[r], lses[r] = merge(outs[r], lses[r], out, lse.to(lses[r].dtype))
         save_blocks(ctx, qs, ks, vs, outs, lses, masks, positions)
         return tuple(outs)
 
@@ -128,17 +128,10 @@ class _RingAttention(torch.autograd.Function):
                 heads, kv_heads = qs[r].shape[-3], ks[r].shape[-3]
                 bias = _block_bias(ctx, positions[r], masks[r], index, qs[r])
                 k, v = grouped(k_block[r], heads), grouped(v_block[r], heads)
-                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-                scores = qs[r].new_zeros(*qs[r].shape[:-1], k.shape[-2]) if mask_grad else None
-                for rows, keys in _runs(ctx, qs[r], masks[r]):
-                    dq, dk_rows, dv_rows, parts = attend_parts_backward(
-                        grads[r][..., rows, :], qs[r][..., rows, :], k, v, keys, _sliced(bias, rows),
-                        outs[r][..., rows, :], lses[r][..., rows].to(qs[r].dtype), ctx.scale, bias_grad=mask_grad)
-                    grad_q[r][..., rows, :] += dq
-                    dk += dk_rows
-                    dv += dv_rows
-                    for start, stop, ds in parts:
-                        scores[..., rows, start:stop] += ds
+                dq, dk, dv, scores = attend_stripes_backward(
+                    grads[r], qs[r], k, v, _runs(ctx, qs[r], masks[r]), functools.partial(_sliced, bias), outs[r],
+                    lses[r].to(qs[r].dtype), ctx.scale, bias_grad=mask_grad)
+                grad_q[r] += dq
                 dks.append(ungrouped(dk, kv_heads))
                 dvs.append(ungrouped(dv, kv_heads))
                 if mask_grad:
