@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tess_compile.analysis.memory import param_shards, predict_memory, step_peak
+from tess_compile.analysis.memory import param_shards, predict_memory, record_step, step_peak
 from tess_compile.analysis.planner import plan
 from tess_compile.analysis.step_tail import MODULE_LOSS, README_STEP, StepTail, tail_time
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
@@ -99,3 +99,20 @@ def test_the_cli_flags_name_a_tail():
     assert step_tail(Namespace(step="readme", zero_grad="none")) == README_STEP
     assert step_tail(Namespace(step="module", zero_grad="zeros")) == StepTail(gather=False, loss=None,
                                                                                set_to_none=False)
+
+
+@pytest.mark.parametrize("tail", [README_STEP, StepTail(gather=False)], ids=["readme", "local-loss"])
+def test_a_step_record_holds_the_programs_kernels_and_saved_bytes_whatever_the_loss(program, tail):
+    """`record_step` leaves the tail's gather and loss out, their kernels and saved tensors (`tail_time`
+    prices them), so that one record serves the program's kernels, saved bytes and memory."""
+    own = record_step(program, {}, MODULE_LOSS)
+    record = record_step(program, {}, tail)
+    assert record.phases == own.phases
+    assert record.saved == own.saved
+
+
+def test_zero_grad_to_zeros_adds_each_gradients_accumulation_to_backward(program):
+    """Gradients kept as zeros are accumulated into (an add a parameter) where `set_to_none` hands them over."""
+    own = record_step(program, {}, MODULE_LOSS).phases["backward"]
+    kept = record_step(program, {}, StepTail(set_to_none=False)).phases["backward"]
+    assert kept.num_kernels == own.num_kernels + len(param_shards(program))

@@ -205,7 +205,8 @@ _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def short_record(program: Program, short: Program, tail: StepTail = README_STEP) -> StepRecord:
     """`record_step` of `short`, a short form of the program compiled with block reuse `program`
     (`Repeats.short`), its nodes labelled by their blocks. Its kernels and saved bytes are the
-    program's whatever the tail: the analyses that read only those share README's record."""
+    program's whatever the tail's gather and loss: the analyses that read only those share README's
+    record."""
     return _recorded(short, tail, lambda: program.repeats.labels(short))
 
 
@@ -224,8 +225,9 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = README_STE
     backward by the node whose backward runs it, of the optimizer by the parameter it updates; an op of
     none takes the label before), the kernels of forward and backward (`KernelRecorder`), and the
     storages autograd saves in the program's forward, the weights' left out (`activation_bytes`), with
-    `tail` around the program's call: the tail's own kernels and saved tensors are not recorded
-    (`step_tail.tail_time` prices them), so those of the program are the same under every tail."""
+    `tail` around the program's call: the kernels and saved tensors of the tail's gather and loss are not
+    recorded (`step_tail.tail_time` prices them), so the program's are the same under any of them (with
+    `zero_grad` to zeros, backward adds into each kept gradient)."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     labels = _Labels(program, node_labels)
