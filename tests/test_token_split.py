@@ -406,8 +406,8 @@ class _Loss(nn.Module):
 
 
 def test_a_striped_order_is_not_taken_where_it_cannot_pay():
-    """"auto" keeps one block a rank where an op reads neighbouring tokens of an activation (a prefix sum)
-    or nothing is causal; "striped" then says why."""
+    """"auto" keeps one block a rank where an op reads neighbouring tokens of an activation (a prefix sum,
+    a causal conv1d) or nothing is causal; "striped" then says why."""
     x = _input(seq=64)
 
     class Cumulative(nn.Module):
@@ -422,6 +422,17 @@ def test_a_striped_order_is_not_taken_where_it_cannot_pay():
     assert sim.program.rows.tokens == "depth_row" and sim.program.rows.stripes == 1
     with pytest.raises(ValueError, match=r"aten.cumsum.default at .* reads neighbouring tokens of an activation"):
         tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(x,), token_order="striped")
+
+    class Convolved(Cumulative):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(HIDDEN, HIDDEN, 4, groups=HIDDEN, padding=3)
+
+        def forward(self, x):
+            return self.block(self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)).sum()
+
+    with pytest.raises(ValueError, match=r"aten.conv1d.default at .* reads neighbouring tokens of an activation"):
+        tess_compile.simulate(Convolved().double(), 2, 2, example_inputs=(x,), token_order="striped")
     with pytest.raises(ValueError, match=r"token_order='striped' on mesh .*: the tokens do not split"):
         tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(_input(batch=4, seq=64),),
                               token_order="striped")
