@@ -39,6 +39,7 @@ from tess_compile.passes.boundary import mark_boundary
 from tess_compile.passes.bucket_gradients import bucket_gradients
 from tess_compile.passes.capture import capture, shape_env_of
 from tess_compile.passes.capture_reuse import owned
+from tess_compile.passes.causal_convs import fuse_causal_convs
 from tess_compile.passes.expand_blocks import block_labels, expand_blocks, expand_slots, expanded_schedules
 from tess_compile.passes.merge_products import merge_products
 from tess_compile.passes.observers import PassResult, notify
@@ -212,6 +213,8 @@ def _logged(program: Program, options: CompileOptions, cluster: Cluster) -> Prog
 def _lower(run: _Passes, mesh: Mesh, options: CompileOptions, cluster: Cluster, captured: GraphModule,
            **place_options) -> tuple[GraphModule, GraphModule]:
     """The placed graph of `captured` and its per-rank graph, the gradient buckets not yet made."""
+    if place_options["rows"].token_axes():
+        captured = run("causal convs", fuse_causal_convs, captured)
     placed = run("place", place, captured, mesh, strict=options.strict, **place_options)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)

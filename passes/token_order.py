@@ -41,8 +41,10 @@ log = logging.getLogger("tess_compile")
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 # Ops that read the tokens next to a token, or a run of them, when they act along the tokens.
+_CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                 aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding}  # capture keeps conv1d (Mamba's)
 _NEIGHBOURS = {aten.cumsum.default, aten.cumprod.default, aten.roll.default, aten.constant_pad_nd.default,
-               aten.convolution.default, aten.slice.Tensor}
+               aten.slice.Tensor, *_CONVOLUTIONS}
 
 
 def with_token_order(gm: GraphModule, rows: RowSplit, options: CompileOptions, mesh: Mesh) -> RowSplit:
@@ -106,7 +108,7 @@ def _reads_activation_tokens(node: Node) -> bool:
     x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 3:
         return False
-    return node.target is aten.convolution.default or 1 in _dims_read(node, x)
+    return node.target in _CONVOLUTIONS or 1 in _dims_read(node, x)
 
 
 def _dims_read(node: Node, x: torch.Tensor) -> set[int]:

@@ -191,6 +191,74 @@ def test_carries_and_shifts_keep_the_token_split(q, d, mode):
     assert sorted(sources) == sorted(["add_4" if mode == "1d" else "p_proj_weight_synced"] + ["edge"] * 5), sources
 
 
+class _CausalConvs(nn.Module):
+    """Mamba's causal conv over the tokens (`conv(x)[..., :L]`, padded by k-1): a depthwise one, then a
+    full one (its channels over col row-parallel in 2.5-D), on a gated input, then a product."""
+
+    def __init__(self, kernel: int = 4):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(HIDDEN))
+        self.depthwise = nn.Conv1d(HIDDEN, HIDDEN, kernel, groups=HIDDEN, padding=kernel - 1)
+        self.full = nn.Conv1d(HIDDEN, HIDDEN, kernel, padding=kernel - 1)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        tokens = x.shape[1]
+        h = (x * self.gain).transpose(1, 2)
+        h = self.full(F.silu(self.depthwise(h)[..., :tokens]))[..., :tokens]
+        return self.proj(h.transpose(1, 2))
+
+
+def _conv_paddings_and_gathers(sim, token_axes) -> tuple[list, list[str]]:
+    """The padding of each conv of the program, and what each all-gather along a token axis gathers."""
+    nodes = list(sim.program.graph.graph.nodes)
+    paddings = [n.args[4] for n in nodes if n.target is torch.ops.aten.conv1d.default]
+    sources = ["edge" if n.args[0].target is torch.ops.aten.narrow.default else n.args[0].name for n in nodes
+               if n.target is c.all_gather and n.args[1] in token_axes and n.args[0].target is not c.all_gather]
+    return paddings, sources
+
+
+@pytest.mark.parametrize(("q", "d", "mode"), [(2, 2, "2.5d"), (2, 1, "1d")], ids=["q2d2", "1d-p4"])
+def test_a_causal_conv_keeps_the_token_split(q, d, mode):
+    """A causal conv over split tokens convolves each rank's block with the k-1 tokens before it,
+    which come as the previous block's edge: exact (forward and every gradient), no conv padded, and
+    the tokens never gathered whole (only each block's edge moves)."""
+    sim, work = simulate_exact(_CausalConvs, (_input(),), q, d, mode)
+    paddings, sources = _conv_paddings_and_gathers(sim, ("col",) if mode == "1d" else ("depth", "row"))
+    assert paddings == [[0], [0]]
+    # the two convs' edges; in 2.5-D the product's weight (SUMMA, along row), in 1-D the product's input
+    assert sorted(sources) == sorted(["transpose_1" if mode == "1d" else "p_proj_weight_synced"] + ["edge"] * 2)
+    assert work <= 1.0 + 1e-9
+
+
+def test_a_causal_conv_wider_than_a_block_is_exact():
+    """A halo of k-1 = 3 tokens wider than a rank's block (8 tokens over 4 ranks) is cut from the
+    tokens gathered whole: exact, and still no conv runs twice."""
+    sim, work = simulate_exact(_CausalConvs, (_input(seq=8),), 2, 2, "2.5d")
+    paddings, _ = _conv_paddings_and_gathers(sim, ("depth", "row"))
+    assert paddings == [[0], [0]]
+    assert work <= 1.0 + 1e-9
+
+
+class _DilatedCausalConv(nn.Module):
+    """A causal conv with dilation 2: no halo rule, its tokens whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(HIDDEN, HIDDEN, 3, groups=HIDDEN, padding=4, dilation=2)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+
+
+def test_a_dilated_causal_conv_makes_the_tokens_whole():
+    """Dilation 2 is no causal conv of the halo rule: the conv and its slice stay as captured and
+    run on the tokens made whole, exact."""
+    sim, _ = simulate_exact(_DilatedCausalConv, (_input(),), 2, 2, "2.5d", gathers=True, strict=False)
+    paddings, _ = _conv_paddings_and_gathers(sim, ("depth", "row"))
+    assert paddings == [[4]]
+
+
 @pytest.mark.parametrize(("batch", "q", "d", "mode"), [
     (1, 2, 2, "2.5d"),
     pytest.param(2, 2, 2, "2.5d", marks=pytest.mark.slow),
@@ -338,8 +406,8 @@ class _Loss(nn.Module):
 
 
 def test_a_striped_order_is_not_taken_where_it_cannot_pay():
-    """"auto" keeps one block a rank where an op reads neighbouring tokens of an activation (a prefix sum)
-    or nothing is causal; "striped" then says why."""
+    """"auto" keeps one block a rank where an op reads neighbouring tokens of an activation (a prefix sum,
+    a causal conv1d) or nothing is causal; "striped" then says why."""
     x = _input(seq=64)
 
     class Cumulative(nn.Module):
@@ -354,6 +422,17 @@ def test_a_striped_order_is_not_taken_where_it_cannot_pay():
     assert sim.program.rows.tokens == "depth_row" and sim.program.rows.stripes == 1
     with pytest.raises(ValueError, match=r"aten.cumsum.default at .* reads neighbouring tokens of an activation"):
         tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(x,), token_order="striped")
+
+    class Convolved(Cumulative):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(HIDDEN, HIDDEN, 4, groups=HIDDEN, padding=3)
+
+        def forward(self, x):
+            return self.block(self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)).sum()
+
+    with pytest.raises(ValueError, match=r"aten.conv1d.default at .* reads neighbouring tokens of an activation"):
+        tess_compile.simulate(Convolved().double(), 2, 2, example_inputs=(x,), token_order="striped")
     with pytest.raises(ValueError, match=r"token_order='striped' on mesh .*: the tokens do not split"):
         tess_compile.simulate(Cumulative().double(), 2, 2, example_inputs=(_input(batch=4, seq=64),),
                               token_order="striped")

@@ -30,6 +30,7 @@ __all__ = [
     "aten",
     "batch_placements",
     "block_indices",
+    "blocks_of",
     "channels_layout",
     "check_divisible",
     "dim_arg",
@@ -41,12 +42,17 @@ __all__ = [
     "is_one",
     "is_param",
     "is_param_or_transpose",
+    "keep_dim_split",
     "layout_of",
     "lower_default",
     "masked_padding",
+    "neighbour_edges",
     "normalize_dim",
+    "own_block",
+    "pad_of",
     "place_nothing",
     "place_replicated",
+    "plain_split_axes",
     "shape_of",
     "split_axes",
     "tensor_inputs",
@@ -248,6 +254,63 @@ def masked_padding(b: Builder, x: Node, shape, layout: Layout, dim: int, fill: f
 def split_axes(b: Builder, layout: Layout, dims) -> list[str]:
     """Axes of size > 1 that split one of `dims`."""
     return [a for a in layout.axes_where(Shard, b.mesh) if layout.on(a).dim in dims]
+
+
+def plain_split_axes(layout: Layout, dim: int, mesh) -> list[str]:
+    """The axes of size > 1 that split `dim` plainly (a block a rank, no stripes), outermost first."""
+    return [a for a in AXES if layout.on(a) == Shard(dim) and mesh.size(a) > 1]
+
+
+def keep_dim_split(layout: Layout, dim: int, even: bool, shape, mesh) -> Layout:
+    """`layout` without partial sums, `dim`'s plain splits kept (where `even`, only if each divides)
+    and any other split of `dim` made whole: the layout of an op that carries along `dim` (a prefix
+    sum, a shift, a causal conv) and keeps its split."""
+    layout = without_partial(layout)
+    kept, size = [], shape[dim]
+    for axis, p in zip(AXES, layout.placements):
+        plain = p == Shard(dim) and (not even or size % mesh.size(axis) == 0)
+        if isinstance(p, Shard) and p.dim == dim and not plain:
+            p = R
+        if plain:
+            size = split_size(size, mesh.size(axis))
+        kept.append(p)
+    return Layout(*kept)
+
+
+def blocks_of(b: Builder, piece: Node, axes: list[str], dim: int) -> Node:
+    """Every rank's `piece` along `dim`, in global block order (gathered inner axis first)."""
+    for axis in reversed(axes):
+        piece = b.call(c.all_gather, piece, axis, b.mesh.size(axis), dim, 1)
+    return piece
+
+
+def own_block(b: Builder, whole: Node, axes: list[str], dim: int) -> Node:
+    """This rank's block of `whole` along `dim` (split outer axis first)."""
+    for axis in axes:
+        whole = b.call(c.shard_slice, whole, axis, b.mesh.size(axis), dim, 1)
+    return whole
+
+
+def pad_of(ndim: int, dim: int, before: int, after: int) -> list[int]:
+    """constant_pad_nd's `pad` that pads `dim` of a tensor of `ndim` dims by (before, after)."""
+    return [0, 0] * (ndim - 1 - dim) + [before, after]
+
+
+def neighbour_edges(b: Builder, x: Node, ndim: int, dim: int, k: int, size: int, axes: list[str],
+                    cyclic: bool = False) -> Node:
+    """The |k| elements along `dim` next to this rank's block `x` (`size` long, of a value split plainly
+    and evenly along `dim` over `axes`, |k| <= `size`): the end of the block before it (k > 0) or the
+    start of the block after it (k < 0), zeros past the ends or, `cyclic`, round them (the halo of a
+    shift, a roll, a causal conv). One all-gather per axis of every block's |k| edge elements."""
+    count = abs(k)
+    edge = b.call(aten.narrow.default, x, dim, size - count if k > 0 else 0, count)
+    edges = blocks_of(b, edge, axes, dim)
+    if cyclic:
+        edges = b.call(aten.roll.default, edges, [k], [dim])
+    else:  # the block before each with zeros before the first, or the block after each with zeros after the last
+        pad = pad_of(ndim, dim, count, -count) if k > 0 else pad_of(ndim, dim, -count, count)
+        edges = b.call(aten.constant_pad_nd.default, edges, pad)
+    return own_block(b, edges, axes, dim)
 
 
 def _partial_stays(node: Node, tensors: list[Node], placements: dict, linearity: str | None) -> bool:

@@ -23,6 +23,18 @@ A conv whose channels fit none of these runs with them whole on every rank
 of col (a warning says so); its batch stays split. The lowering gives a
 grouped conv its own number of groups, and a row-parallel conv adds its bias
 on the rank at col 0 only.
+
+A causal conv1d (`tess_compile.ops.causal_conv`: Mamba's, a conv padded by k-1 and its first L
+outputs, fused by `passes/causal_convs.py` over a token split) is placed as a conv, and the tokens
+(its last dim) keep each plain, even split they arrive in: each rank convolves its block, without
+padding, with the k-1 tokens before it (the halo, zeros before the first token), which is its
+block of the conv's output. A halo of at most a block is the previous block's last k-1 tokens, one
+all-gather per token axis of each block's edge (`common.neighbour_edges`, as a token shift takes
+its edge); a wider one (more ranks than tokens over k-1) is cut from the tokens gathered whole,
+with no conv run twice. Where col splits the tokens (mode 1d's sequence parallelism) they keep col
+and the channels are whole there. Stripes and uneven splits make the tokens whole first.
+Everything is a graph op or a collective, so backward is autograd's through the collectives'
+adjoints.
 """
 
 from __future__ import annotations
@@ -39,10 +51,17 @@ from tess_compile.passes.rules.common import (
     arg_layout,
     aten,
     batch_placements,
+    blocks_of,
     channels_layout,
     display_name,
     get_arg,
+    keep_dim_split,
+    layout_of,
+    neighbour_edges,
+    own_block,
+    pad_of,
     place_replicated,
+    plain_split_axes,
     shape_of,
     split_axes,
 )
@@ -50,13 +69,15 @@ from tess_compile.passes.rules.family import Decision, Family
 from tess_compile.core.layout import Layout, Partial, Shard
 from tess_compile.core.meta_keys import LAYOUT
 from tess_compile.ops import collectives as c
+from tess_compile.ops.causal_conv import causal_conv1d
 
-__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "conv_groups", "groups_index", "lower_conv", "place_conv"]
+__all__ = ["FAMILY", "LOWERING", "PLACEMENT", "conv_groups", "groups_index", "lower_causal_conv", "lower_conv",
+           "place_causal_conv", "place_conv"]
 
 
 def groups_index(node: Node) -> int:
     """The position of a conv node's `groups` argument."""
-    return 8 if node.target is aten.convolution.default else 6
+    return {aten.convolution.default: 8, causal_conv1d: 3}.get(node.target, 6)
 
 
 def conv_groups(node: Node) -> int:
@@ -130,16 +151,73 @@ def lower_conv(b: Builder, node: Node, args, kwargs):
     """A grouped conv with its channels split runs its own `groups / parts` groups; a
     row-parallel conv (partial output) adds its bias on the rank at col 0 only."""
     args, kwargs = list(args), dict(kwargs)
+    groups = _local_groups(b, node)
+    if len(args) > groups_index(node):
+        args[groups_index(node)] = groups
+    elif groups != conv_groups(node):
+        kwargs["groups"] = groups
+    if len(args) > 2:
+        args[2] = _local_bias(b, node, args[2])
+    return b.call(node.target, *args, **kwargs)
+
+
+def _local_groups(b: Builder, node: Node) -> int:
+    """The groups a rank runs: its `groups / parts` where col splits a grouped conv's channels."""
     channel_axes = split_axes(b, arg_layout(node, node.args[0]), [1])
     groups, parts = conv_groups(node), math.prod(b.mesh.size(axis) for axis in channel_axes)
-    if groups > 1 and parts > 1:
-        if len(args) > groups_index(node):
-            args[groups_index(node)] = groups // parts
-        else:
-            kwargs["groups"] = groups // parts
-    if isinstance(LAYOUT.of(node).col, Partial) and len(args) > 2 and args[2] is not None:
-        args[2] = b.collective(c.keep_first, args[2], "col")
-    return b.call(node.target, *args, **kwargs)
+    return groups // parts if groups > 1 and parts > 1 else groups
+
+
+def _local_bias(b: Builder, node: Node, bias):
+    """The bias a rank adds: a row-parallel conv's (partial output) on the rank at col 0 only."""
+    if isinstance(LAYOUT.of(node).col, Partial) and bias is not None:
+        return b.collective(c.keep_first, bias, "col")
+    return bias
+
+
+def place_causal_conv(node: Node, ctx) -> Decision:
+    """causal_conv1d(x, W, b, groups): as a conv (`place_conv`), and the tokens (x's last dim) keep
+    each plain split that divides them, col's too, where the channels are then whole (module
+    docstring)."""
+    decision = place_conv(node, ctx)
+    x, weight, bias = node.args[:3]
+    shape, dim = shape_of(x), len(shape_of(x)) - 1
+    axes = plain_split_axes(keep_dim_split(layout_of(ctx, x), dim, True, shape, ctx.mesh), dim, ctx.mesh)
+    args, out = dict(decision.args), decision.out
+    for axis in axes:
+        args[x], out = args[x].with_axis(axis, Shard(dim)), out.with_axis(axis, Shard(dim))
+    if "col" in axes:
+        for param in (weight, bias) if isinstance(bias, Node) else (weight,):
+            args[param] = args[param].with_axis("col", R)
+    return Decision(args, out)
+
+
+def lower_causal_conv(b: Builder, node: Node, args, kwargs):
+    """The rank's block of the causal conv: its input block with the halo before it, convolved without
+    padding; with the tokens whole, the conv padded by k-1 and its first L outputs."""
+    x_node, weight = node.args[:2]
+    shape = x_node.meta["val"].shape
+    dim, halo = len(shape) - 1, shape_of(weight)[-1] - 1
+    layout = arg_layout(node, x_node)
+    axes = plain_split_axes(layout, dim, b.mesh)
+    x, size = args[0], layout.local_shape(shape, b.mesh)[dim]
+    padding = halo
+    if axes and halo:
+        x, padding = _with_halo(b, x, len(shape), dim, halo, size, axes), 0
+    out = b.call(aten.conv1d.default, x, args[1], _local_bias(b, node, args[2]), [1], [padding], [1],
+                 _local_groups(b, node))
+    return b.call(aten.slice.Tensor, out, dim, 0, size) if padding else out
+
+
+def _with_halo(b: Builder, x: Node, ndim: int, dim: int, halo: int, size: int, axes: list[str]) -> Node:
+    """This rank's block `x` (`size` long along its last dim `dim`, split over `axes`) with the `halo`
+    elements before it, zeros before the first. A halo wider than a block is cut from the whole
+    sequence gathered, zeros before it: the rank's window of `size + halo` from its block's start."""
+    if halo <= size:
+        return b.call(aten.cat.default, [neighbour_edges(b, x, ndim, dim, halo, size, axes), x], dim)
+    whole = b.call(aten.constant_pad_nd.default, blocks_of(b, x, axes, dim), pad_of(ndim, dim, halo, 0))
+    windows = b.call(aten.unfold.default, whole, dim, size + halo, size)  # [..., ranks, size + halo]
+    return b.call(aten.squeeze.dim, own_block(b, windows, axes, dim), dim)
 
 
 _CONVOLUTIONS = [
@@ -153,9 +231,9 @@ _CONVOLUTIONS = [
 ]
 
 
-PLACEMENT = {op: place_conv for op in _CONVOLUTIONS}
+PLACEMENT = {**{op: place_conv for op in _CONVOLUTIONS}, causal_conv1d: place_causal_conv}
 
 
-LOWERING = {op: lower_conv for op in _CONVOLUTIONS}
+LOWERING = {**{op: lower_conv for op in _CONVOLUTIONS}, causal_conv1d: lower_causal_conv}
 
 FAMILY = Family("convolutions", PLACEMENT, lowering=LOWERING)

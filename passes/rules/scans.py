@@ -19,54 +19,34 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from tess_compile.core.layout import Layout, Shard, split_size
-from tess_compile.core.mesh import AXES
-from tess_compile.ops import collectives as c
 from tess_compile.passes.builder import Builder
 from tess_compile.passes.rules.common import (
-    R,
     arg_layout,
     aten,
+    blocks_of,
     dim_arg,
     dims_local,
     get_arg,
+    keep_dim_split,
     layout_of,
     lower_default,
     masked_padding,
+    neighbour_edges,
     normalize_dim,
+    own_block,
+    plain_split_axes,
     shape_of,
-    without_partial,
 )
 from tess_compile.passes.rules.family import Decision, Family
 
 __all__ = ["FAMILY", "LOWERING", "PLACEMENT", "lower_cumsum", "lower_shift", "place_cumsum", "place_shift"]
 
 
-def _split_axes(layout: Layout, dim: int, mesh) -> list[str]:
-    """The axes of size > 1 that split `dim`, outermost first."""
-    return [a for a in AXES if layout.on(a) == Shard(dim) and mesh.size(a) > 1]
-
-
-def _keep(layout: Layout, dim: int, even: bool, shape, mesh) -> Layout:
-    """`layout` without partial sums, `dim`'s plain splits kept (where `even`, only if each divides)
-    and any other split of `dim` made whole."""
-    layout = without_partial(layout)
-    kept, size = [], shape[dim]
-    for axis, p in zip(AXES, layout.placements):
-        plain = p == Shard(dim) and (not even or size % mesh.size(axis) == 0)
-        if isinstance(p, Shard) and p.dim == dim and not plain:
-            p = R
-        if plain:
-            size = split_size(size, mesh.size(axis))
-        kept.append(p)
-    return Layout(*kept)
-
-
 def place_cumsum(node: Node, ctx) -> Decision:
     """cumsum(x, dim): its splits kept, `dim`'s too (the carry is added by the lowering)."""
     x = node.args[0]
     dim = normalize_dim(dim_arg(node)[0], len(shape_of(x)))
-    layout = _keep(layout_of(ctx, x), dim, even=False, shape=shape_of(x), mesh=ctx.mesh)
+    layout = keep_dim_split(layout_of(ctx, x), dim, even=False, shape=shape_of(x), mesh=ctx.mesh)
     return Decision({x: layout}, layout)
 
 
@@ -75,34 +55,20 @@ def lower_cumsum(b: Builder, node: Node, args, kwargs):
     x_node = node.args[0]
     dim = normalize_dim(dim_arg(node)[0], x_node.meta["val"].dim())
     layout = arg_layout(node, x_node)
-    axes = _split_axes(layout, dim, b.mesh)
+    axes = plain_split_axes(layout, dim, b.mesh)
     if not axes:
         return lower_default(b, node, args, kwargs)
     x = masked_padding(b, args[0], x_node.meta["val"].shape, layout, dim, 0)  # padding adds nothing
     local = b.call(aten.cumsum.default, x, dim, **kwargs)
     size = _local_size(b, node, x_node, dim)
     totals = b.call(aten.narrow.default, local, dim, size - 1, 1)
-    before = _blocks_of(b, totals, axes, dim)
+    before = blocks_of(b, totals, axes, dim)
     before = b.call(aten.sub.Tensor, b.call(aten.cumsum.default, before, dim), before)  # exclusive
-    return b.call(aten.add.Tensor, local, _own_block(b, before, axes, dim))
+    return b.call(aten.add.Tensor, local, own_block(b, before, axes, dim))
 
 
 def _local_size(b: Builder, node: Node, x: Node, dim: int) -> int:
     return arg_layout(node, x).local_shape(x.meta["val"].shape, b.mesh)[dim]
-
-
-def _blocks_of(b: Builder, piece: Node, axes: list[str], dim: int) -> Node:
-    """Every rank's `piece` along `dim`, in global block order (gathered inner axis first)."""
-    for axis in reversed(axes):
-        piece = b.call(c.all_gather, piece, axis, b.mesh.size(axis), dim, 1)
-    return piece
-
-
-def _own_block(b: Builder, whole: Node, axes: list[str], dim: int) -> Node:
-    """This rank's block of `whole` along `dim` (split outer axis first)."""
-    for axis in axes:
-        whole = b.call(c.shard_slice, whole, axis, b.mesh.size(axis), dim, 1)
-    return whole
 
 
 def _shift_of(node: Node) -> tuple[int, int, bool] | None:
@@ -143,8 +109,8 @@ def place_shift(node: Node, ctx) -> Decision:
     shift = _shift_of(node)
     if shift is not None:
         dim, k, _ = shift
-        layout = _keep(layout_of(ctx, x), dim, even=True, shape=shape_of(x), mesh=ctx.mesh)
-        if _split_axes(layout, dim, ctx.mesh) and abs(k) <= layout.local_shape(shape_of(x), ctx.mesh)[dim]:
+        layout = keep_dim_split(layout_of(ctx, x), dim, even=True, shape=shape_of(x), mesh=ctx.mesh)
+        if plain_split_axes(layout, dim, ctx.mesh) and abs(k) <= layout.local_shape(shape_of(x), ctx.mesh)[dim]:
             return Decision({x: layout}, layout)
     return dims_local(_moved_dims)(node, ctx)
 
@@ -154,30 +120,16 @@ def lower_shift(b: Builder, node: Node, args, kwargs):
     docstring)."""
     shift = _shift_of(node)
     x_node = node.args[0]
-    axes = [] if shift is None else _split_axes(arg_layout(node, x_node), shift[0], b.mesh)
+    axes = [] if shift is None else plain_split_axes(arg_layout(node, x_node), shift[0], b.mesh)
     if not axes:
         return lower_default(b, node, args, kwargs)
     dim, k, cyclic = shift
     if k == 0:
         return args[0]
-    size, x = _local_size(b, node, x_node, dim), args[0]
-    count = abs(k)
-    edge = b.call(aten.narrow.default, x, dim, size - count if k > 0 else 0, count)
-    edges = _blocks_of(b, edge, axes, dim)
-    if cyclic:
-        edges = b.call(aten.roll.default, edges, [k], [dim])
-    elif k > 0:  # the block before each, zeros before the first
-        edges = b.call(aten.constant_pad_nd.default, edges, _pad_of(x_node, dim, count, -count))
-    else:  # the block after each, zeros after the last
-        edges = b.call(aten.constant_pad_nd.default, edges, _pad_of(x_node, dim, -count, count))
-    neighbour = _own_block(b, edges, axes, dim)
+    size, x, count = _local_size(b, node, x_node, dim), args[0], abs(k)
+    neighbour = neighbour_edges(b, x, x_node.meta["val"].dim(), dim, k, size, axes, cyclic)
     kept = b.call(aten.narrow.default, x, dim, 0 if k > 0 else count, size - count)
     return b.call(aten.cat.default, [neighbour, kept] if k > 0 else [kept, neighbour], dim)
-
-
-def _pad_of(x: Node, dim: int, before: int, after: int) -> list[int]:
-    """constant_pad_nd's `pad` that pads `dim` of `x` by (before, after)."""
-    return [0, 0] * (x.meta["val"].dim() - 1 - dim) + [before, after]
 
 
 PLACEMENT = {
