@@ -128,8 +128,9 @@ def _tail_kernels(program: Program, tail: StepTail) -> tuple[tuple[PhaseProfile,
     (output,) = short.graph.graph.find_nodes(op="output")
     recorder = KernelRecorder()
     with FakeTensorMode(allow_non_fake_inputs=True), use_comm(ShapeComm()):
-        outputs = pytree.tree_map_only(  # leaves of the tail's own graph, like the program's outputs
-            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad),
+        outputs = pytree.tree_map_only(  # leaves of the tail's own graph, laid out as the program's outputs
+            torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            .requires_grad_(t.requires_grad),
             map_arg(output.args[0], values.__getitem__))
         local_bytes = sum(tensor_bytes(t) for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor))
         with recorder:

@@ -179,17 +179,17 @@ def attend_stripes(q, k, v, runs, bias_of, scale: float) -> tuple[torch.Tensor, 
 def attend_stripes_backward(grad, q, k, v, runs, bias_of, out, lse, scale: float, bias_grad: bool = False):
     """The gradients of `attend_stripes`: of q, k and v, and with `bias_grad` the scores' over all of q's
     rows and k's keys (None without)."""
-    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
     scores = q.new_zeros(*q.shape[:-1], k.shape[-2]) if bias_grad else None
     for rows, keys in runs:
         dq, dk, dv, parts = attend_parts_backward(grad[..., rows, :], q[..., rows, :], k, v, keys, bias_of(rows),
                                                   out[..., rows, :], lse[..., rows], scale, bias_grad=bias_grad)
-        grad_q[..., rows, :] = dq
+        grad_q.append(dq)
         grad_k += dk
         grad_v += dv
         for start, stop, ds in parts:
             scores[..., rows, start:stop] += ds
-    return grad_q, grad_k, grad_v, scores
+    return torch.cat(grad_q, dim=-2), grad_k, grad_v, scores
 
 
 def mask_part(mask: torch.Tensor | None, rows: slice, start: int, stop: int) -> torch.Tensor | None:
