@@ -822,6 +822,21 @@ def op_cumsum(b: Builder, a: Args) -> None:
     b.emit(a.pick([f"h = h.cumsum({dim})", f"h = torch.cumsum(h, dim={dim}).flip({dim})"]))
 
 
+def op_causal_conv(b: Builder, a: Args) -> None:
+    """Mamba's causal conv along dim 1 of a `[batch, tokens, channels]` activation: `nn.Conv1d` padded by
+    k-1 (dilated: by its reach) and its first outputs, depthwise or over every channel."""
+    if b.rank != 3:
+        raise Skip
+    _, length, channels = b.shape
+    kernel, depthwise, dilation = a.pick([2, 3, 4]), a.pick([True, False]), a.pick([1, 1, 2])
+    out = channels if depthwise else a.pick([channels, 2 * channels])
+    groups = channels if depthwise else 1
+    conv = b.attr("conv", f"nn.Conv1d({channels}, {out}, {kernel}, groups={groups}, dilation={dilation}, "
+                          f"padding={dilation * (kernel - 1)}, bias={a.pick([True, False])})")
+    b.emit(f"h = {conv}(h.transpose(1, 2))[..., :{length}].transpose(1, 2)")
+    b.set_shape([b.shape[0], length, out])
+
+
 # Reductions, norms, activations.
 
 
@@ -1099,7 +1114,7 @@ OPS = {
     "repeat": op_repeat, "matmul": op_matmul, "table": op_table, "embed": op_embed, "mlp": op_mlp,
     "rope": op_rope, "pad": op_pad, "roll": op_roll, "shift_copy": op_shift_copy, "index_put": op_index_put,
     "masked_fill": op_masked_fill, "where": op_where, "gather": op_gather, "scatter": op_scatter,
-    "cumsum": op_cumsum, "attention": op_attention, "latent_attention": op_latent_attention,
+    "cumsum": op_cumsum, "causal_conv": op_causal_conv, "attention": op_attention, "latent_attention": op_latent_attention,
     "squeeze": op_squeeze, "gram": op_gram, "topk": op_topk, "save": op_save, "combine": op_combine,
     "inplace": op_inplace,
 }

@@ -224,7 +224,7 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = Tru
     weights = ndb >= 3 and ctx.layout(b) is None and is_param_or_transpose(b)
     widens = shape_of(b)[-1] > shape_of(b)[-2]
     weight_left = ctx.layout(a) is None and is_param_or_transpose(a)  # W @ x
-    rows = shape_of(a)[-2]  # a's rows not split yet
+    rows = shape_of(a)[-2]  # a's rows not split yet; None once an uneven split leaves no other to stack on it
     for index, axis in enumerate(AXES):
         if out[index] != R and isinstance(out[index], Shard) and out[index].dim in batch:
             continue
@@ -234,10 +234,11 @@ def _place_batched_matmul(node: Node, ctx, a: Node, b: Node, partial: bool = Tru
         whole = pa == R and pb == R and not weights
         if isinstance(pa, Shard) and pa.dim == nda - 2:
             pair, out[index] = (pa, R), Shard(n_out - 2, pa.groups)
-            rows //= parts
+            rows = rows // parts if rows is not None and statically_known_true(rows % parts == 0) else None
         elif isinstance(pb, Shard) and pb.dim == ndb - 1:
             pair, out[index] = (R, pb), Shard(n_out - 1, pb.groups)
-        elif parts > 1 and (weight_left or whole) and statically_known_true(rows % parts == 0):  # free if whole
+        elif (parts > 1 and (weight_left or whole) and rows is not None
+              and statically_known_true(rows % parts == 0)):  # free if whole
             pair, out[index] = (Shard(nda - 2), R), Shard(n_out - 2)
             rows //= parts
         elif weights and (widens or not splits_k or not partial):
