@@ -148,6 +148,55 @@ def test_hf_gpt2_predicted_saved_bytes_match_measured():
     assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
 
 
+class _LlamaLogits(nn.Module):
+    """Hugging Face Llama, `layers` layers, returning its logits: a vocab-split embedding starts the
+    residual stream as partial sums over the tensor-parallel ranks."""
+
+    def __init__(self, layers: int, hidden: int = HIDDEN):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        self.lm = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False))
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
+def test_sequence_parallel_block_saves_its_token_block():
+    """1-D p=4 with the tokens split and every block recomputed: a block saves its input's token block
+    `[b, s/p, h]` (Megatron-LM's sequence parallelism with full recompute), not the residual stream's
+    whole pending sum `[b, s, h]` (a layer more adds exactly one token block per rank)."""
+    batch, seq = 2, 16
+    ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(1))
+    saved = [activation_bytes(tess_compile.simulate(_LlamaLogits(layers), 2, 1, example_inputs=(ids,), mode="1d",
+                                                    recompute="blocks").program) for layers in (2, 3)]
+    assert saved[1] - saved[0] == batch * (seq // 4) * HIDDEN * 4
+
+
+SEQUENCE_PARALLEL_CASES = [(2, 1, "1d", 2), (2, 2, "2.5d", 1), (2, 2, "2.5d", 8)]
+
+
+@pytest.mark.parametrize("q, d, mode, batch", [
+    SEQUENCE_PARALLEL_CASES[0], *(pytest.param(*case, marks=pytest.mark.slow) for case in SEQUENCE_PARALLEL_CASES[1:])],
+    ids=["1d-p4-tokens", "q2d2-tokens", "q2d2-batch"])
+def test_recomputed_llama_blocks_are_exact(q, d, mode, batch):
+    """float64 (the model's float32 casts kept float64): output and every gradient of a recomputed
+    Llama, the tokens split (1-D p=4 and [2,2,2] at a batch of one) or the batch ([2,2,2])."""
+    import copy
+
+    from tess_compile.keep_float64 import keeping_float64
+
+    model = _LlamaLogits(2).double()
+    oracle = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (batch, 16), generator=torch.Generator().manual_seed(1))
+    with keeping_float64(model, oracle):
+        sim = tess_compile.simulate(model, q, d, example_inputs=(ids,), mode=mode, recompute="blocks", verify=True)
+        assert_matches_model(sim, oracle, ids, rtol=1e-12)
+
+
 def _recompute_worker(rank, world_size, q, d):
     """float64 over gloo: the model's own checkpoint calls (reentrant) and checkpoint="blocks"
     give the oracle's output and gradients; recorded bytes equal predicted ones."""
