@@ -111,7 +111,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             needed = ARG_LAYOUTS.of(node)
             last, counts = _last_node(b), dict(b.schedules)
             entry.begin(RECOMPUTE_REGION.get(node), last)
-            args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n), node))
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n, user=node: local(n, needed.get(n), user))
             out = rules.get(node.target, lower_default)(b, node, args, kwargs)
             if b.schedules != counts:
                 products[node.name] = {name: n - counts.get(name, 0) for name, n in b.schedules.items()
