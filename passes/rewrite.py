@@ -101,7 +101,7 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
             before = _last_node(b)
             converted[key] = redistribute(b, env[node], LAYOUT.of(node), needed, node.meta["val"].shape)
             if user is not None and _enters(node, RECOMPUTE_REGION.get(user), needed, b.mesh):
-                entry.keep_out(before, _last_node(b), user)
+                entry.keep_out(before)
         return converted[key]
 
     for node in gm.graph.nodes:
@@ -118,7 +118,6 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
                                        if n != counts.get(name, 0)}
             _annotate(out, node)
             _mark_emitted(b, last, node, entry.outside)
-            entry.emitted(last)
             env[node] = out
         elif node.op == "output":
             needed = ARG_LAYOUTS.of(node)
@@ -157,35 +156,23 @@ def _mark_emitted(b: Builder, last: Node, original: Node, outside: set[Node]) ->
 
 
 class _RegionEntry:
-    """Conversions of values that enter a recompute region and do not grow (`_enters`) run before the
-    region, so that the region saves the converted value for backward, not the one it came as (a
-    reduce-scatter of partial sums over the tokens: the token block, not the whole pending sum). A
-    conversion emitted inside a region run is moved before the run's first node."""
+    """Conversions of values that enter a recompute region and do not grow (`_enters`), emitted before the
+    region's first node, stay out of it, so that the region saves the converted value for backward, not the
+    one it came as (a reduce-scatter of partial sums over the tokens: the token block, not the whole pending
+    sum). One emitted inside a run stays in it (recomputed, as any other)."""
 
     def __init__(self):
         self.outside: set[Node] = set()
-        self.first: Node | None = None  # the first node of the region run being emitted
+        self.started = False  # whether the region run being emitted has a node
 
     def begin(self, region: str | None, last: Node) -> None:
         """A captured node of `region` is lowered after `last`: a new run unless `last` is of it."""
-        if region is None or RECOMPUTE_REGION.get(last) != region:
-            self.first = None
+        self.started = region is not None and RECOMPUTE_REGION.get(last) == region
 
-    def keep_out(self, before: Node, last: Node, user: Node) -> None:
-        """The nodes after `before` up to `last` (a conversion of an input of `user`) stay out of the region."""
-        nodes = []
-        while before is not last:
-            before = before.next
-            nodes.append(before)
-        self.outside.update(nodes)
-        for node in nodes if self.first is not None else ():
-            GLOBAL_NODE.set(node, user.name)
-            self.first.prepend(node)
-
-    def emitted(self, last: Node) -> None:
-        """One captured node's nodes were emitted after `last`: the run's first node, if it began."""
-        if self.first is None:
-            self.first = next((n for n in _after(last) if RECOMPUTE_REGION.has(n)), None)
+    def keep_out(self, before: Node) -> None:
+        """The nodes after `before` (one conversion) stay out of the region if its run has not begun."""
+        if not self.started:
+            self.outside.update(_after(before))
 
 
 def _after(node: Node):
