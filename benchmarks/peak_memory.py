@@ -4,12 +4,13 @@ option, and data parallel, ZeRO and pipeline stages around [2,2,1].
 The GPT stack of `benchmarks/memory.py` (4 blocks, hidden 128, 8 heads, batch 16, sequence 64,
 fp32 by default) is sharded over 8 gloo processes (`tess_compile.shard`, [2,2,2] for 2.5-D and
 3-D, 1-D over p = 8; 2-D over [2,2] in 4 processes). Each rank runs two training steps under
-torch's `MemTracker` (`torch.distributed._tools.mem_tracker`): forward, backward from the local
-output with a gradient of ones (as a loss's backward hands it), AdamW's step, gradients set to
-None. Its tracked peak, the most bytes of tensors alive at once (parameters, inputs, activations,
-gradients, temporaries, optimizer state), is compared with the prediction,
-`predict_memory(program).total` (`tess_compile.analysis.memory.step_peak`: the same step on fake
-tensors), and with the old figure, what a rank holds at the start of backward (`at_backward`).
+torch's `MemTracker` (`torch.distributed._tools.mem_tracker`) without its module hooks
+(`analysis.memory.step_tracker`): forward, backward from the local output with a gradient of ones
+(as a loss's backward hands it), AdamW's step, gradients set to None. Its tracked peak, the most
+bytes of tensors alive at once (parameters, inputs, activations, gradients, temporaries, optimizer
+state), is compared with the prediction, `predict_memory(program).total`
+(`tess_compile.analysis.memory.step_peak`: the same step on fake tensors), and with the old figure,
+what a rank holds at the start of backward (`at_backward`).
 
 The README rows (`--only readme`) run README's training loop in place of that step: the output
 gathered whole on every rank (`tess_compile.full_tensor`), the loss outside the module (its mean
@@ -53,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
 from benchmarks.memory import Stack
-from tess_compile.analysis.memory import MemoryEstimate, predict_memory
+from tess_compile.analysis.memory import MemoryEstimate, predict_memory, step_tracker
 from tess_compile.analysis.parallel_plan import Outer, boundary_bytes, price
 from tess_compile.analysis.step_tail import MODULE_LOSS, StepTail
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
@@ -79,10 +80,10 @@ def _model(size: dict):
 
 def tracked_peak(step, *external, calls: int = 2) -> int:
     """The most bytes of tensors alive at once in `calls` calls of `step`, under torch's `MemTracker`
-    (`external`: the modules, optimizers and tensors made before it)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    without its module hooks (`analysis.memory.step_tracker`: they would hold a recompute region's
+    weight gradients to the end of backward; `external`: the modules, optimizers and tensors made
+    before it)."""
+    tracker = step_tracker()
     tracker.track_external(*external)
     with tracker:
         for _ in range(calls):

@@ -1,6 +1,6 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
-    capture (+ boundary, autocast) -> (shorten blocks) -> place -> (verify placed) -> (recompute blocks) -> rewrite
+    capture (+ boundary, autocast) -> (shorten blocks) -> (recompute blocks) -> place -> (verify placed) -> rewrite
             -> merge products -> alike regions -> (recompute selective) -> (expand blocks) -> bucket gradients
             -> verify rewritten -> report repeated work
 
@@ -215,11 +215,11 @@ def _lower(run: _Passes, mesh: Mesh, options: CompileOptions, cluster: Cluster, 
     """The placed graph of `captured` and its per-rank graph, the gradient buckets not yet made."""
     if place_options["rows"].token_axes():
         captured = run("causal convs", fuse_causal_convs, captured)
+    if options.recompute == "blocks":  # before place, which keeps no partial sums over the tokens into a region
+        captured = run("recompute blocks", mark_blocks, captured, mesh)
     placed = run("place", place, captured, mesh, strict=options.strict, **place_options)
     if options.checked:
         placed = run("verify placed", verify_placed, placed, mesh)
-    if options.recompute == "blocks":
-        placed = run("recompute blocks", mark_blocks, placed, mesh)
     gm = run("rewrite", rewrite, placed, mesh, summa=options.summa, keep_blocks=options.keep_blocks, cluster=cluster,
              context=options.context)
     gm = run("merge products", merge_products, gm, mesh)

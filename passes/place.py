@@ -40,11 +40,11 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from tess_compile.passes.rules import family_of, placement_rule, placement_rules
-from tess_compile.passes.rules.common import place_replicated
+from tess_compile.passes.rules.common import align, place_replicated
 from tess_compile.passes.rules.family import Decision
 from tess_compile.passes.rules.uneven import check_uneven
 from tess_compile.passes.source_lines import source_line
-from tess_compile.core.layout import Layout, Replicate, Shard
+from tess_compile.core.layout import Layout, Partial, Replicate, Shard
 from tess_compile.core.mesh import Mesh
 from tess_compile.core.row_split import RowSplit, token_dim
 from tess_compile.core.product_table import product_kernel
@@ -55,6 +55,7 @@ from tess_compile.core.meta_keys import (
     CARRIED_OUTPUTS,
     LAYOUT,
     LOCAL_OUTPUTS,
+    RECOMPUTE_REGION,
     REPLICATED,
     ROLE,
     WEIGHT_INPUT,
@@ -241,13 +242,45 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
                     "replicated; strict=True forbids this: add a rule or pass strict=False"
                 )
             rule = place_replicated
-        decision = rule(node, ctx)
+        decision = _entered(node, ctx, rule)
     check_uneven(node, decision, family_of(node.target), ctx)
     for arg, layout in decision.args.items():
         if ctx.layouts.get(arg) is None:
             ctx.fix(arg, layout)
     ctx.layouts[node] = decision.out
     return decision
+
+
+def _entered(node: Node, ctx: PlacementContext, rule) -> Decision:
+    """`rule`'s decision for `node`, where the partial sums of a value that enters `node`'s recompute
+    region from outside it are reduce-scattered over the tokens on the way in (`_region_entry`): the
+    region saves the value's token block for backward, not the whole pending sum (Megatron-LM's
+    sequence parallelism with full recompute saves each layer's `[s/p, b, h]` input)."""
+    region = RECOMPUTE_REGION.get(node)
+    entries = {} if region is None else {
+        arg: _region_entry(ctx, arg) for arg in node.all_input_nodes
+        if RECOMPUTE_REGION.get(arg) != region and isinstance(ctx.layouts.get(arg), Layout)}
+    entries = {arg: layout for arg, layout in entries.items() if layout != ctx.layouts[arg]}
+    if not entries:
+        return rule(node, ctx)
+    held = {arg: ctx.layouts[arg] for arg in entries}
+    ctx.layouts.update(entries)
+    try:
+        decision = rule(node, ctx)
+    finally:
+        ctx.layouts.update(held)
+    return Decision({**entries, **decision.args}, decision.out)  # an arg the rule takes as it is: as entered
+
+
+def _region_entry(ctx: PlacementContext, arg: Node) -> Layout:
+    """`arg`'s layout with its partial sums over an axis that splits the tokens resolved to the token split
+    where `arg` has the tokens (`align`: a reduce-scatter); other partial sums stay."""
+    layout = ctx.layouts[arg]
+    if not any(isinstance(layout.on(axis), Partial) for axis in ctx.rows.token_axes()):
+        return layout
+    _, out = align(ctx, arg, [arg], ctx.shape(arg))
+    return Layout(*(out[index] if isinstance(p, Partial) and isinstance(out[index], Shard) else p
+                    for index, p in enumerate(layout.placements)))
 
 
 def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decision:

@@ -1,4 +1,4 @@
-"""Recompute regions of repeated blocks: an analysis of the placed graph.
+"""Recompute regions of repeated blocks: an analysis of the captured graph, run before place.
 
 `mark_blocks` makes each repeated block of the model, an element of a
 ModuleList or Sequential with two or more elements of one class (a

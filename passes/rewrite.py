@@ -29,10 +29,12 @@ rank's share of the block, as any value's gradient inside one graph is.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
@@ -89,12 +91,17 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
     rules = lowering_rules(mesh.mode)
     products: dict[str, dict[str, int]] = {}
 
-    def local(node: Node, needed: Layout | None) -> Node:
+    entry = _RegionEntry()
+
+    def local(node: Node, needed: Layout | None, user: Node | None = None) -> Node:
         if needed is None:
             return env[node]
         key = (node, needed)
         if key not in converted:
+            before = _last_node(b)
             converted[key] = redistribute(b, env[node], LAYOUT.of(node), needed, node.meta["val"].shape)
+            if user is not None and _enters(node, RECOMPUTE_REGION.get(user), needed, b.mesh):
+                entry.keep_out(before)
         return converted[key]
 
     for node in gm.graph.nodes:
@@ -103,13 +110,14 @@ def rewrite(gm: GraphModule, mesh: Mesh, *, summa: str = "broadcast", keep_block
         elif node.op == "call_function":
             needed = ARG_LAYOUTS.of(node)
             last, counts = _last_node(b), dict(b.schedules)
-            args, kwargs = map_arg((node.args, node.kwargs), lambda n: local(n, needed.get(n)))
+            entry.begin(RECOMPUTE_REGION.get(node), last)
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n, user=node: local(n, needed.get(n), user))
             out = rules.get(node.target, lower_default)(b, node, args, kwargs)
             if b.schedules != counts:
                 products[node.name] = {name: n - counts.get(name, 0) for name, n in b.schedules.items()
                                        if n != counts.get(name, 0)}
             _annotate(out, node)
-            _mark_emitted(b, last, node)
+            _mark_emitted(b, last, node, entry.outside)
             env[node] = out
         elif node.op == "output":
             needed = ARG_LAYOUTS.of(node)
@@ -134,16 +142,54 @@ def _last_node(b: Builder) -> Node:
     return next(iter(reversed(b.graph.nodes)))
 
 
-def _mark_emitted(b: Builder, last: Node, original: Node) -> None:
+def _mark_emitted(b: Builder, last: Node, original: Node, outside: set[Node]) -> None:
     """Every node emitted after `last` (one captured node's conversions and kernels) records
-    the captured node's name, and belongs to its recompute region if it has one."""
+    the captured node's name, and belongs to its recompute region if it has one, but for the
+    conversions that enter it (`outside`, `_RegionEntry`)."""
     region = RECOMPUTE_REGION.get(original)
     node = last.next
     while node.op != "root":
         GLOBAL_NODE.set(node, original.name)
-        if region is not None:
+        if region is not None and node not in outside:
             RECOMPUTE_REGION.set(node, region)
         node = node.next
+
+
+class _RegionEntry:
+    """Conversions of values that enter a recompute region and do not grow (`_enters`), emitted before the
+    region's first node, stay out of it, so that the region saves the converted value for backward, not the
+    one it came as (a reduce-scatter of partial sums over the tokens: the token block, not the whole pending
+    sum). One emitted inside a run stays in it (recomputed, as any other)."""
+
+    def __init__(self):
+        self.outside: set[Node] = set()
+        self.started = False  # whether the region run being emitted has a node
+
+    def begin(self, region: str | None, last: Node) -> None:
+        """A captured node of `region` is lowered after `last`: a new run unless `last` is of it."""
+        self.started = region is not None and RECOMPUTE_REGION.get(last) == region
+
+    def keep_out(self, before: Node) -> None:
+        """The nodes after `before` (one conversion) stay out of the region if its run has not begun."""
+        if not self.started:
+            self.outside.update(_after(before))
+
+
+def _after(node: Node):
+    node = node.next
+    while node.op != "root":
+        yield node
+        node = node.next
+
+
+def _enters(arg: Node, region: str | None, needed: Layout, mesh: Mesh) -> bool:
+    """Whether `arg` is an activation from outside `region` that converting to `needed` keeps as small or
+    smaller (a placeholder is held anyway: its conversions stay in the region, recomputed)."""
+    if region is None or arg.op != "call_function" or RECOMPUTE_REGION.get(arg) == region:
+        return False
+    shape = arg.meta["val"].shape
+    held, converted = math.prod(LAYOUT.of(arg).local_shape(shape, mesh)), math.prod(needed.local_shape(shape, mesh))
+    return statically_known_true(converted <= held)
 
 
 def _placeholder(b: Builder, node: Node) -> Node:

@@ -148,6 +148,63 @@ def test_hf_gpt2_predicted_saved_bytes_match_measured():
     assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
 
 
+class _LlamaLogits(nn.Module):
+    """Hugging Face Llama, `layers` layers, returning its logits: a vocab-split embedding starts the
+    residual stream as partial sums over the tensor-parallel ranks."""
+
+    def __init__(self, layers: int, hidden: int = HIDDEN):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        self.lm = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False))
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
+def test_sequence_parallel_block_saves_its_token_block():
+    """1-D p=4 with the tokens split and every block recomputed: the residual stream enters each block
+    (the input its checkpoint saves) as the token block `[b, s/p, h]` (Megatron-LM's sequence
+    parallelism with full recompute), not as the whole pending sum `[b, s, h]` of the TP ranks."""
+    from tess_compile.core.fake_run import fake_run
+    from tess_compile.ops.recompute_region import RecomputeRegion
+
+    batch, seq = 2, 16
+    ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(1))
+    program = tess_compile.simulate(_LlamaLogits(2), 2, 1, example_inputs=(ids,), mode="1d", recompute="blocks").program
+    graph = program.runnable
+    values = fake_run(graph, program.mesh)
+    calls = [n for n in graph.graph.nodes if n.op == "call_module" and isinstance(graph.get_submodule(n.target),
+                                                                                    RecomputeRegion)]
+    streams = [[tuple(values[a].shape) for a in call.args if values[a].dim() == 3 and values[a].shape[-1] == HIDDEN]
+               for call in calls]
+    assert streams == [[(batch, seq // 4, HIDDEN)]] * 2
+
+
+SEQUENCE_PARALLEL_CASES = [(2, 1, "1d", 2), (2, 2, "2.5d", 1), (2, 2, "2.5d", 8)]
+
+
+@pytest.mark.parametrize("q, d, mode, batch", [
+    SEQUENCE_PARALLEL_CASES[0], *(pytest.param(*case, marks=pytest.mark.slow) for case in SEQUENCE_PARALLEL_CASES[1:])],
+    ids=["1d-p4-tokens", "q2d2-tokens", "q2d2-batch"])
+def test_recomputed_llama_blocks_are_exact(q, d, mode, batch):
+    """float64 (the model's float32 casts kept float64): output and every gradient of a recomputed
+    Llama, the tokens split (1-D p=4 and [2,2,2] at a batch of one) or the batch ([2,2,2])."""
+    import copy
+
+    from tess_compile.keep_float64 import keeping_float64
+
+    model = _LlamaLogits(2).double()
+    oracle = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (batch, 16), generator=torch.Generator().manual_seed(1))
+    with keeping_float64(model, oracle):
+        sim = tess_compile.simulate(model, q, d, example_inputs=(ids,), mode=mode, recompute="blocks", verify=True)
+        assert_matches_model(sim, oracle, ids, rtol=1e-12)
+
+
 def _recompute_worker(rank, world_size, q, d):
     """float64 over gloo: the model's own checkpoint calls (reentrant) and checkpoint="blocks"
     give the oracle's output and gradients; recorded bytes equal predicted ones."""

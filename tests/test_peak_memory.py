@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tess_compile.analysis.cost_model import StepTime
-from tess_compile.analysis.memory import MemoryEstimate, predict_memory, step_peak
+from tess_compile.analysis.memory import MemoryEstimate, activation_bytes, predict_memory, step_peak, step_working
 from tess_compile.analysis.parallel_plan import Outer, price
 from tess_compile.analysis.step_tail import MODULE_LOSS
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
@@ -72,6 +72,20 @@ def test_recompute_lowers_the_peak_less_than_the_saved_bytes():
                      for r in ("none", "blocks"))
     saved = plain.activations - blocks.activations
     assert 0 < plain.peak - blocks.peak < saved
+
+
+def test_recomputed_blocks_free_their_weights_gradients_as_they_go():
+    """1-D p=4, every block recomputed: two blocks more raise the working peak of a step (what a rank
+    holds besides its parameters, gradients and AdamW state, `step_working`) by their saved inputs, not
+    by their weights' size. torch's MemTracker with its module hooks held each region's weight
+    gradients to the end of backward, waiting for a norm weight's (summed by the bucket there)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 64)
+    programs = [compile_model(Stack(layers, 64, 4), Mesh(2, 1, "1d"), (x,), recompute="blocks") for layers in (2, 4)]
+    (two, _), (four, _) = (step_working(program, MODULE_LOSS) for program in programs)
+    saved = activation_bytes(programs[1]) - activation_bytes(programs[0])
+    block_weights = sum(p.numel() for p in Stack(1, 64, 4).parameters()) * 4 // 4  # fp32, over 4 ranks
+    assert 0 < saved <= four - two < saved + block_weights // 8, (four - two, saved, block_weights)
 
 
 def test_an_eval_program_peaks_in_its_forward():

@@ -3,8 +3,8 @@ rank holds at the start of backward: parameters, gradients, AdamW state, the act
 autograd saves for backward, and the collectives' largest buffers.
 
 An analysis of the rewritten graph. The peak comes from a step run on fake tensors under
-torch's `MemTracker`, which counts every tensor for as long as autograd, the recompute regions
-and the optimizer keep it; the breakdown prices the saved tensors by storage, as
+torch's `MemTracker` without its module hooks (`step_tracker`), which counts every tensor for as
+long as autograd, the recompute regions and the optimizer keep it; the breakdown prices the saved tensors by storage, as
 `tess_compile.analysis.accounting.saved_bytes` measures them.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -42,6 +43,7 @@ __all__ = [
     "record_step",
     "short_record",
     "step_peak",
+    "step_tracker",
     "step_working",
 ]
 
@@ -143,7 +145,8 @@ def collective_buffer_bytes(program: Program) -> int:
 
 def step_peak(program: Program, tail: StepTail = README_STEP) -> int:
     """The most bytes rank 0 holds at once in a step of `program`, from two steps on fake tensors
-    under torch's `MemTracker` (the second step's AdamW state exists from its start).
+    under torch's `MemTracker` without its module hooks (`step_tracker`; the second step's AdamW state
+    exists from its start).
 
     A training program's step: its forward, the step's `tail` (`tess_compile.analysis.step_tail`:
     README's loop by default: the output gathered whole, a loss of it outside the module), backward
@@ -167,15 +170,47 @@ def step_peak(program: Program, tail: StepTail = README_STEP) -> int:
 _PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-rank graph -> {tail: its step's peak}
 
 
-def _step_peak(program: Program, tail: StepTail) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker  # imports torch.distributed's tools: only when asked
+def step_tracker():
+    """torch's `MemTracker` without its module hooks: a new one, to use as MemTracker is used.
 
+    MemTracker's module tracker hooks the inputs of every module called in the step, which are, in a
+    per-rank program, its recompute regions (`tess_compile.ops.recompute_region`), and holds the
+    gradients of a module's inputs until the last of them arrives (`register_multi_grad_hook`): a
+    region's weights' gradients until its last input's, a norm weight's that the gradient bucket sums
+    at the end of backward, as no run holds them. Without module hooks it counts what the step
+    holds: the program's own tensors, autograd's, the recompute regions' and the optimizer's."""
+    return _step_tracker_class()()
+
+
+@functools.cache
+def _step_tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker  # imports torch.distributed's tools: only when asked
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class NoModules(ModTracker):
+        """A module tracker that hooks no module."""
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            pass
+
+    class StepTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._mod_tracker = NoModules()
+
+    return StepTracker
+
+
+def _step_peak(program: Program, tail: StepTail) -> int:
     graph = program.runnable
     with FakeTensorMode(allow_non_fake_inputs=True):
         values = placeholder_values(graph, program.mesh)
         params = [v for v in tensor_leaves(values) if v.requires_grad] if program.training else []
         optimizer = torch.optim.AdamW(params) if params else None
-        tracker = MemTracker()
+        tracker = step_tracker()
         tracker.track_external(*tensor_leaves(values), *([optimizer] if optimizer else []))
         with tracker:
             for _ in range(2 if optimizer else 1):
@@ -228,11 +263,11 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = README_STE
     `tail` around the program's call: the kernels and saved tensors of the tail's gather and loss are not
     recorded (`step_tail.tail_time` prices them), so the program's are the same under any of them (with
     `zero_grad` to zeros, backward adds into each kept gradient)."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     labels = _Labels(program, node_labels)
 
-    class Tracker(MemTracker):
+    class Tracker(_step_tracker_class()):
         def __init__(self):
             super().__init__()
             self.moments: list[tuple[object, int]] = []
