@@ -1,7 +1,7 @@
 """The compiler, `tess_compile.passes`: a model's graph in, one SPMD per-rank graph out, one pass a file.
 
-    capture (writes through views made functional) -> boundary -> (causal convs) -> place -> verify
-    -> (recompute blocks) -> rewrite -> merge products -> alike regions
+    capture (writes through views made functional) -> boundary -> (causal convs) -> (recompute blocks)
+    -> place -> verify -> rewrite -> merge products -> alike regions
     -> (recompute selective) -> bucket gradients -> verify -> report repeated work
 
 `tess_compile.passes.driver.compile_model` calls the passes in that order and
@@ -14,8 +14,8 @@ symbolic dims of a dynamic capture), `token_order` (the stripes a captured graph
 `repeated_blocks` (a model's alike
 layers found and the graph shortened to four of them) and `expand_blocks` (block 2's per-rank
 nodes copied for the blocks it stands for), `boundary`, `autocast_casts`, `causal_convs` (over a
-token split, a causal conv and its slice as one node), `place`, `verify`,
-`recompute_blocks`, `rewrite` (emitting through `builder`, converting layouts
+token split, a causal conv and its slice as one node), `recompute_blocks`, `place`, `verify`,
+`rewrite` (emitting through `builder`, converting layouts
 by `redistribute`, products by `summa` in a schedule priced by
 `product_schedule`), `merge_products`, `alike_regions`, `recompute_selective`,
 `bucket_gradients` and `repeated_work`; what they share: the observers of a

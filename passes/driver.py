@@ -1,6 +1,7 @@
 """The compile driver: a model in, a `Program` out, the passes called in order.
 
-    capture (+ boundary, autocast) -> (shorten blocks) -> (recompute blocks) -> place -> (verify placed) -> rewrite
+    capture (+ boundary, autocast) -> (shorten blocks) -> (causal convs) -> (recompute blocks) -> place
+            -> (verify placed) -> rewrite
             -> merge products -> alike regions -> (recompute selective) -> (expand blocks) -> bucket gradients
             -> verify rewritten -> report repeated work
 
