@@ -5,7 +5,7 @@ The GPT stack of `benchmarks/memory.py` (4 blocks, hidden 128, 8 heads, batch 16
 fp32 by default) is sharded over 8 gloo processes (`tess_compile.shard`, [2,2,2] for 2.5-D and
 3-D, 1-D over p = 8; 2-D over [2,2] in 4 processes). Each rank runs two training steps under
 torch's `MemTracker` (`torch.distributed._tools.mem_tracker`) without its module hooks
-(`analysis.memory.step_tracker`): forward, backward from the local output with a gradient of ones
+(`analysis.step_record.step_tracker`): forward, backward from the local output with a gradient of ones
 (as a loss's backward hands it), AdamW's step, gradients set to None. Its tracked peak, the most
 bytes of tensors alive at once (parameters, inputs, activations, gradients, temporaries, optimizer
 state), is compared with the prediction, `predict_memory(program).total`
@@ -54,8 +54,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tess_compile
 from benchmarks.memory import Stack
-from tess_compile.analysis.memory import MemoryEstimate, predict_memory, step_tracker
+from tess_compile.analysis.memory import MemoryEstimate, predict_memory
 from tess_compile.analysis.parallel_plan import Outer, boundary_bytes, price
+from tess_compile.analysis.step_record import step_tracker
 from tess_compile.analysis.step_tail import MODULE_LOSS, StepTail
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
 from tess_compile.runtime.launch import run_local
@@ -80,7 +81,7 @@ def _model(size: dict):
 
 def tracked_peak(step, *external, calls: int = 2) -> int:
     """The most bytes of tensors alive at once in `calls` calls of `step`, under torch's `MemTracker`
-    without its module hooks (`analysis.memory.step_tracker`: they would hold a recompute region's
+    without its module hooks (`analysis.step_record.step_tracker`: they would hold a recompute region's
     weight gradients to the end of backward; `external`: the modules, optimizers and tensors made
     before it)."""
     tracker = step_tracker()

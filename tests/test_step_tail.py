@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from tess_compile.analysis.memory import param_shards, predict_memory, record_step, step_peak
+from tess_compile.analysis.memory import param_shards, predict_memory, step_peak
 from tess_compile.analysis.planner import plan
+from tess_compile.analysis.step_record import record_step
 from tess_compile.analysis.step_tail import MODULE_LOSS, README_STEP, StepTail, tail_time
 from tess_compile.core.cluster import CALIBRATED_CLUSTER
 from tess_compile.core.mesh import Mesh

@@ -51,7 +51,8 @@ from torch.fx import Interpreter
 from tess_compile.analysis.accounting import PHASES, CollectiveCost, program_costs, transfers
 from tess_compile.analysis.block_reuse import extended
 from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
-from tess_compile.analysis.memory import param_shards, short_record
+from tess_compile.analysis.memory import param_shards
+from tess_compile.analysis.step_record import short_record
 from tess_compile.core.cluster import COMPUTE_TERMS, Cluster, collective_rule
 from tess_compile.core.fake_run import placeholder_values, tensor_leaves
 from tess_compile.core.mesh import AXES, Mesh

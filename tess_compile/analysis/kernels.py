@@ -5,7 +5,7 @@ the kernels on a cluster (`PhaseProfile`): the matrix products' FLOPs and their 
 dimensions (fused attention included), the bytes the other kernels read and write, the bias
 copies of CPU products, the kernels and the runtime's own ops. Views, allocations, collectives
 and a gradient bucket's packing launch none. `kernel_profile` records a function's;
-`tess_compile.analysis.cost_model` prices them, and `tess_compile.analysis.memory` records them
+`tess_compile.analysis.cost_model` prices them, and `tess_compile.analysis.step_record` records them
 in the same fake step as a step's memory (`record_step`).
 """
 
