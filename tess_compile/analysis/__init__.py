@@ -1,6 +1,7 @@
 """Reading compiled programs: bytes and FLOPs (`accounting`), bytes as formulas (`symbolic`, with
 the local shapes of `symbolic_shapes`), the cost model (`cost_model`, `memory`, the kernels it
-prices `kernels`; the `Cluster` it prices on is `tess_compile.core.cluster`; the user's loop
+prices `kernels`, the fake step that records a step's memory, kernels and saved bytes at once
+`step_record`; the `Cluster` it prices on is `tess_compile.core.cluster`; the user's loop
 around a call, `step_tail`), its calibration
 (`calibration`), a program compiled with block reuse priced from its shorter forms
 (`block_reuse`), measuring this machine (`profiling`, timing every rank at once with
