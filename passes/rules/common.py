@@ -53,6 +53,7 @@ __all__ = [
     "place_nothing",
     "place_replicated",
     "plain_split_axes",
+    "resolve_partials",
     "shape_of",
     "split_axes",
     "tensor_inputs",
@@ -100,6 +101,22 @@ def arg_layout(node: Node, arg: Node) -> Layout:
 
 def without_partial(layout: Layout) -> Layout:
     return Layout(*(R if isinstance(p, Partial) else p for p in layout.placements))
+
+
+def resolve_partials(ctx, x: Node, frozen=()) -> Layout:
+    """x's layout with its partial sums resolved for an op that cannot take them: over an axis that
+    splits the tokens, to the split of x's token dim outside `frozen` (a reduce-scatter, as
+    Megatron-LM's sequence parallelism resolves a row-parallel product before a norm); elsewhere,
+    or where that split would not fit x, replicated (an all-reduce)."""
+    layout = layout_of(ctx, x)
+    if not any(isinstance(p, Partial) for p in layout.placements):
+        return layout
+    _, out = align(ctx, x, [x], shape_of(x), frozen)
+    resolved = Layout(*(out[index] if isinstance(p, Partial) and isinstance(out[index], Shard) else p
+                        for index, p in enumerate(layout.placements)))
+    if resolved.unfit_axes(shape_of(x), ctx.mesh):
+        return without_partial(layout)
+    return without_partial(resolved)
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

@@ -44,6 +44,7 @@ from tess_compile.passes.rules.common import (
     get_arg,
     layout_of,
     lower_default,
+    resolve_partials,
     shape_of,
     split_axes,
     users_past_casts,
@@ -74,11 +75,12 @@ __all__ = [
 
 
 def place_norm(node: Node, ctx) -> Decision:
-    """layer_norm / rms_norm over the last dims; a split normalised dim is reduced by all-reduce."""
+    """layer_norm / rms_norm over the last dims; a split normalised dim is reduced by all-reduce, and
+    partial sums are reduce-scattered over the tokens where they can be (`resolve_partials`)."""
     x = node.args[0]
-    layout = without_partial(layout_of(ctx, x))
     ndim = len(shape_of(x))
     first = ndim - len(node.args[1])
+    layout = resolve_partials(ctx, x, frozen=range(first, ndim))
     affine = Layout(*(Shard(p.dim - first, p.groups) if isinstance(p, Shard) and p.dim >= first else R
                       for p in layout.placements))
     args = {x: layout}
