@@ -53,3 +53,24 @@ def test_tied_weights_train_as_one(q, d):
         assert_close_rel(state[name], value, name=name)
     for rank in range(sim.mesh.num_ranks):
         assert sim.rank_tensor("head.weight", rank) is sim.rank_tensor("embed.weight", rank)
+
+
+def test_a_tied_head_saves_its_own_block_of_the_gathered_weight():
+    """At a batch of one the tokens split, and the tied weight reaches the head in another layout (gathered
+    over col, then sliced): the head's product keeps this rank's block of it for backward, not the whole
+    gathered tensor that a view of the block would keep alive (`fetched_product`'s `_compact`)."""
+    torch.manual_seed(5)
+    vocab, hidden = 64, 32
+    model, ids = TiedLM(vocab, hidden).double(), torch.randint(0, vocab, (1, 8))
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(ids,))
+    sizes = []
+
+    def pack(tensor):
+        if tensor.is_floating_point():  # (the ids' views hold the input's storage: the caller's)
+            sizes.append(tensor.untyped_storage().nbytes() / (tensor.numel() * tensor.element_size()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = sim(ids)
+    assert max(sizes) <= 1, sizes  # no saved block holds a larger storage
+    assert_close_rel(out.full_tensor() if hasattr(out, "full_tensor") else out, model(ids), 1e-12)

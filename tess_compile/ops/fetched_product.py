@@ -44,7 +44,7 @@ class _FetchedProduct(torch.autograd.Function):
         a_used, w_used, a_own = (tensors[i * n:(i + 1) * n] for i in range(3))
         kernel = PRODUCT_KERNELS[product]
         ctx.comm, ctx.kernel, ctx.fetch, ctx.n, ctx.parts = comm, kernel, (a_fetch, w_fetch), n, parts
-        ctx.save_for_backward(*a_own, *tensors[3 * n:])
+        ctx.save_for_backward(*map(_compact, a_own), *map(_compact, tensors[3 * n:]))
         return tuple(kernel.forward(a, w) for a, w in zip(a_used, w_used))
 
     @staticmethod
@@ -63,6 +63,17 @@ class _FetchedProduct(torch.autograd.Function):
         grad_w = ([kernel.grad_weight(g, a.to(g.dtype)).to(w.dtype) for g, a, w in zip(grads, a_used, w_own)]
                   if need_w else [None] * n)
         return (None,) * 6 + (*grad_a, *grad_w) + (None,) * (n + n * parts)
+
+
+def _compact(own: torch.Tensor) -> torch.Tensor:
+    """`own`, or a copy of it where it is a block cut out of a larger computed tensor (a weight
+    gathered into another layout and sliced: a tied embedding's weight in its head's layout): saved
+    as a view, it would keep the whole larger tensor for backward. A block of a parameter (a leaf
+    under its views) stays a view: the parameter is kept anyway."""
+    base = own._base
+    if base is None or base.is_leaf or base.untyped_storage().nbytes() <= own.numel() * own.element_size():
+        return own
+    return own.clone()
 
 
 def _refetch(comm: Comm, own: list[torch.Tensor], fetch: tuple | None) -> list[torch.Tensor]:
