@@ -252,14 +252,22 @@ def _decide(node: Node, ctx: PlacementContext, strict: bool, replicate_outputs: 
 
 
 def _entered(node: Node, ctx: PlacementContext, rule) -> Decision:
-    """`rule`'s decision for `node`, where the partial sums of a value that enters `node`'s recompute
-    region from outside it are reduce-scattered over the tokens on the way in (`_region_entry`): the
-    region saves the value's token block for backward, not the whole pending sum (Megatron-LM's
-    sequence parallelism with full recompute saves each layer's `[s/p, b, h]` input)."""
+    """`rule`'s decision for `node`, where the partial sums over the tokens of some of its args are
+    reduce-scattered to their token blocks first (`_region_entry`), as Megatron-LM's sequence
+    parallelism does:
+
+    - a value that enters `node`'s recompute region from outside it: the region saves the value's
+      token block for backward, not the whole pending sum (Megatron-LM with full recompute saves
+      each layer's `[s/p, b, h]` input);
+    - a value that several ops read (the residual stream, which a norm and the next residual add
+      read): resolved once, where each reader would otherwise resolve it again or carry the whole
+      pending sum on (the adds of every block on `[b, s, h]` sums, and each norm reduce-scattering
+      its own float32 cast of them)."""
     region = RECOMPUTE_REGION.get(node)
-    entries = {} if region is None else {
+    entries = {
         arg: _region_entry(ctx, arg) for arg in node.all_input_nodes
-        if RECOMPUTE_REGION.get(arg) != region and isinstance(ctx.layouts.get(arg), Layout)}
+        if isinstance(ctx.layouts.get(arg), Layout)
+        and (len(arg.users) > 1 or (region is not None and RECOMPUTE_REGION.get(arg) != region))}
     entries = {arg: layout for arg, layout in entries.items() if layout != ctx.layouts[arg]}
     if not entries:
         return rule(node, ctx)

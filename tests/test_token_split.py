@@ -87,6 +87,36 @@ def test_an_embedding_enters_the_sequence_parallel_residual_stream():
     assert saved_bytes(lambda: sim(ids), list(sim.parameters())) <= 1.1 * unsharded
 
 
+class _Llama(nn.Module):
+    """A vocab-split embedding into Llama blocks (hand-written RMSNorm first): the residual stream
+    starts as the TP ranks' partial sums, read by a norm and by the next residual add."""
+
+    def __init__(self, vocab: int = 64, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, HIDDEN)
+        self.blocks = nn.ModuleList([LlamaBlock(HIDDEN, HEADS) for _ in range(layers)])
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_the_residual_stream_runs_on_token_blocks_in_1d():
+    """1-D at a batch of one: a value that several ops read (the residual stream) is reduce-scattered to
+    its token blocks once, so the residual adds run on each rank's tokens and each row-parallel product's
+    sums are reduce-scattered as they come (Megatron-LM's sequence parallelism). Before, the residual
+    stayed the whole pending sum through every block, each norm reduce-scattering its own copy."""
+    torch.manual_seed(0)
+    model, ids = _Llama().double(), torch.randint(0, 64, (1, SEQ))
+    sim = tess_compile.simulate(copy.deepcopy(model), 2, 2, example_inputs=(ids,), mode="1d")
+    assert_matches_model(sim, model, ids, rtol=1e-12)
+    scattered = [n.args[0] for n in sim.program.graph.graph.nodes if n.target is c.reduce_scatter]
+    assert len(scattered) == 1 + 2 * len(model.blocks)  # the embedding's, then two products a block
+    assert not [x for x in scattered if x.target is torch.ops.aten.add.Tensor], scattered  # no residual sum
+
+
 def test_1d_runs_megatron_sequence_parallelism():
     """Mode 1d at a batch of one: a block all-gathers its tokens before each column-parallel product and
     reduce-scatters after each row-parallel one (no all-reduce of activations), and each column-parallel
