@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
+from torch.optim.optimizer import _get_scalar_dtype
 
 from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
 from tess_compile.analysis.step_tail import README_STEP, StepTail, tail_tops
@@ -179,17 +180,18 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = README_STE
 
 
 def _first_step(optimizer: torch.optim.Optimizer) -> None:
-    """`optimizer.step()` as one multi-tensor step (`foreach`): the state it leaves is the same (each
-    parameter's step and moments, made alike for both kinds of step), and it dispatches a few ops, not a
-    dozen per parameter; the step that is recorded then runs as the optimizer runs."""
-    foreach = [group["foreach"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["foreach"] = True
-    try:
+    """The state `optimizer.step()` leaves after a first step: of AdamW in its default options, made as its
+    step makes it (`Adam._init_group`: each parameter's step count, here 1, and its two moments) without
+    running the step's dozen ops a parameter; other options run the step."""
+    groups = optimizer.param_groups
+    if not isinstance(optimizer, torch.optim.Adam) or any(
+            group[option] for group in groups for option in ("amsgrad", "fused", "capturable", "differentiable")):
         optimizer.step()
-    finally:
-        for group, value in zip(optimizer.param_groups, foreach):
-            group["foreach"] = value
+        return
+    for param in (param for group in groups for param in group["params"] if param.grad is not None):
+        optimizer.state[param] = {"step": torch.tensor(1.0, dtype=_get_scalar_dtype()),
+                                  "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
 
 class _GradientBytes:
