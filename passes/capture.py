@@ -148,6 +148,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, weight_inputs: d
     _drop_dead_code(gm)
     mark_checkpoints(gm)
     _devices_at_run_time(gm)
+    gm.recompile()  # once for the passes above, which change only the graph
     if batch_factor is not None:
         shape_env = shape_env_of(gm)
         GUARDS.set(gm, len(shape_env.guards) if shape_env is not None else 0)
@@ -289,7 +290,6 @@ def _inline_grad_mode_wrappers(gm: torch.fx.GraphModule) -> None:
             _inline_wrapper(gm, node)
         wrappers = _wrappers(gm)
     gm.graph.lint()
-    gm.recompile()
 
 
 _GRAD_MODE, _AUTOCAST = torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast
@@ -358,7 +358,6 @@ def _drop_dead_code(gm: torch.fx.GraphModule) -> None:
         for node in reversed(dead):
             gm.graph.erase_node(node)
         dropped = bool(dead)
-    gm.recompile()
 
 
 def _mutates_a_dead_temporary(node: torch.fx.Node) -> bool:
@@ -399,7 +398,6 @@ def _devices_at_run_time(gm: torch.fx.GraphModule) -> None:
             node.args, node.kwargs = map_aggregate(node.args, at_run_time), map_aggregate(node.kwargs, at_run_time)
     if not device.users:
         gm.graph.erase_node(device)
-    gm.recompile()
 
 
 def _check_outputs(ep) -> None:

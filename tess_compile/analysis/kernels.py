@@ -84,14 +84,20 @@ class KernelRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func, args, kwargs: dict, out) -> None:
+        """Add the op `func` of `args` and `kwargs` that returned `out` to the totals of the phase (a mode
+        of its own that also records kernels calls it, one mode in place of two)."""
         name = func._overloadpacket.__name__
         if self.phase is None or packing() or func in COLLECTIVE_OPS or func.namespace not in _HOST_NAMESPACES or func.is_view \
                 or name in _NO_KERNEL:
-            return out  # collectives (priced apart, a gradient bucket's copies with them), views, allocations
+            return  # collectives (priced apart, a gradient bucket's copies with them), views, allocations
         totals = self.totals[self.phase]
         totals["num_ops"] += 1
         if func.namespace != "aten":
-            return out  # the runtime's own ops launch no kernel of their own
+            return  # the runtime's own ops launch no kernel of their own
         totals["num_kernels"] += 1
         if name in _MATMULS:
             batch, m, k, n = _product_shape(name, args)
@@ -108,7 +114,6 @@ class KernelRecorder(TorchDispatchMode):
             self._product(totals, flops, min(length, key.shape[-2], head_dim))
         else:
             totals["memory_bytes"] += sum(tensor_bytes(t) for t in tensor_leaves(args, kwargs, out))
-        return out
 
     @staticmethod
     def _product(totals: dict, flops: int, size: int) -> None:

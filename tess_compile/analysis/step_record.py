@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter
+from torch.optim.optimizer import _get_scalar_dtype
 
 from tess_compile.analysis.kernels import KernelRecorder, PhaseProfile
 from tess_compile.analysis.step_tail import README_STEP, StepTail, tail_tops
@@ -136,6 +137,8 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = README_STE
             labels.before(args, kwargs)
             out = super().__torch_dispatch__(func, types, args, kwargs)
             labels.after(out)
+            if not labels.in_tail():  # the program's kernels: the tail's backward ops left out
+                kernels.record(func, args, kwargs or {}, out)
             return out
 
         def _update_peak_stats(self, peak_state) -> None:
@@ -162,18 +165,33 @@ def record_step(program: Program, node_labels: dict, tail: StepTail = README_STE
         if optimizer is not None:  # the state of a first step
             for param in params:
                 param.grad = torch.zeros_like(param)
-            optimizer.step()
+            _first_step(optimizer)
             optimizer.zero_grad(set_to_none=tail.set_to_none)
         state_bytes = _storage_bytes([*params, *(t for p in params for t in (optimizer.state[p].values()
                                                                             if optimizer else ()))])
         grads = _GradientBytes(params)
-        tracker, kernels = Tracker(), _ProgramKernels(labels)
+        tracker, kernels = Tracker(), KernelRecorder()  # the tracker records the kernels too: one mode
         kept = [p.grad for p in params if p.grad is not None]  # zero_grad(set_to_none=False)'s, held throughout
         tracker.track_external(*tensor_leaves(values), *kept, *([optimizer] if optimizer else []))
-        with tracker, kernels, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             fake_training_step(program, values, optimizer, tail, labels, kernels)
     phases = {phase: PhaseProfile(**totals) for phase, totals in kernels.totals.items()}
     return StepRecord(tracker.moments, phases, sum(saved.values()), tracker.static, tracker.updating)
+
+
+def _first_step(optimizer: torch.optim.Optimizer) -> None:
+    """The state `optimizer.step()` leaves after a first step: of AdamW in its default options, made as its
+    step makes it (`Adam._init_group`: each parameter's step count, here 1, and its two moments) without
+    running the step's dozen ops a parameter; other options run the step."""
+    groups = optimizer.param_groups
+    if not isinstance(optimizer, torch.optim.Adam) or any(
+            group[option] for group in groups for option in ("amsgrad", "fused", "capturable", "differentiable")):
+        optimizer.step()
+        return
+    for param in (param for group in groups for param in group["params"] if param.grad is not None):
+        optimizer.state[param] = {"step": torch.tensor(1.0, dtype=_get_scalar_dtype()),
+                                  "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
 
 class _GradientBytes:
@@ -311,16 +329,3 @@ def _phase(labels: _Labels | None, kernels: KernelRecorder | None, phase: str) -
         labels.phase = phase
     if kernels is not None:
         kernels.phase = phase if phase in ("forward", "backward") else None
-
-
-class _ProgramKernels(KernelRecorder):
-    """A `KernelRecorder` of the program's kernels: the tail's backward ops left out (`_Labels.in_tail`)."""
-
-    def __init__(self, labels: _Labels):
-        super().__init__()
-        self.labels = labels
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.labels.in_tail():
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
