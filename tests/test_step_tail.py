@@ -117,3 +117,24 @@ def test_zero_grad_to_zeros_adds_each_gradients_accumulation_to_backward(program
     own = record_step(program, {}, MODULE_LOSS).phases["backward"]
     kept = record_step(program, {}, StepTail(set_to_none=False)).phases["backward"]
     assert kept.num_kernels == own.num_kernels + len(param_shards(program))
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam])
+def test_the_recorded_first_step_leaves_the_optimizers_own_state(optimizer):
+    """The step record makes an AdamW's first-step state without running the step (`_first_step`): the same
+    keys, values, shapes, dtypes and layouts as torch's own first step leaves, so the memory stays torch's."""
+    from tess_compile.analysis.step_record import _first_step
+
+    states = []
+    for first in (lambda opt: opt.step(), _first_step):
+        params = [nn.Parameter(torch.randn(3, 4).t()), nn.Parameter(torch.randn(5, dtype=torch.float64))]
+        opt = optimizer(params, lr=0.1)
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        first(opt)
+        states.append([opt.state[param] for param in params])
+    for made, real in zip(*reversed(states)):
+        assert made.keys() == real.keys()
+        for key, value in real.items():
+            assert (made[key].shape, made[key].dtype, made[key].stride()) == (value.shape, value.dtype, value.stride())
+            assert torch.equal(made[key], value), key
