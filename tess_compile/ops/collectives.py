@@ -384,7 +384,9 @@ def _eager(name: str):
     adjoint = COLLECTIVES[name].adjoint
 
     def call(x, axis, *args):
-        comm = _COMM.get() or current_comm()
+        comm = _COMM.get()
+        if comm is None:
+            comm = current_comm()  # raises: no sharded module runs
         forward = comm.plan(name, axis, *args)
         if x.requires_grad and torch.is_grad_enabled() and not getattr(forward, "own_adjoint", False):
             backward = None if adjoint == "identity" else comm.plan(adjoint, axis, *args)
