@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -351,6 +352,7 @@ class Clock:
         return seconds
 
     def wrap(self, function):
+        @functools.wraps(function)  # a plan's marks too (`own_adjoint`)
         def timed(*args, **kwargs):
             start = self.now()
             try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import statistics
 import time
 from unittest import mock
@@ -82,6 +83,7 @@ class _OuterClock:
         return calls
 
     def wrap(self, function):
+        @functools.wraps(function)  # a plan's marks too (`own_adjoint`)
         def timed(*args, **kwargs):
             if self.depth:
                 return function(*args, **kwargs)

@@ -201,7 +201,17 @@ def _keep_first_group(xs):
 
 
 def _keep_first(comm, axis):
-    return _copy if comm.coord(axis) == 0 else _zeros
+    return _own_adjoint(lambda x: _copy(x)) if comm.coord(axis) == 0 else _zeros
+
+
+def _own_adjoint(work: Callable) -> Callable:
+    """`work`, a function made for one plan, marked as one whose autograd (torch's own, of its
+    differentiable ops) is its op's adjoint on this rank: an eager run calls it without an autograd
+    Function (`own_adjoint`). A copy passes the gradient on (`keep_first` at coordinate 0), a block
+    of the input gives the gradient in place among zeros (`shard_slice`), the input in place among
+    zeros gives the gradient's block (`shard_pad`)."""
+    work.own_adjoint = True
+    return work
 
 
 # all_gather(x, axis, parts, dim, groups): every member's block along `dim` joined
@@ -217,12 +227,12 @@ def _all_gather(comm, axis, parts, dim, groups):
     """One `all_gather_single` of the flattened blocks (NCCL's native all-gather into
     one tensor; gloo takes only the concatenated form), put in place by one copy."""
     call = group_calls.all_gather_single(comm.groups[axis])
-    place = _by_shape(lambda shape: placing(shape, parts, dim, groups, in_rank_order(shape, dim, groups)))
+    place = _ByShape(lambda shape: placing(shape, parts, dim, groups, in_rank_order(shape, dim, groups)))
 
     def all_gather(x):
         gathered = x.new_empty(parts * x.numel())
         call(gathered, x.reshape(-1))
-        return place(x.shape)(gathered)
+        return place[x.shape](gathered)
 
     return all_gather
 
@@ -240,11 +250,11 @@ def _reduce_scatter(comm, axis, parts, dim, groups):
     """One `reduce_scatter_single` of the blocks (`take_block`'s) flattened in rank order (NCCL's
     native call): one copy puts them in that order, none if they are in it already."""
     call = group_calls.reduce_scatter_single(comm.groups[axis])
-    order = _by_shape(lambda shape: (ordering(shape, parts, dim, groups, in_rank_order(shape, dim, groups)),
+    order = _ByShape(lambda shape: (ordering(shape, parts, dim, groups, in_rank_order(shape, dim, groups)),
                                      split_dim(shape, dim, shape[dim] // parts)))
 
     def reduce_scatter(x):
-        blocks, shape = order(x.shape)
+        blocks, shape = order[x.shape]
         blocks = blocks(x)
         out = x.new_empty(blocks.numel() // parts)
         call(out, blocks)
@@ -253,20 +263,19 @@ def _reduce_scatter(comm, axis, parts, dim, groups):
     return reduce_scatter
 
 
-def _by_shape(make: Callable) -> Callable:
-    """`make(shape)`, made once per input shape (a graph node's is one; a dynamic program's vary,
-    so at most 64 are kept)."""
-    made: dict = {}
+class _ByShape(dict):
+    """`made[shape]`: `make(shape)`, made once per input shape (a graph node's is one; a dynamic
+    program's vary, so at most 64 are kept); a shape already made costs a dict's lookup alone."""
 
-    def get(shape):
-        value = made.get(shape)
-        if value is None:
-            if len(made) >= 64:
-                made.clear()
-            value = made[shape] = make(shape)
+    def __init__(self, make: Callable):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, shape):
+        if len(self) >= 64:
+            self.clear()
+        value = self[shape] = self.make(shape)
         return value
-
-    return get
 
 
 # shard_slice(x, axis, parts, dim, groups): member t keeps its block t, no traffic; adjoint
@@ -279,7 +288,7 @@ def _shard_slice_group(xs, parts, dim, groups):
 
 def _shard_slice(comm, axis, parts, dim, groups):
     coord = comm.coord(axis)
-    return lambda x: take_block(x, dim, groups, parts, coord).clone()
+    return _own_adjoint(lambda x: take_block(x, dim, groups, parts, coord).clone())
 
 
 def _shard_pad_group(xs, parts, dim, groups):
@@ -288,7 +297,7 @@ def _shard_pad_group(xs, parts, dim, groups):
 
 def _shard_pad(comm, axis, parts, dim, groups):
     coord = comm.coord(axis)
-    return lambda x: _padded(x, coord, parts, dim, groups)
+    return _own_adjoint(lambda x: _padded(x, coord, parts, dim, groups))
 
 
 def _padded(x, coord, parts, dim, groups):

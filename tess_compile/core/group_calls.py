@@ -28,22 +28,15 @@ from torch.distributed.distributed_c10d import (
     ReduceOptions,
     ReduceScatterOptions,
 )
-from torch.overrides import has_torch_function
+from torch.overrides import has_torch_function, has_torch_function_unary
 
 __all__ = ["all_gather_single", "all_reduce", "broadcast", "reduce", "reduce_scatter_single"]
 
 # dtypes that torch.distributed's wrappers pass as they are (they view complex ones as real, and float8
-# as bytes on older GPUs); any other goes through the wrapper
+# as bytes on older GPUs); any other, or a tensor with a torch function (`has_torch_function`), goes
+# through the wrapper
 _PASSED = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                      torch.int16, torch.int8, torch.uint8, torch.bool))
-
-
-def _plain(*tensors: torch.Tensor) -> bool:
-    """Whether the group's method may take `tensors` as they are: what the wrapper passes unchanged."""
-    for t in tensors:
-        if t.dtype not in _PASSED:
-            return False
-    return not has_torch_function(tensors)
 
 
 def _options(kind, **fields):
@@ -60,7 +53,7 @@ def broadcast(group, src: int) -> Callable[..., object]:
                for flag in (False, True)}
 
     def call(t: torch.Tensor, async_op: bool = False):
-        if method is None or not _plain(t):
+        if method is None or t.dtype not in _PASSED or has_torch_function_unary(t):  # the wrapper's case
             return dist.broadcast(t, group=group, group_src=src, async_op=async_op)
         work = method([t], options[async_op])
         if async_op:
@@ -103,16 +96,26 @@ def reduce_scatter_single(group) -> Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def _waited(method, options, fallback: Callable, listed: bool = False) -> Callable[..., None]:
-    """The group's `method` on the call's tensors (one list of them where `listed`) with `options`,
-    waited for; `fallback`, torch.distributed's own call, where `_plain` says so or there is no
-    `method`."""
+    """The group's `method` on the call's tensors (a list of the one tensor where `listed`, else
+    `out, x`) with `options`, waited for; `fallback`, torch.distributed's own call, where the
+    wrapper would change the call (a dtype not `_PASSED`, a torch function) or there is no `method`."""
     if method is None:
         return fallback
+    if listed:
+        def call(t: torch.Tensor) -> None:
+            if t.dtype not in _PASSED or has_torch_function_unary(t):  # the wrapper's case
+                return fallback(t)
+            work = method([t], options)
+            if work is not None:
+                work.wait()
+            return None
 
-    def call(*tensors: torch.Tensor) -> None:
-        if not _plain(*tensors):
-            return fallback(*tensors)
-        work = method(list(tensors), options) if listed else method(*tensors, options)
+        return call
+
+    def call(out: torch.Tensor, x: torch.Tensor) -> None:
+        if out.dtype not in _PASSED or x.dtype not in _PASSED or has_torch_function((out, x)):  # the wrapper's case
+            return fallback(out, x)
+        work = method(out, x, options)
         if work is not None:
             work.wait()
         return None

@@ -213,31 +213,48 @@ def put_in_place(gathered: torch.Tensor, block_shape, parts: int, dim: int, grou
     place along `dim` as `put_blocks` puts them; no copy where they are in that order already
     (`in_order`). Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..]; the result is
     contiguous, as the all-gather's fake kernel says (where the reshape is a view, it is not)."""
-    return placing(block_shape, parts, dim, groups, in_order)(gathered)
+    shape = split_dim(block_shape, dim, parts * block_shape[dim])
+    if in_order:
+        return gathered.view(shape)
+    blocks = (parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
+    return gathered.view(blocks).movedim(0, dim + 1).reshape(shape).contiguous()
 
 
 def placing(block_shape, parts: int, dim: int, groups: int, in_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`put_in_place` of blocks of `block_shape` made once: a function of `gathered` (the shapes it
-    views computed here, for a collective called many times on one shape)."""
+    """`put_in_place` of blocks of concrete `block_shape` made once, for a collective called many
+    times on one shape: a function of a contiguous `gathered`, one strided view of it (found here
+    on a meta tensor) copied."""
     shape = split_dim(block_shape, dim, parts * block_shape[dim])
     if in_order:
         return lambda gathered: gathered.view(shape)
-    blocks, to = (parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups)), dim + 1
-    return lambda gathered: gathered.view(blocks).movedim(0, to).reshape(shape).contiguous()
+    blocks = (parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
+    return _strided_copy(lambda t: t.view(blocks).movedim(0, dim + 1), math.prod(shape), shape)
 
 
 def rank_ordered(x: torch.Tensor, parts: int, dim: int, groups: int, in_order: bool) -> torch.Tensor:
     """The blocks of contiguous `x` along `dim` (`take_block`'s), flattened one after another in rank
     order; no copy where they are in that order already (`in_order`)."""
-    return ordering(x.shape, parts, dim, groups, in_order)(x)
+    if in_order:
+        return x.reshape(-1)
+    split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
+    return x.view(split).movedim(dim + 1, 0).reshape(-1)
 
 
 def ordering(shape, parts: int, dim: int, groups: int, in_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`rank_ordered` of contiguous tensors of `shape` made once: a function of `x`."""
+    """`rank_ordered` of contiguous tensors of concrete `shape` made once: a function of `x`, one
+    strided view of it (found here on a meta tensor) copied."""
     if in_order:
         return lambda x: x.reshape(-1)
-    split, source = split_dim(shape, dim, groups, parts, shape[dim] // (groups * parts)), dim + 1
-    return lambda x: x.view(split).movedim(source, 0).reshape(-1)
+    split = split_dim(shape, dim, groups, parts, shape[dim] // (groups * parts))
+    return _strided_copy(lambda t: t.view(split).movedim(dim + 1, 0), math.prod(shape), (-1,))
+
+
+def _strided_copy(move: Callable, numel: int, shape) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`move(t).reshape(shape).contiguous()` for a contiguous `t` of `numel` elements, as one strided
+    view of `t` (the one `move` makes, found here on a meta tensor) copied: fewer dispatches a call."""
+    moved = move(torch.empty(numel, device="meta"))
+    size, stride = tuple(moved.shape), moved.stride()
+    return lambda t: torch.as_strided(t, size, stride).reshape(shape).contiguous()
 
 
 def local_block(full: torch.Tensor, layout: Layout, mesh: Mesh, rank: int) -> torch.Tensor:

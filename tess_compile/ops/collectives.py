@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch._C._functorch import unwrap_if_dead
 
 from tess_compile.core.collective_table import COLLECTIVES
 
@@ -102,15 +103,8 @@ class Comm:
         if collective.sends:
             self._append(collective.counts_as, axis, x, current_phase() if phase is None else phase)
 
-    def recorder(self, op: str, axis: str):
-        """`record` of `op` along `axis` made once: `record(x, phase)`; None where `op` sends nothing."""
-        collective = COLLECTIVES[op]
-        if not collective.sends:
-            return None
-        counts_as, append = collective.counts_as, self._append
-        return lambda x, phase: append(counts_as, axis, x, phase)
-
     def _append(self, op: str, axis: str, x: torch.Tensor, phase: str) -> None:
+        """The record of `op` (the op it counts as) on `x` along `axis` in `phase`."""
         records = self.records
         if len(records) >= self.max_records:
             del records[: len(records) - 3 * self.max_records // 4]
@@ -376,17 +370,29 @@ class _Collective(torch.autograd.Function):
         return (grad if plan is None else plan(grad.contiguous(), "backward")), None, None
 
 
+# `_Collective.apply` less its Python layer (`Function.apply`: the default arguments it binds, none
+# here, and functorch's transforms, which an eager target hands to it while one runs): a microsecond
+# or two a call.
+_APPLY = super(torch.autograd.Function, _Collective).apply
+
+
 def _eager(name: str):
     """The eager target of collective `name`: the running communicator's plan of it (made once per
-    op, axis and arguments: `Comm.plan`), under `_Collective` where autograd records it."""
+    op, axis and arguments: `Comm.plan`), under `_Collective` where autograd records it, unless
+    the plan's own autograd is the adjoint (`own_adjoint`: a rank-local plan of torch's
+    differentiable ops, such as a block's copy for `shard_slice`)."""
     adjoint = COLLECTIVES[name].adjoint
 
     def call(x, axis, *args):
-        comm = current_comm()
+        comm = _COMM.get()
+        if comm is None:
+            comm = current_comm()  # raises: no sharded module runs
         forward = comm.plan(name, axis, *args)
-        if torch.is_grad_enabled() and x.requires_grad:
+        if x.requires_grad and torch.is_grad_enabled() and not getattr(forward, "own_adjoint", False):
             backward = None if adjoint == "identity" else comm.plan(adjoint, axis, *args)
-            return _Collective.apply(x, forward, backward)
+            if torch._C._are_functorch_transforms_active():
+                return _Collective.apply(x, forward, backward)
+            return _APPLY(unwrap_if_dead(x), forward, backward)
         return forward(x, _PHASE.get())
 
     call.__name__ = call.__qualname__ = f"eager_{name}"

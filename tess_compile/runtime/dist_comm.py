@@ -58,11 +58,18 @@ class DistComm(Comm):
         return plan
 
     def _make_plan(self, op: str, axis: str, args: tuple) -> Callable[[torch.Tensor, str], torch.Tensor]:
-        work, record = COLLECTIVES[op].on_process_group(self, axis, *args), self.recorder(op, axis)
+        collective = COLLECTIVES[op]
+        work = collective.on_process_group(self, axis, *args)
+        if not collective.sends:  # rank-local: nothing recorded, no peer to fail
+            def local(x: torch.Tensor, phase: str) -> torch.Tensor:
+                return work(x.contiguous())
+
+            local.own_adjoint = getattr(work, "own_adjoint", False)
+            return local
+        counts_as, append = collective.counts_as, self._append
 
         def call(x: torch.Tensor, phase: str) -> torch.Tensor:
-            if record is not None:
-                record(x, phase)
+            append(counts_as, axis, x, phase)
             try:
                 return work(x.contiguous())
             except RuntimeError as err:
