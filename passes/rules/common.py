@@ -20,9 +20,9 @@ from tess_compile.ops import collectives as c
 from tess_compile.ops.local import arange_like
 
 __all__ = [
+    "WHOLE",
     "P",
     "R",
-    "WHOLE",
     "align",
     "aligned",
     "all_same",

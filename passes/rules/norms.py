@@ -42,7 +42,6 @@ from tess_compile.passes.rules.common import (
     batch_placements,
     channels_layout,
     get_arg,
-    layout_of,
     lower_default,
     resolve_partials,
     shape_of,
