@@ -40,7 +40,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from tess_compile.passes.rules import family_of, placement_rule, placement_rules
-from tess_compile.passes.rules.common import align, place_replicated
+from tess_compile.passes.rules.common import partials_to_tokens, place_replicated
 from tess_compile.passes.rules.family import Decision
 from tess_compile.passes.rules.uneven import check_uneven
 from tess_compile.passes.source_lines import source_line
@@ -282,13 +282,11 @@ def _entered(node: Node, ctx: PlacementContext, rule) -> Decision:
 
 def _region_entry(ctx: PlacementContext, arg: Node) -> Layout:
     """`arg`'s layout with its partial sums over an axis that splits the tokens resolved to the token split
-    where `arg` has the tokens (`align`: a reduce-scatter); other partial sums stay."""
+    where `arg` has the tokens (`partials_to_tokens`: a reduce-scatter); other partial sums stay."""
     layout = ctx.layouts[arg]
     if not any(isinstance(layout.on(axis), Partial) for axis in ctx.rows.token_axes()):
         return layout
-    _, out = align(ctx, arg, [arg], ctx.shape(arg))
-    return Layout(*(out[index] if isinstance(p, Partial) and isinstance(out[index], Shard) else p
-                    for index, p in enumerate(layout.placements)))
+    return partials_to_tokens(ctx, arg)
 
 
 def _decide_outputs(node: Node, ctx: PlacementContext, replicate: bool) -> Decision:

@@ -50,6 +50,7 @@ __all__ = [
     "normalize_dim",
     "own_block",
     "pad_of",
+    "partials_to_tokens",
     "place_nothing",
     "place_replicated",
     "plain_split_axes",
@@ -103,20 +104,26 @@ def without_partial(layout: Layout) -> Layout:
     return Layout(*(R if isinstance(p, Partial) else p for p in layout.placements))
 
 
+def partials_to_tokens(ctx, x: Node, frozen=()) -> Layout:
+    """x's layout with its partial sums over an axis that splits the tokens resolved to the split of
+    x's token dim outside `frozen` (a reduce-scatter, as `align` picks it); its other placements,
+    other partial sums included, as they are."""
+    layout = layout_of(ctx, x)
+    _, out = align(ctx, x, [x], shape_of(x), frozen)
+    return Layout(*(out[index] if isinstance(p, Partial) and isinstance(out[index], Shard) else p
+                    for index, p in enumerate(layout.placements)))
+
+
 def resolve_partials(ctx, x: Node, frozen=()) -> Layout:
     """x's layout with its partial sums resolved for an op that cannot take them: over an axis that
-    splits the tokens, to the split of x's token dim outside `frozen` (a reduce-scatter, as
-    Megatron-LM's sequence parallelism resolves a row-parallel product before a norm); elsewhere,
-    or where that split would not fit x, replicated (an all-reduce)."""
+    splits the tokens, to the token split (`partials_to_tokens`, as Megatron-LM's sequence
+    parallelism resolves a row-parallel product before a norm); elsewhere, or where that split would
+    not fit x, replicated (an all-reduce)."""
     layout = layout_of(ctx, x)
     if not any(isinstance(p, Partial) for p in layout.placements):
         return layout
-    _, out = align(ctx, x, [x], shape_of(x), frozen)
-    resolved = Layout(*(out[index] if isinstance(p, Partial) and isinstance(out[index], Shard) else p
-                        for index, p in enumerate(layout.placements)))
-    if resolved.unfit_axes(shape_of(x), ctx.mesh):
-        return without_partial(layout)
-    return without_partial(resolved)
+    resolved = partials_to_tokens(ctx, x, frozen)
+    return without_partial(layout if resolved.unfit_axes(shape_of(x), ctx.mesh) else resolved)
 
 
 def normalize_dim(dim: int, ndim: int) -> int:
