@@ -213,31 +213,31 @@ def put_in_place(gathered: torch.Tensor, block_shape, parts: int, dim: int, grou
     place along `dim` as `put_blocks` puts them; no copy where they are in that order already
     (`in_order`). Rank t's block [.., groups, n, ..] goes to [.., groups, t, n, ..]; the result is
     contiguous, as the all-gather's fake kernel says (where the reshape is a view, it is not)."""
-    shape = split_dim(block_shape, dim, parts * block_shape[dim])
-    if in_order:
-        return gathered.view(shape)
-    blocks = (parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
-    return gathered.view(blocks).movedim(0, dim + 1).reshape(shape).contiguous()
+    shape, move = _placed(block_shape, parts, dim, groups)
+    return gathered.view(shape) if in_order else move(gathered).reshape(shape).contiguous()
 
 
 def placing(block_shape, parts: int, dim: int, groups: int, in_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """`put_in_place` of blocks of concrete `block_shape` made once, for a collective called many
     times on one shape: a function of a contiguous `gathered`, one strided view of it (found here
     on a meta tensor) copied."""
-    shape = split_dim(block_shape, dim, parts * block_shape[dim])
+    shape, move = _placed(block_shape, parts, dim, groups)
     if in_order:
         return lambda gathered: gathered.view(shape)
+    return _strided_copy(move, math.prod(shape), shape)
+
+
+def _placed(block_shape, parts: int, dim: int, groups: int) -> tuple[tuple, Callable[[torch.Tensor], torch.Tensor]]:
+    """The shape `put_in_place` gives, and the view of the gathered blocks that puts each in its place
+    (rank t's block [.., groups, n, ..] at [.., groups, t, n, ..])."""
     blocks = (parts, *split_dim(block_shape, dim, groups, block_shape[dim] // groups))
-    return _strided_copy(lambda t: t.view(blocks).movedim(0, dim + 1), math.prod(shape), shape)
+    return split_dim(block_shape, dim, parts * block_shape[dim]), lambda t: t.view(blocks).movedim(0, dim + 1)
 
 
 def rank_ordered(x: torch.Tensor, parts: int, dim: int, groups: int, in_order: bool) -> torch.Tensor:
     """The blocks of contiguous `x` along `dim` (`take_block`'s), flattened one after another in rank
     order; no copy where they are in that order already (`in_order`)."""
-    if in_order:
-        return x.reshape(-1)
-    split = split_dim(x.shape, dim, groups, parts, x.shape[dim] // (groups * parts))
-    return x.view(split).movedim(dim + 1, 0).reshape(-1)
+    return x.reshape(-1) if in_order else _ordered(x.shape, parts, dim, groups)(x).reshape(-1)
 
 
 def ordering(shape, parts: int, dim: int, groups: int, in_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -245,8 +245,13 @@ def ordering(shape, parts: int, dim: int, groups: int, in_order: bool) -> Callab
     strided view of it (found here on a meta tensor) copied."""
     if in_order:
         return lambda x: x.reshape(-1)
+    return _strided_copy(_ordered(shape, parts, dim, groups), math.prod(shape), (-1,))
+
+
+def _ordered(shape, parts: int, dim: int, groups: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The view of a contiguous tensor of `shape` with its blocks along `dim` first, in rank order."""
     split = split_dim(shape, dim, groups, parts, shape[dim] // (groups * parts))
-    return _strided_copy(lambda t: t.view(split).movedim(dim + 1, 0), math.prod(shape), (-1,))
+    return lambda x: x.view(split).movedim(dim + 1, 0)
 
 
 def _strided_copy(move: Callable, numel: int, shape) -> Callable[[torch.Tensor], torch.Tensor]:
